@@ -1,0 +1,21 @@
+"""Typed configuration: the schema tree and its YAML/override loader."""
+
+from megarl.config.loader import ConfigError, load_config, to_yaml
+from megarl.config.schema import (
+    AlgorithmConfig,
+    DataConfig,
+    LayoutsConfig,
+    LoggingConfig,
+    MegarlConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RolloutLayoutConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig", "ConfigError", "DataConfig", "LayoutsConfig", "LoggingConfig",
+    "MegarlConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutLayoutConfig",
+    "TrainerConfig", "load_config", "to_yaml",
+]

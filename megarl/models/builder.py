@@ -1,0 +1,184 @@
+"""Build Megatron ``GPTModel`` chunks (dense or MoE) from an HF config in a given layout.
+
+Layer specs are declarative: Transformer Engine modules when TE and CUDA are present, else
+Megatron's local modules with :class:`SDPACoreAttention` as core attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megarl.models.hf_config import MegatronModelArgs, megatron_args_from_hf, padded_vocab_size
+from megarl.models.norm import RMSNorm
+from megarl.models.sdpa_attention import SDPACoreAttention
+from megarl.parallel.layout import LayoutError, ParallelGroups
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_engine_available() -> bool:
+    """TE is importable and there is a GPU to run it on."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_impl(choice: str) -> bool:
+    """Whether to use Transformer Engine for ``model.transformer_impl``."""
+    if choice == "auto":
+        return transformer_engine_available()
+    if choice == "transformer_engine":
+        if not transformer_engine_available():
+            raise ImportError("model.transformer_impl=transformer_engine needs CUDA and Transformer "
+                              "Engine: pip install 'megarl[gpu]' on a GPU machine, or use 'local'")
+        return True
+    if choice == "local":
+        return False
+    raise ValueError(f"model.transformer_impl='{choice}' must be 'auto', 'transformer_engine' or 'local'")
+
+
+def resolve_dtype(choice: str) -> torch.dtype:
+    """``model.params_dtype``: ``auto`` is bf16 with CUDA and fp32 on CPU."""
+    if choice == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if choice not in _DTYPES:
+        raise ValueError(f"model.params_dtype='{choice}' must be one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[choice]
+
+
+def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cfg):
+    """The Megatron TransformerConfig for ``args`` in ``groups.layout``."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    layout = groups.layout
+    kw = args.config_kwargs
+    layout.validate_model(
+        num_layers=kw["num_layers"], num_attention_heads=kw["num_attention_heads"],
+        num_query_groups=kw["num_query_groups"], ffn_hidden_size=kw["ffn_hidden_size"],
+        padded_vocab_size=padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by),
+        num_experts=args.num_experts, moe_ffn_hidden_size=kw.get("moe_ffn_hidden_size"))
+    dtype = resolve_dtype(model_cfg.params_dtype)
+    use_te = resolve_impl(model_cfg.transformer_impl)
+    on_cpu = not torch.cuda.is_available()
+    kwargs = dict(kw)
+    if not args.mla:
+        kwargs.pop("rotary_base")  # a GPTModel argument outside MLA
+    if args.num_experts:
+        kwargs["moe_token_dispatcher_type"] = model_cfg.moe_token_dispatcher
+        if model_cfg.moe_aux_loss_coeff is not None:
+            kwargs["moe_aux_loss_coeff"] = model_cfg.moe_aux_loss_coeff
+        kwargs["moe_grouped_gemm"] = use_te
+        if not kwargs.get("moe_aux_loss_coeff"):
+            kwargs["moe_router_load_balancing_type"] = "none"
+    cls = MLATransformerConfig if args.mla else TransformerConfig
+    return cls(
+        **kwargs,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sequence_parallel and layout.tp > 1,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        calculate_per_token_loss=True,
+        use_cpu_initialization=on_cpu,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=use_te,
+        masked_softmax_fusion=use_te,
+        persist_layer_norm=use_te,
+        apply_rope_fusion=False,
+        recompute_granularity=model_cfg.recompute_granularity,
+        recompute_method="uniform" if model_cfg.recompute_granularity == "full" else None,
+        recompute_num_layers=1 if model_cfg.recompute_granularity == "full" else None,
+    )
+
+
+def _local_replacements() -> dict:
+    """Megatron local modules that need CUDA or refuse sequence parallelism → megarl's."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    table = {DotProductAttention: SDPACoreAttention, WrappedTorchNorm: RMSNorm}
+    try:
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+        table[FusedLayerNorm] = RMSNorm
+    except ImportError:
+        pass
+    return table
+
+
+def _localize(spec, table):
+    """Copy of a layer spec with every module in ``table`` swapped for its replacement."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        module = table.get(spec.module, spec.module)
+        submodules = _localize(spec.submodules, table) if spec.submodules is not None else None
+        return dataclasses.replace(spec, module=module, submodules=submodules)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _localize(getattr(spec, f.name), table) for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **changes)
+    if isinstance(spec, list):
+        return [_localize(s, table) for s in spec]
+    if isinstance(spec, type):
+        return table.get(spec, spec)
+    return spec
+
+
+def layer_spec(config, use_te: bool, vp_stage: Optional[int], pp_rank: int):
+    """The decoder block spec of one pipeline stage (dense and MoE layers interleaved as configured)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                      normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank)
+    return spec if use_te else _localize(spec, _local_replacements())
+
+
+def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelArgs] = None) -> List[torch.nn.Module]:
+    """GPTModel chunks of this rank (one per virtual pipeline stage) for ``model_cfg``."""
+    from megatron.core.models.gpt import GPTModel
+
+    args = args or megatron_args_from_hf(model_cfg.hf_config)
+    config = transformer_config(args, groups, model_cfg)
+    use_te = resolve_impl(model_cfg.transformer_impl)
+    vocab = padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by)
+    layout = groups.layout
+    rope = args.rope_scaling or {}
+    chunks = []
+    for vp_stage in range(layout.vpp or 1):
+        vp = vp_stage if layout.vpp else None
+        first = groups.is_first_stage and vp_stage == 0
+        last = groups.is_last_stage and vp_stage == (layout.vpp or 1) - 1
+        chunks.append(GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(config, use_te, vp, groups.pp_rank),
+            vocab_size=vocab,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=first,
+            post_process=last,
+            share_embeddings_and_output_weights=args.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=args.config_kwargs["rotary_base"],
+            rope_scaling=bool(rope),
+            rope_scaling_factor=rope.get("factor", 8.0),
+            pg_collection=groups.pg,
+            vp_stage=vp,
+        ))
+    return chunks

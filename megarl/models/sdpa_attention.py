@@ -1,0 +1,94 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention``: the local-spec
+replacement for Megatron's CUDA-only ``DotProductAttention``.
+
+Handles causal masks aligned to the end of the key sequence (so a KV cache of earlier tokens
+works), grouped-query attention, explicit boolean masks and packed sequences (``thd`` format
+with ``cu_seqlens``), in the same call signature Megatron's attention modules use.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    # True where attention is allowed; query i sits at absolute position sk - sq + i.
+    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
+    k_pos = torch.arange(sk, device=device).unsqueeze(0)
+    return k_pos <= q_pos  # [sq, sk]
+
+
+class SDPACoreAttention(MegatronModule):
+    """Drop-in for Megatron's core attention in local layer specs."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError("context parallelism needs Transformer Engine attention; set cp=1 "
+                             "or install the 'gpu' extra")
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+        # Set by Megatron's qk-clip bookkeeping; SDPA does not expose the logits.
+        self.current_max_attn_logits = None
+
+    def _attend(self, q, k, v, mask, causal: bool):
+        # q: [b, np, sq, hn], k: [b, ng, sk, hn], v: [b, ng, sk, hv]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if mask is None and causal:
+            sq, sk = q.shape[2], k.shape[2]
+            if sq == sk:
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, dropout_p=self._dropout(), scale=self.softmax_scale)
+            mask = _causal_mask(sq, sk, q.device)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self._dropout(), scale=self.softmax_scale)
+
+    def _dropout(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by the SDPA core attention")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._forward_packed(query, key, value, packed_seq_params, causal)
+        # query: [sq, b, np, hn]; key/value: [sk, b, ng, hn]
+        allowed = None
+        if attention_mask is not None:
+            allowed = ~attention_mask.bool()  # Megatron masks are True where attention is blocked
+            if causal:
+                allowed = allowed & _causal_mask(query.shape[0], key.shape[0], query.device)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = self._attend(q, k, v, allowed, causal)  # [b, np, sq, hv]
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, np*hv]
+
+    def _forward_packed(self, query, key, value, params, causal: bool):
+        # query: [t, np, hn]; sequences are delimited by cu_seqlens (padded variants if given).
+        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+        bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+        for i in range(len(bounds_q) - 1):
+            q0, q1, k0, k1 = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
+            if q1 == q0:
+                continue
+            q = query[q0:q1].transpose(0, 1).unsqueeze(0)
+            k = key[k0:k1].transpose(0, 1).unsqueeze(0)
+            v = value[k0:k1].transpose(0, 1).unsqueeze(0)
+            out[q0:q1] = self._attend(q, k, v, None, causal)[0].transpose(0, 1)
+        return out.reshape(out.shape[0], -1)  # [t, np*hv]

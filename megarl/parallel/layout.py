@@ -1,0 +1,207 @@
+"""The one owner of parallel layouts: sizes and rank arithmetic (pure), and their process groups.
+
+A :class:`Layout` is (tp, pp, dp, ep, etp, cp, vpp) in Megatron's rank order ``tp-cp-ep-dp-pp``
+(tp fastest). :meth:`Layout.validate` refuses impossible layouts before any process group exists.
+:func:`build_groups` turns a layout into a :class:`ParallelGroups` object that code receives
+explicitly; megarl keeps no module-level groups of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot be built; the message says which sizes to change."""
+
+
+def _divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes of one model role."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    vpp: Optional[int] = None
+    sequence_parallel: bool = True
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int) -> "Layout":
+        """From a :class:`megarl.config.ParallelConfig`; ``dp=0`` takes the rest of the world."""
+        model_parallel = cfg.tp * cfg.pp * cfg.cp
+        dp = cfg.dp
+        if dp == 0:
+            if model_parallel <= 0 or world_size % model_parallel:
+                raise LayoutError(
+                    f"world size {world_size} is not divisible by tp*pp*cp = "
+                    f"{cfg.tp}*{cfg.pp}*{cfg.cp} = {model_parallel}; choose sizes whose product "
+                    f"divides {world_size}"
+                )
+            dp = world_size // model_parallel
+        layout = cls(cfg.tp, cfg.pp, dp, cfg.ep, cfg.etp, cfg.cp, cfg.vpp, cfg.sequence_parallel)
+        layout.validate(world_size)
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of expert weights: (tp*cp*dp) / (etp*ep)."""
+        return (self.tp * self.cp * self.dp) // (self.etp * self.ep)
+
+    def validate(self, world_size: Optional[int] = None) -> None:
+        """Raise :class:`LayoutError` naming the sizes if this layout cannot exist."""
+        for name in ("tp", "pp", "dp", "ep", "etp", "cp"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name}={getattr(self, name)} must be a positive integer")
+        if world_size is not None and self.world_size != world_size:
+            raise LayoutError(
+                f"tp*cp*dp*pp = {self.tp}*{self.cp}*{self.dp}*{self.pp} = {self.world_size} "
+                f"does not match the world size {world_size}; set dp={world_size // max(1, self.tp * self.cp * self.pp)} "
+                f"or change tp/pp/cp so that their product divides {world_size}"
+            )
+        dense = self.tp * self.cp * self.dp
+        if dense % (self.etp * self.ep):
+            raise LayoutError(
+                f"etp*ep = {self.etp}*{self.ep} = {self.etp * self.ep} must divide tp*cp*dp = "
+                f"{dense}; ep can be one of {[e for e in _divisors(dense) if (dense // e) % self.etp == 0]}"
+            )
+        if self.vpp is not None:
+            if self.vpp < 1:
+                raise LayoutError(f"vpp={self.vpp} must be null or a positive integer")
+            if self.vpp > 1 and self.pp == 1:
+                raise LayoutError(f"vpp={self.vpp} needs pp > 1 (virtual stages interleave pipeline ranks)")
+
+    def validate_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int,
+                       ffn_hidden_size: int, padded_vocab_size: int, num_experts: Optional[int] = None,
+                       moe_ffn_hidden_size: Optional[int] = None) -> None:
+        """Raise :class:`LayoutError` if the model cannot be split this way, saying what to change."""
+        def need(value: int, by: int, what: str, knob: str) -> None:
+            if value % by:
+                ok = [k for k in _divisors(value)]
+                raise LayoutError(
+                    f"{what} = {value} is not divisible by {knob} = {by}; "
+                    f"choose {knob.split('*')[0]} so that it divides {value} (divisors: {ok})"
+                )
+
+        need(num_attention_heads, self.tp, "num_attention_heads", "tp")
+        need(num_query_groups, self.tp, "num_query_groups (num_key_value_heads)", "tp")
+        need(ffn_hidden_size, self.tp, "ffn_hidden_size (intermediate_size)", "tp")
+        need(padded_vocab_size, self.tp, "padded vocab size", "tp")
+        stages = self.pp * (self.vpp or 1)
+        need(num_layers, stages, "num_layers", "pp*vpp" if self.vpp else "pp")
+        if num_experts:
+            need(num_experts, self.ep, "num_experts", "ep")
+            if moe_ffn_hidden_size:
+                need(moe_ffn_hidden_size, self.etp, "moe_ffn_hidden_size", "etp")
+            if self.tp > 1 and not self.sequence_parallel:
+                raise LayoutError("MoE with tp > 1 needs sequence_parallel=true")
+        elif self.ep > 1:
+            raise LayoutError(f"ep={self.ep} is set but the model has no experts; use ep=1")
+
+    def coords(self, rank: int) -> Dict[str, int]:
+        """Megatron coordinates of a global rank: order tp-cp-dp-pp for dense weights,
+        etp-ep-edp-pp for expert weights (tp fastest)."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} outside a world of {self.world_size}")
+        tp_rank = rank % self.tp
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
+        inner = rank % (self.tp * self.cp * self.dp)
+        return {
+            "tp": tp_rank, "cp": cp_rank, "dp": dp_rank, "pp": pp_rank,
+            "etp": inner % self.etp,
+            "ep": (inner // self.etp) % self.ep,
+            "edp": inner // (self.etp * self.ep),
+        }
+
+    def __str__(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        parts += [f"{k}={getattr(self, k)}" for k in ("ep", "etp", "cp") if getattr(self, k) > 1]
+        if self.vpp:
+            parts.append(f"vpp={self.vpp}")
+        return "(" + ", ".join(parts) + ")"
+
+
+@dataclass
+class ParallelGroups:
+    """The process groups of one layout on this rank, passed to whatever needs them.
+
+    ``pg`` is Megatron's :class:`ProcessGroupCollection` (tp, pp, dp, dp_cp, ep, expt_tp,
+    expt_dp, embd, ...); the ranks below are this process's coordinates in the layout.
+    """
+
+    layout: Layout
+    pg: object  # megatron.core.process_groups_config.ProcessGroupCollection
+    rank: int
+
+    @property
+    def tp_rank(self) -> int:
+        return self.pg.tp.rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pg.pp.rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.pg.dp.rank()
+
+    @property
+    def ep_rank(self) -> int:
+        return self.pg.ep.rank()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    def destroy(self) -> None:
+        """Release the groups (Megatron's registry included) so another layout can be built."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def build_groups(layout: Layout) -> ParallelGroups:
+    """Create the process groups of ``layout`` over the initialised world.
+
+    The layout is validated against the world size first, so an impossible layout fails before
+    any group exists. megatron-core keeps a registry of the groups of its primary layout (its
+    optimizer and MoE internals read it); megarl code only uses the returned object.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("call megarl.runtime.init_distributed() before build_groups()")
+    layout.validate(torch.distributed.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        order="tp-cp-ep-dp-pp",
+    )
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    return ParallelGroups(layout=layout, pg=pg, rank=torch.distributed.get_rank())

@@ -1,0 +1,69 @@
+"""Start torch.distributed for megarl: NCCL with CUDA, gloo (plus CPU mode) without."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from megarl.runtime import cpu_mode
+
+
+def init_distributed(timeout_s: int = 600) -> int:
+    """Initialise the default process group from torchrun/Ray environment variables.
+
+    Without ``RANK``/``WORLD_SIZE`` in the environment it starts a world of one on a free local
+    port. Returns this process's global rank. Idempotent.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        cpu_mode.enable()
+        backend = "gloo"
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    torch.distributed.init_process_group(
+        backend=backend, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    return torch.distributed.get_rank()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def shutdown() -> None:
+    """Tear down the default group (and Megatron's registry) if they exist."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def set_seed(seed: int, groups) -> None:
+    """Seed Python, NumPy and torch, and Megatron's model-parallel RNG tracker for ``groups``.
+
+    Data-parallel ranks share the default seed; tensor/expert-parallel ranks get Megatron's
+    per-rank offsets for dropout inside parallel regions.
+    """
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, tp_rank=groups.tp_rank, ep_rank=groups.ep_rank, etp_rank=groups.pg.expt_tp.rank())

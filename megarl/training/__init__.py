@@ -1,0 +1,1 @@
+"""Megatron training plumbing shared by the engines, the LM demo and the parity tests."""

@@ -1,0 +1,35 @@
+"""megarl: Megatron-native RL post-training (PPO/GRPO) for dense and MoE LLMs."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Megatron-native RLHF / RL post-training for dense and MoE LLMs",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl", "megarl.*", "checkpoint_tools", "checkpoint_tools.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16,<0.17",
+        "omegaconf>=2.3",
+        "ray>=2.40",
+        "mlflow-skinny>=2.20",
+        "sqlalchemy>=2.0",
+        "alembic>=1.13",
+        "safetensors>=0.4",
+        "transformers>=4.56",
+        "tqdm>=4.66",
+        "einops>=0.8",
+        "psutil>=5.9",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        # NVIDIA apex is a source install (see README); PyPI's "apex" is an unrelated package.
+        "gpu": ["transformer-engine[pytorch]>=2.0"],
+        "sglang": ["sglang>=0.5.0"],
+        "test": ["pytest>=8", "matplotlib>=3.8"],
+    },
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+)
