@@ -42,8 +42,8 @@ class ParallelConfig:
     """Data-parallel size; 0 = world_size / (tp*pp*cp)."""
     ep: int = 1
     """Expert-parallel size (MoE); must divide the number of experts and tp*cp*dp/etp."""
-    etp: int = 1
-    """Expert-tensor-parallel size (MoE); must divide the expert FFN width."""
+    etp: Optional[int] = None
+    """Expert-tensor-parallel size (MoE); null = tp (Megatron's default); must divide the expert FFN width."""
     cp: int = 1
     """Context-parallel size (sequence split across ranks)."""
     vpp: Optional[int] = None

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from megarl.models.hf_config import MegatronModelArgs, megatron_args_from_hf, padded_vocab_size
 from megarl.models.norm import RMSNorm
 from megarl.models.sdpa_attention import SDPACoreAttention
-from megarl.parallel.layout import LayoutError, ParallelGroups
+from megarl.parallel.layout import ParallelGroups
+from megarl.runtime import cpu_mode
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,6 +147,8 @@ def layer_spec(config, use_te: bool, vp_stage: Optional[int], pp_rank: int):
     """The decoder block spec of one pipeline stage (dense and MoE layers interleaved as configured)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    if not use_te:
+        cpu_mode.fix_missing_transformer_engine()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                       normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank)
     return spec if use_te else _localize(spec, _local_replacements())

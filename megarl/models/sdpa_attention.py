@@ -29,7 +29,9 @@ class SDPACoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: Optional[float] = None,
                  softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None):
+                 pg_collection=None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
+        # k_channels/v_channels (MLA) need no state: SDPA reads head sizes off the tensors.
         super().__init__(config=config)
         if config.context_parallel_size > 1:
             raise ValueError("context parallelism needs Transformer Engine attention; set cp=1 "

@@ -30,7 +30,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
-    etp: int = 1
+    etp: Optional[int] = None  # null = tp, as in Megatron
     cp: int = 1
     vpp: Optional[int] = None
     sequence_parallel: bool = True
@@ -51,6 +51,10 @@ class Layout:
         layout = cls(cfg.tp, cfg.pp, dp, cfg.ep, cfg.etp, cfg.cp, cfg.vpp, cfg.sequence_parallel)
         layout.validate(world_size)
         return layout
+
+    def __post_init__(self):
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
 
     @property
     def world_size(self) -> int:
@@ -78,6 +82,12 @@ class Layout:
                 f"etp*ep = {self.etp}*{self.ep} = {self.etp * self.ep} must divide tp*cp*dp = "
                 f"{dense}; ep can be one of {[e for e in _divisors(dense) if (dense // e) % self.etp == 0]}"
             )
+        if self.ep == 1 and self.etp != self.tp:
+            # Megatron treats experts as dense weights when ep == 1; their gradients are then
+            # reduced over dp only, which is wrong when tp ranks hold different tokens.
+            raise LayoutError(
+                f"etp={self.etp} differs from tp={self.tp} with ep=1; set etp={self.tp} "
+                f"(or ep > 1)")
         if self.vpp is not None:
             if self.vpp < 1:
                 raise LayoutError(f"vpp={self.vpp} must be null or a positive integer")

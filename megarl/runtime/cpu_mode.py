@@ -16,9 +16,10 @@ What it does (see ``shared/MEGATRON_ON_CPU.md`` for how each spot was found):
   state that Megatron's RNG tracker forks lives in a separate CPU generator (so, unlike on GPUs,
   dropout inside a tracker fork draws from the CPU default generator: megarl trains with
   dropout 0, where this does not matter);
-* ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is defined as ``None`` when
-  Transformer Engine is absent (it is referenced unguarded in the router), and the alltoall
-  MoE dispatcher's split sizes become NumPy arrays as they do after its device-to-host copy.
+* the alltoall MoE dispatcher's split sizes become NumPy arrays, as they do after its
+  device-to-host copy on GPUs;
+* :func:`fix_missing_transformer_engine` guards the two spots that assume Transformer Engine
+  (also used on GPUs without the ``gpu`` extra).
 """
 
 from __future__ import annotations
@@ -132,8 +133,6 @@ def _patch_megatron() -> None:
     mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: _CUDA_SHADOW.set_state(state)
     mcore_random._get_cuda_rng_state = lambda *args, **kwargs: _CUDA_SHADOW.get_state()
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     # The alltoall dispatcher turns split sizes into NumPy only for CUDA tensors (its
     # device-to-host copy); CPU tensors would reach all_to_all_single as tensors and be refused.
     from megatron.core.transformer.moe import token_dispatcher
@@ -145,6 +144,24 @@ def _patch_megatron() -> None:
 
     moe_utils.maybe_move_tensor_to_cpu = split_sizes_to_host
     token_dispatcher.maybe_move_tensor_to_cpu = split_sizes_to_host
+
+
+def fix_missing_transformer_engine() -> None:
+    """Guard two megatron-core spots that assume Transformer Engine when it is absent (CPU, or a
+    GPU machine without the ``gpu`` extra): the router's unguarded ``te_general_gemm`` name and
+    MLA's ``isinstance(..., TELinear)`` with a placeholder ``TELinear``. Idempotent."""
+    try:
+        import transformer_engine  # noqa: F401
+        return
+    except ImportError:
+        pass
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if not isinstance(multi_latent_attention.TELinear, type):  # None or a MagicMock placeholder
+        multi_latent_attention.HAVE_TE = False
 
 
 def enable() -> bool:
@@ -161,6 +178,7 @@ def enable() -> bool:
             return False
         _patch_torch_cuda()
         _patch_megatron()
+        fix_missing_transformer_engine()
         _mode = _CudaToCpuMode()
         _mode.__enter__()
         return True

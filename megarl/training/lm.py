@@ -15,6 +15,7 @@ import torch
 
 from megarl.models import build_model
 from megarl.parallel.layout import ParallelGroups
+from megarl.training.dist_ckpt import load_model
 
 
 @dataclass
@@ -28,8 +29,13 @@ class TrainState:
 
 
 def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps: int,
-                      use_distributed_optimizer: Optional[bool] = None) -> TrainState:
-    """Model chunks wrapped in Megatron DDP, Megatron's optimizer and LR/WD scheduler."""
+                      use_distributed_optimizer: Optional[bool] = None,
+                      init_checkpoint: Optional[str] = None) -> TrainState:
+    """Model chunks wrapped in Megatron DDP, Megatron's optimizer and LR/WD scheduler.
+
+    ``init_checkpoint``: a Megatron dist checkpoint of the weights (any layout) loaded before
+    DDP copies the parameters into its buffers.
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -37,6 +43,8 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
 
     distributed = optim_cfg.use_distributed_optimizer if use_distributed_optimizer is None else use_distributed_optimizer
     chunks = build_model(model_cfg, groups)
+    if init_checkpoint:
+        load_model(chunks, init_checkpoint)
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)

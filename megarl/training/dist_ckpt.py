@@ -1,0 +1,60 @@
+"""Save and load model weights as Megatron dist checkpoints (``torch_dist``), layout-independent.
+
+A checkpoint written in one layout loads into any other: Megatron's ``sharded_state_dict``
+names every shard by its global tensor and offset. Saves are atomic: the files go to a
+temporary directory that is renamed into place once every rank has finished.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    return getattr(chunk, "module", chunk)
+
+
+def sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict:
+    """The sharded state dict of all model chunks of this rank (keys are global)."""
+    merged: Dict = {}
+    for chunk in chunks:
+        merged.update(_unwrap(chunk).sharded_state_dict())
+    return merged
+
+
+def save_model(chunks: List[torch.nn.Module], path: str | Path) -> None:
+    """Write this layout's weights to ``path`` (collective over the whole world)."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        if path.exists():
+            raise FileExistsError(f"checkpoint {path} already exists; remove it or choose another path")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(sharded_state_dict(chunks), str(tmp))
+    torch.distributed.barrier()
+    if rank == 0:
+        tmp.rename(path)
+    torch.distributed.barrier()
+
+
+def load_model(chunks: List[torch.nn.Module], path: str | Path) -> None:
+    """Load weights saved by :func:`save_model` in any layout into this layout's chunks."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Megatron dist checkpoint (no metadata.json)")
+    state = dist_checkpointing.load(sharded_state_dict(chunks), str(path))
+    for chunk in chunks:
+        module = _unwrap(chunk)
+        own = {k: v for k, v in state.items() if k in module.state_dict()}
+        module.load_state_dict(own, strict=False)

@@ -1,0 +1,147 @@
+"""Worker for the layout-parity tests; run under torchrun (see test_layout_parity.py).
+
+``run``: for each layout given, load the shared initial weights, record the loss and save the
+gradients (DDP-reduced, as a dist checkpoint, so any layout can read them back whole), then
+take 3 steps with the distributed optimizer and save the weights. With ``--reference`` (one
+process, layout (1,1,1,1)) it first writes the initial weights.
+``compare``: in one process, read every saved checkpoint back as full tensors and report the
+relative differences against the reference layout as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from megarl.config import ModelConfig, OptimizerConfig
+from megarl.models import build_model
+from megarl.parallel import Layout, build_groups
+from megarl.runtime import init_distributed, set_seed
+from megarl.training import lm
+from megarl.training.dist_ckpt import load_model, save_model, sharded_state_dict
+
+MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json"}
+GLOBAL_BATCH, SEQ, MICRO, STEPS, SEED = 8, 16, 2, 3, 1234
+
+
+def make_batch(step: int, vocab: int):
+    gen = torch.Generator().manual_seed(SEED + step)
+    tokens = torch.randint(3, vocab, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+    loss_mask = torch.ones(GLOBAL_BATCH, SEQ)
+    loss_mask[::3, :5] = 0  # a few masked prompt positions, as in RL batches
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask,
+            "position_ids": torch.arange(SEQ).expand(GLOBAL_BATCH, -1).contiguous()}
+
+
+@contextlib.contextmanager
+def grads_as_weights(chunks):
+    """Temporarily expose each parameter's reduced gradient (DDP main_grad) as its data."""
+    saved = []
+    for chunk in chunks:
+        for param in chunk.parameters():
+            saved.append((param, param.data))
+            param.data = param.main_grad.detach().clone().to(param.dtype)
+    try:
+        yield
+    finally:
+        for param, data in saved:
+            param.data = data
+
+
+def layout_name(layout: Layout) -> str:
+    return f"t{layout.tp}p{layout.pp}d{layout.dp}e{layout.ep}"
+
+
+def run(args) -> None:
+    init_distributed()
+    out = Path(args.workdir)
+    for model_name in args.models:
+        model_cfg = ModelConfig(hf_config=MODELS[model_name], moe_token_dispatcher=args.dispatcher)
+        optim_cfg = OptimizerConfig(lr=1e-4, clip_grad=1.0, weight_decay=0.01)
+        init = out / model_name / "init"
+        for spec in args.layouts:
+            tp, pp, dp, ep = (int(x) for x in spec.split(","))
+            if model_name == "dense" and ep > 1:
+                continue
+            layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
+            groups = build_groups(layout)
+            set_seed(SEED, groups)
+            if args.reference:
+                save_model(build_model(model_cfg, groups), init)
+            vocab = 256
+            run_dir = out / model_name / layout_name(layout)
+            state = lm.build_train_state(model_cfg, optim_cfg, groups, STEPS,
+                                         use_distributed_optimizer=False, init_checkpoint=str(init))
+            for chunk in state.model:
+                chunk.zero_grad_buffer()
+            loss = lm.forward_backward(state, lm.dp_shard(make_batch(0, vocab), groups), MICRO)
+            with grads_as_weights(state.model):
+                save_model(state.model, run_dir / "grads")
+            state = lm.build_train_state(model_cfg, optim_cfg, groups, STEPS,
+                                         use_distributed_optimizer=True, init_checkpoint=str(init))
+            steps = [lm.train_step(state, lm.dp_shard(make_batch(s, vocab), groups), MICRO)
+                     for s in range(STEPS)]
+            save_model(state.model, run_dir / "weights")
+            if torch.distributed.get_rank() == 0:
+                (run_dir / "losses.json").write_text(json.dumps({
+                    "loss": loss, "step_losses": [m["loss"] for m in steps],
+                    "grad_norms": [m["grad_norm"] for m in steps]}))
+            groups.destroy()
+
+
+def _full_tensors(model_cfg, groups, path):
+    chunks = build_model(model_cfg, groups)
+    load_model(chunks, path)
+    return {k: v.detach().clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = b.double().norm().item()
+    diff = (a.double() - b.double()).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def compare(args) -> None:
+    init_distributed()
+    out = Path(args.workdir)
+    report = {}
+    for model_name in args.models:
+        model_cfg = ModelConfig(hf_config=MODELS[model_name])
+        groups = build_groups(Layout())
+        ref_dir = out / model_name / "t1p1d1e1"
+        ref = {kind: _full_tensors(model_cfg, groups, ref_dir / kind) for kind in ("grads", "weights")}
+        ref_losses = json.loads((ref_dir / "losses.json").read_text())
+        for run_dir in sorted(p for p in (out / model_name).iterdir() if p.name.startswith("t")):
+            losses = json.loads((run_dir / "losses.json").read_text())
+            entry = {
+                "loss": abs(losses["loss"] - ref_losses["loss"]) / abs(ref_losses["loss"]),
+                "step_losses": max(abs(a - b) / abs(b) for a, b in zip(losses["step_losses"], ref_losses["step_losses"])),
+                "grad_norms": max(abs(a - b) / abs(b) for a, b in zip(losses["grad_norms"], ref_losses["grad_norms"])),
+            }
+            for kind in ("grads", "weights"):
+                got = _full_tensors(model_cfg, groups, run_dir / kind)
+                assert got.keys() == ref[kind].keys(), f"{run_dir}/{kind}: tensor names differ"
+                worst = max(ref[kind], key=lambda k: _rel(got[k], ref[kind][k]))
+                entry[kind] = _rel(got[worst], ref[kind][worst])
+                entry[kind + "_worst_tensor"] = worst
+                entry[kind + "_nonzero"] = sum(int(v.abs().sum() > 0) for v in got.values())
+            report[f"{model_name}/{run_dir.name}"] = entry
+        groups.destroy()
+    Path(args.report).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["run", "compare"])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--models", nargs="+", default=["dense", "moe"])
+    parser.add_argument("--layouts", nargs="*", default=["1,1,1,1"])
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--dispatcher", default="alltoall")
+    parser.add_argument("--report", default="")
+    args = parser.parse_args()
+    run(args) if args.mode == "run" else compare(args)
