@@ -105,8 +105,8 @@ class DataConfig:
     """Prompt datasets (jsonl or parquet); empty = the built-in task."""
     prompt_key: str = "prompt"
     """Record field holding the prompt."""
-    seq_length: int = 32
-    """Tokens per training sequence."""
+    num_digits: int = 6
+    """Built-in reverse-the-digits task: digits per problem (sequences are 2*num_digits+1 tokens)."""
     global_batch_size: int = 16
     """Sequences per optimizer step over all data-parallel ranks; must divide by dp*micro_batch_size."""
     micro_batch_size: int = 2
@@ -131,6 +131,8 @@ class TrainerConfig:
 
     train_steps: int = 60
     """Optimizer steps to run."""
+    nproc_per_node: int = 2
+    """Processes a local launch starts (``megarl train-lm`` spawns torchrun with this many)."""
     seed: int = 1234
     """Seed of model init, data and sampling."""
     log_interval: int = 10

@@ -140,7 +140,9 @@ class Layout:
 
     def __str__(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
-        parts += [f"{k}={getattr(self, k)}" for k in ("ep", "etp", "cp") if getattr(self, k) > 1]
+        parts += [f"{k}={getattr(self, k)}" for k in ("ep", "cp") if getattr(self, k) > 1]
+        if self.etp != self.tp:
+            parts.append(f"etp={self.etp}")
         if self.vpp:
             parts.append(f"vpp={self.vpp}")
         return "(" + ", ".join(parts) + ")"

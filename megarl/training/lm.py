@@ -94,6 +94,20 @@ def micro_batches(batch: Dict[str, torch.Tensor], micro_batch_size: int) -> List
             for i in range(0, rows, micro_batch_size)]
 
 
+def pad_sequence_length(batch: Dict[str, torch.Tensor], multiple: int) -> Dict[str, torch.Tensor]:
+    """Right-pad [b, s] tensors so s divides by ``multiple`` (sequence parallelism splits the
+    sequence over tp ranks). Padding carries loss_mask 0 and, being after every real token,
+    changes no real token's output under causal attention."""
+    seq = batch["tokens"].shape[1]
+    extra = -seq % multiple
+    if extra == 0:
+        return batch
+    padded = {k: torch.nn.functional.pad(v, (0, extra)) for k, v in batch.items()}
+    positions = batch["position_ids"]
+    padded["position_ids"] = torch.cat([positions, positions[:, -1:] + torch.arange(1, extra + 1)], dim=1)
+    return padded
+
+
 def dp_shard(batch: Dict[str, torch.Tensor], groups: ParallelGroups) -> Dict[str, torch.Tensor]:
     """This rank's contiguous share of a global batch (same rows on every tp/pp/cp rank)."""
     rows, dp = batch["tokens"].shape[0], groups.layout.dp
@@ -110,9 +124,11 @@ def forward_backward(state: TrainState, batch: Dict[str, torch.Tensor], micro_ba
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+    layout = state.groups.layout
+    if layout.sequence_parallel and layout.tp > 1:
+        batch = pad_sequence_length(batch, layout.tp * layout.cp)
     micro = micro_batches(batch, micro_batch_size)
     seq_length = batch["tokens"].shape[1]
-    layout = state.groups.layout
     iterators = [iter(micro) for _ in state.model] if len(state.model) > 1 else iter(micro)
     losses = get_forward_backward_func(layout.pp, layout.vpp)(
         forward_step_func=_forward_step, data_iterator=iterators,

@@ -1,0 +1,78 @@
+"""The ``megarl`` command: ``megarl <subcommand> [CONFIG.yaml ...] [key=value ...]``.
+
+Subcommands:
+  train-lm   tiny Megatron training on the built-in reverse-digits task (launches torchrun)
+  config     print the composed, validated configuration as YAML
+  layout     print every rank's coordinates in the actor layout (dry run; --world-size=N,
+             default trainer.nproc_per_node)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import List, Tuple
+
+from megarl.config import ConfigError, load_config, to_yaml
+from megarl.parallel.layout import Layout, LayoutError
+
+
+def _split(args: List[str]) -> Tuple[List[str], List[str]]:
+    files = [a for a in args if a.endswith((".yaml", ".yml"))]
+    return files, [a for a in args if a not in files]
+
+
+def _train_lm(args: List[str]) -> int:
+    files, overrides = _split(args)
+    cfg = load_config(files, overrides)  # fail here, before any process starts
+    Layout.from_config(cfg.parallel.actor, cfg.trainer.nproc_per_node)
+    if "RANK" in os.environ:  # already under torchrun/srun
+        from megarl.entrypoints.train_lm import main
+
+        return main(args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(cfg.trainer.nproc_per_node), "-m", "megarl.entrypoints.train_lm", *args]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return subprocess.call(cmd, env=env)
+
+
+def _config(args: List[str]) -> int:
+    files, overrides = _split(args)
+    print(to_yaml(load_config(files, overrides)), end="")
+    return 0
+
+
+def _layout(args: List[str]) -> int:
+    sizes = [a for a in args if a.startswith("--world-size=")]
+    world = int(sizes[-1].split("=", 1)[1]) if sizes else None
+    files, overrides = _split([a for a in args if a not in sizes])
+    cfg = load_config(files, overrides)
+    world = world or cfg.trainer.nproc_per_node
+    layout = Layout.from_config(cfg.parallel.actor, world)
+    print(f"actor layout {layout} over {world} ranks (Megatron order tp-cp-ep-dp-pp)")
+    for rank in range(world):
+        coords = layout.coords(rank)
+        print(f"rank {rank:4d}: " + " ".join(f"{k}={v}" for k, v in coords.items()))
+    return 0
+
+
+COMMANDS = {"train-lm": _train_lm, "config": _config, "layout": _layout}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip())
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except (ConfigError, LayoutError, ValueError, FileNotFoundError) as exc:
+        print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

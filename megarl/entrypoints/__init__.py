@@ -1,0 +1,1 @@
+"""SPMD programs that torchrun (or the ``megarl`` CLI) starts on every rank."""
