@@ -38,10 +38,13 @@ class Layout:
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "Layout":
         """From a :class:`megarl.config.ParallelConfig`; ``dp=0`` takes the rest of the world."""
+        for name in ("tp", "pp", "cp", "ep"):
+            if getattr(cfg, name) < 1:
+                raise LayoutError(f"{name}={getattr(cfg, name)} must be a positive integer")
         model_parallel = cfg.tp * cfg.pp * cfg.cp
         dp = cfg.dp
         if dp == 0:
-            if model_parallel <= 0 or world_size % model_parallel:
+            if world_size % model_parallel:
                 raise LayoutError(
                     f"world size {world_size} is not divisible by tp*pp*cp = "
                     f"{cfg.tp}*{cfg.pp}*{cfg.cp} = {model_parallel}; choose sizes whose product "
@@ -71,11 +74,12 @@ class Layout:
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)} must be a positive integer")
         if world_size is not None and self.world_size != world_size:
+            model_parallel = self.tp * self.cp * self.pp
+            hint = (f"set dp={world_size // model_parallel}" if world_size % model_parallel == 0 else
+                    f"tp*cp*pp = {model_parallel} must divide {world_size}")
             raise LayoutError(
                 f"tp*cp*dp*pp = {self.tp}*{self.cp}*{self.dp}*{self.pp} = {self.world_size} "
-                f"does not match the world size {world_size}; set dp={world_size // max(1, self.tp * self.cp * self.pp)} "
-                f"or change tp/pp/cp so that their product divides {world_size}"
-            )
+                f"does not match the world size {world_size}; {hint}")
         dense = self.tp * self.cp * self.dp
         if dense % (self.etp * self.ep):
             raise LayoutError(

@@ -1,0 +1,81 @@
+"""CPU mode: CUDA device arguments, type names, streams and the CUDA RNG land on the CPU.
+
+Runs in a child process: enabling CPU mode patches torch.cuda for the whole process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    from megarl.runtime import cpu_mode
+
+    assert not torch.cuda.is_available()
+    assert not cpu_mode.is_enabled()
+    assert cpu_mode.enable() and cpu_mode.enable() and cpu_mode.is_enabled()
+
+    made = [
+        torch.empty(2, device="cuda"),
+        torch.zeros(2, device="cuda:0"),
+        torch.ones(2, device=torch.device("cuda")),
+        torch.full((2,), 3.0, device=0),
+        torch.arange(3, device=torch.cuda.current_device()),
+        torch.ones(2).cuda(),
+        torch.ones(2).to("cuda"),
+        torch.ones(2).to(device="cuda", dtype=torch.float64),
+        torch.tensor([1.0], device="cuda"),
+    ]
+    assert all(t.device.type == "cpu" for t in made), [t.device for t in made]
+    assert made[7].dtype == torch.float64
+    assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.ones(2).type(torch.float64).dtype == torch.float64  # the converting form still works
+
+    # Backward passes run outside the function mode: current_device() itself must mean CPU.
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * torch.full((1,), 2.0, device=torch.cuda.current_device())
+
+    x = torch.ones(3, requires_grad=True)
+    Double.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda.current_stream().wait_stream(stream)
+        event = stream.record_event()
+    event.synchronize()
+    torch.cuda.synchronize()
+
+    # The "CUDA" generator is its own CPU generator: seeding it leaves the CPU stream alone.
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    torch.cuda.manual_seed(123)
+    saved = torch.cuda.get_rng_state()
+    assert torch.equal(torch.rand(3), expected)
+    torch.cuda.manual_seed(7)
+    torch.cuda.set_rng_state(saved)
+    assert torch.equal(torch.cuda.get_rng_state(), saved)
+
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mcore_random
+    mcore_random.get_cuda_rng_tracker().reset()
+    mcore_random.get_cuda_rng_tracker().add("model-parallel-rng", 99)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        pass
+    print("CPU MODE OK")
+''')
+
+
+def test_cpu_mode_redirects_cuda_to_cpu():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "CPU MODE OK" in proc.stdout, proc.stderr[-3000:]
