@@ -314,3 +314,57 @@ def test_eval_mode_is_deterministic_and_dropout_off():
     no_drop = SDPACoreAttention(make_config(), 1, AttnMaskType.causal, "self", attention_dropout=0.0)
     assert no_drop.dropout_p == 0.0
     assert max_diff(no_drop.train()(q, k, v, None), reference(q, k, v)) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# Fully masked rows, gradients
+# ---------------------------------------------------------------------------------------------
+
+def test_fully_masked_query_rows_stay_finite():
+    """Left-padding queries whose keys are all blocked must not turn into NaN (a NaN value row
+    would poison every later layer through probs @ V even at zero weight)."""
+    sq = sk = 6
+    attn = make_attn(4, 2)
+    q, k, v = rand_qkv(sq, sk, 2, 4, 2, seed=12)
+    blocked = torch.zeros(2, 1, sq, sk, dtype=torch.bool)
+    blocked[1, :, :, :2] = True                       # sample 1: two left-padding tokens
+    out = attn(q, k, v, blocked)
+    assert torch.isfinite(out).all()
+    ref = reference(q, k, v, causal=True, blocked=blocked)  # rows 0, 1 of sample 1 are NaN here
+    assert max_diff(out[:, 0], ref[:, 0]) <= TOL
+    assert max_diff(out[2:, 1], ref[2:, 1]) <= TOL
+
+
+def reference_packed(q, k, v, lengths):
+    outs, start = [], 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        outs.append(reference(q[sl].unsqueeze(1), k[sl].unsqueeze(1), v[sl].unsqueeze(1))[:, 0])
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["sbhd", "thd"])
+def test_gradients_match_reference(packed):
+    attn = make_attn(4, 2)
+    g = torch.Generator().manual_seed(13)
+    lengths = [3, 5, 1]
+    if packed:
+        shapes = [(9, 4, HN), (9, 2, HN), (9, 2, HN)]
+    else:
+        shapes = [(5, 2, 4, HN), (7, 2, 2, HN), (7, 2, 2, HN)]   # decode-style sq < sk
+    tensors = [torch.randn(*s, generator=g) for s in shapes]
+    grad_out = torch.randn(9, 4 * HN, generator=g) if packed else torch.randn(5, 2, 4 * HN, generator=g)
+
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    if packed:
+        out = attn(*leaves, None, packed_seq_params=packed_params(lengths))
+    else:
+        out = attn(*leaves, None)
+    out.backward(grad_out)
+
+    ref_leaves = [t.double().requires_grad_(True) for t in tensors]
+    ref = reference_packed(*ref_leaves, lengths) if packed else reference(*ref_leaves)
+    ref.backward(grad_out.double())
+    for got, want in zip(leaves, ref_leaves):
+        assert max_diff(got.grad, want.grad) <= 1e-4

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Start a megarl SPMD program with torchrun on one node, or on each node of a multi-node job.
+#
+#   launch/torchrun.sh [CONFIG.yaml] [key=value ...]
+#
+# Environment (defaults in brackets):
+#   NPROC_PER_NODE  processes on this node [number of GPUs, else trainer.nproc_per_node (2)]
+#   NNODES          nodes in the job [1]
+#   NODE_RANK       this node's index [0]
+#   MASTER_ADDR     address of node 0 [127.0.0.1; loopback for single-node runs]
+#   MASTER_PORT     rendezvous port on node 0 [29500]
+#   MEGARL_MODULE   program to run [megarl.entrypoints.train_lm]
+#   DRY_RUN=1       print the torchrun command and exit
+set -euo pipefail
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+  default_nproc="$(nvidia-smi --list-gpus | wc -l)"
+else
+  default_nproc=2
+fi
+nproc="${NPROC_PER_NODE:-$default_nproc}"
+nnodes="${NNODES:-1}"
+node_rank="${NODE_RANK:-0}"
+master_addr="${MASTER_ADDR:-127.0.0.1}"
+master_port="${MASTER_PORT:-29500}"
+module="${MEGARL_MODULE:-megarl.entrypoints.train_lm}"
+
+cmd=(torchrun
+  --nproc-per-node "$nproc"
+  --nnodes "$nnodes"
+  --node-rank "$node_rank"
+  --master-addr "$master_addr"
+  --master-port "$master_port"
+  -m "$module" "$@")
+
+if [ "${DRY_RUN:-0}" = "1" ]; then
+  printf '%q ' "${cmd[@]}"
+  echo
+  exit 0
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec "${cmd[@]}"

@@ -1,0 +1,446 @@
+"""HF config.json -> Megatron arguments (megarl.models.hf_config).
+
+Configs are built with transformers' own config classes (non-default, distinctive values) and
+every mapped Megatron field is checked against the value worked out from the HF fields.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import transformers
+
+from megarl.models.hf_config import (
+    ARCHITECTURES, MOE, UnsupportedModelError, megatron_args_from_hf, padded_vocab_size,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_CONFIGS = sorted((REPO / "configs" / "models").glob("*.json"))
+SIX = {"llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"}
+
+MOE_FIELDS = {
+    "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_router_pre_softmax", "moe_aux_loss_coeff", "moe_shared_expert_intermediate_size",
+    "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype", "moe_router_bias_update_rate",
+}
+MLA_FIELDS = {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"}
+
+
+# ---------------------------------------------------------------------------------------------
+# HF configs with distinctive values
+# ---------------------------------------------------------------------------------------------
+
+def common_kwargs(**over):
+    kw = dict(vocab_size=1000, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+              num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=3e-5,
+              max_position_embeddings=777, initializer_range=0.013, attention_dropout=0.125,
+              rope_parameters={"rope_type": "default", "rope_theta": 123456.0},
+              tie_word_embeddings=True)
+    kw.update(over)
+    return kw
+
+
+def llama(**over):
+    kw = dict(head_dim=24, attention_bias=True)
+    kw.update(over)
+    return transformers.LlamaConfig(**common_kwargs(**kw)).to_dict()
+
+
+def qwen2(**over):
+    return transformers.Qwen2Config(**common_kwargs(**over)).to_dict()
+
+
+def qwen3(**over):
+    kw = dict(head_dim=40)
+    kw.update(over)
+    return transformers.Qwen3Config(**common_kwargs(**kw)).to_dict()
+
+
+def qwen3_moe(**over):
+    kw = dict(num_hidden_layers=6, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+              norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=2,
+              router_aux_loss_coef=0.0123, head_dim=20)
+    kw.update(over)
+    return transformers.Qwen3MoeConfig(**common_kwargs(**kw)).to_dict()
+
+
+def mixtral(**over):
+    kw = dict(num_local_experts=5, num_experts_per_tok=2, router_aux_loss_coef=0.0321,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    kw.update(over)
+    return transformers.MixtralConfig(**common_kwargs(**kw)).to_dict()
+
+
+def deepseek_v3(**over):
+    kw = dict(num_hidden_layers=5, num_key_value_heads=6, first_k_dense_replace=2, q_lora_rank=48,
+              kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=12, v_head_dim=20,
+              n_shared_experts=2, moe_intermediate_size=36, n_routed_experts=8,
+              num_experts_per_tok=3, routed_scaling_factor=1.75, n_group=4, topk_group=2,
+              tie_word_embeddings=False)
+    kw.update(over)
+    return transformers.DeepseekV3Config(**common_kwargs(**kw)).to_dict()
+
+
+BUILDERS = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
+            "mixtral": mixtral, "deepseek_v3": deepseek_v3}
+
+
+def expected_common(hf):
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "ffn_hidden_size": hf["intermediate_size"],
+        "num_attention_heads": hf["num_attention_heads"],
+        "num_query_groups": hf["num_key_value_heads"],
+        "kv_channels": head_dim,
+        "layernorm_epsilon": hf["rms_norm_eps"],
+        "init_method_std": hf["initializer_range"],
+        "attention_dropout": hf["attention_dropout"],
+        "rotary_base": hf["rope_parameters"]["rope_theta"],
+    }
+
+
+def check_common(args, hf):
+    for name, value in expected_common(hf).items():
+        assert args.config_kwargs[name] == value, name
+    assert args.vocab_size == hf["vocab_size"]
+    assert args.max_position_embeddings == hf["max_position_embeddings"]
+    assert args.tie_word_embeddings == hf["tie_word_embeddings"]
+    assert args.model_type == hf["model_type"]
+    assert args.hf_config == hf
+
+
+def check_dense(args):
+    assert not MOE_FIELDS & set(args.config_kwargs), MOE_FIELDS & set(args.config_kwargs)
+    assert not MLA_FIELDS & set(args.config_kwargs)
+    assert args.num_experts is None
+    assert args.mla is False
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense architectures
+# ---------------------------------------------------------------------------------------------
+
+def test_llama_mapping():
+    hf = llama()
+    assert hf["head_dim"] == 24 != hf["hidden_size"] // hf["num_attention_heads"]
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    check_dense(args)
+    assert args.config_kwargs["kv_channels"] == 24
+    assert args.config_kwargs["num_query_groups"] == 2
+    assert args.config_kwargs["rotary_base"] == 123456.0
+    assert args.config_kwargs["layernorm_epsilon"] == 3e-5
+    assert args.config_kwargs["add_qkv_bias"] is True          # follows attention_bias
+    assert "qk_layernorm" not in args.config_kwargs
+    assert args.tie_word_embeddings is True
+    assert args.vocab_size == 1000
+    assert args.rope_scaling is None
+
+
+def test_llama_attention_bias_false_and_defaults():
+    args = megatron_args_from_hf(llama(attention_bias=False))
+    assert args.config_kwargs["add_qkv_bias"] is False
+    # no head_dim / num_key_value_heads in the file: derived from hidden_size and heads
+    hf = llama()
+    del hf["head_dim"], hf["num_key_value_heads"]
+    args = megatron_args_from_hf(hf)
+    assert args.config_kwargs["kv_channels"] == 96 // 6
+    assert args.config_kwargs["num_query_groups"] == 6
+
+
+def test_llama_old_style_rope_theta():
+    hf = llama()
+    del hf["rope_parameters"]
+    hf["rope_theta"] = 654321.0
+    hf["rope_scaling"] = None
+    assert megatron_args_from_hf(hf).config_kwargs["rotary_base"] == 654321.0
+
+
+def test_llama3_rope_scaling_passed_through():
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    hf = llama()
+    hf["rope_parameters"] = dict(rope)
+    args = megatron_args_from_hf(hf)
+    assert args.config_kwargs["rotary_base"] == 500000.0
+    assert args.rope_scaling["rope_type"] == "llama3"
+    assert args.rope_scaling["factor"] == 32.0
+
+
+def test_qwen2_mapping():
+    hf = qwen2()
+    assert "attention_bias" not in hf
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    check_dense(args)
+    assert args.config_kwargs["kv_channels"] == 96 // 6
+    assert args.config_kwargs["add_qkv_bias"] is True           # qwen2 always has qkv bias
+    assert "qk_layernorm" not in args.config_kwargs
+    # even if a file says attention_bias false, qwen2's q/k/v projections carry a bias
+    assert megatron_args_from_hf({**hf, "attention_bias": False}).config_kwargs["add_qkv_bias"] is True
+
+
+def test_qwen3_mapping():
+    hf = qwen3()
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    check_dense(args)
+    assert args.config_kwargs["kv_channels"] == 40
+    assert args.config_kwargs["qk_layernorm"] is True
+    assert args.config_kwargs["add_qkv_bias"] is False
+    assert megatron_args_from_hf(qwen3(attention_bias=True)).config_kwargs["add_qkv_bias"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE architectures
+# ---------------------------------------------------------------------------------------------
+
+def test_qwen3_moe_mapping():
+    hf = qwen3_moe()
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    kw = args.config_kwargs
+    assert args.mla is False
+    assert kw["kv_channels"] == 20
+    assert kw["qk_layernorm"] is True
+    assert kw["num_moe_experts"] == 6 == args.num_experts
+    assert kw["moe_router_topk"] == 3
+    assert kw["moe_ffn_hidden_size"] == 48
+    assert kw["ffn_hidden_size"] == 200
+    assert kw["moe_aux_loss_coeff"] == pytest.approx(0.0123)
+    assert kw["moe_router_pre_softmax"] is False                # == not norm_topk_prob
+    # 6 layers, sparse iff (i + 1) % 2 == 0 and i not in mlp_only_layers=[1]
+    assert kw["moe_layer_freq"] == [0, 0, 0, 1, 0, 1]
+    assert not MLA_FIELDS & set(kw)
+    assert "moe_shared_expert_intermediate_size" not in kw
+
+
+def test_qwen3_moe_norm_topk_prob_false_and_step_one():
+    args = megatron_args_from_hf(qwen3_moe(norm_topk_prob=False, num_hidden_layers=4,
+                                           decoder_sparse_step=1, mlp_only_layers=[1]))
+    assert args.config_kwargs["moe_router_pre_softmax"] is True
+    assert args.config_kwargs["moe_layer_freq"] == [1, 0, 1, 1]
+
+
+def test_qwen3_moe_hub_style_num_experts_key():
+    """Hub config.json files written by older transformers use ``num_experts``."""
+    hf = qwen3_moe()
+    hf["num_experts"] = hf.pop("num_local_experts")
+    assert megatron_args_from_hf(hf).config_kwargs["num_moe_experts"] == 6
+
+
+def test_mixtral_mapping():
+    hf = mixtral()
+    assert "norm_topk_prob" not in hf
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    kw = args.config_kwargs
+    assert kw["kv_channels"] == 96 // 6                          # head_dim is None in the file
+    assert kw["rotary_base"] == 1e6
+    assert kw["num_moe_experts"] == 5
+    assert kw["moe_router_topk"] == 2
+    assert kw["moe_ffn_hidden_size"] == hf["intermediate_size"] == 200
+    assert kw["moe_router_pre_softmax"] is False                 # mixtral renormalises the top-k
+    assert kw["moe_layer_freq"] == [1, 1, 1]
+    assert kw["moe_aux_loss_coeff"] == pytest.approx(0.0321)
+    assert "qk_layernorm" not in kw
+    assert kw["add_qkv_bias"] is False
+
+
+def test_deepseek_v3_mapping():
+    hf = deepseek_v3()
+    args = megatron_args_from_hf(hf)
+    kw = args.config_kwargs
+    assert args.mla is True
+    assert kw["num_layers"] == 5
+    assert kw["hidden_size"] == 96
+    assert kw["ffn_hidden_size"] == 200
+    assert kw["num_attention_heads"] == 6
+    assert kw["num_query_groups"] == 6
+    assert kw["kv_channels"] == 20                               # v_head_dim
+    assert kw["layernorm_epsilon"] == 3e-5
+    assert kw["rotary_base"] == 123456.0
+    assert kw["rope_type"] == "rope"
+    assert kw["qk_layernorm"] is True
+    assert kw["q_lora_rank"] == 48
+    assert kw["kv_lora_rank"] == 40
+    assert kw["qk_head_dim"] == 24
+    assert kw["qk_pos_emb_head_dim"] == 12
+    assert kw["v_head_dim"] == 20
+    assert kw["num_moe_experts"] == 8 == args.num_experts
+    assert kw["moe_router_topk"] == 3
+    assert kw["moe_ffn_hidden_size"] == 36
+    assert kw["moe_shared_expert_intermediate_size"] == 2 * 36
+    assert kw["moe_layer_freq"] == [0, 0, 1, 1, 1]               # first_k_dense_replace=2
+    assert kw["moe_router_score_function"] == "sigmoid"
+    assert kw["moe_router_enable_expert_bias"] is True
+    assert kw["moe_router_topk_scaling_factor"] == 1.75
+    assert kw["moe_router_num_groups"] == 4
+    assert kw["moe_router_group_topk"] == 2
+    assert args.vocab_size == 1000
+    assert args.tie_word_embeddings is False
+    assert args.max_position_embeddings == 777
+
+
+def test_deepseek_v3_router_overrides():
+    hf = deepseek_v3()
+    hf.update(scoring_func="softmax", topk_method="greedy")
+    kw = megatron_args_from_hf(hf).config_kwargs
+    assert kw["moe_router_score_function"] == "softmax"
+    assert kw["moe_router_enable_expert_bias"] is False
+
+
+def test_deepseek_v3_yarn():
+    hf = deepseek_v3()
+    hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    kw = megatron_args_from_hf(hf).config_kwargs
+    assert kw["rope_type"] == "yarn"
+    assert kw["rotary_scaling_factor"] == 40.0
+    assert kw["original_max_position_embeddings"] == 4096
+    assert kw["mscale_all_dim"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+def test_unsupported_model_type():
+    with pytest.raises(UnsupportedModelError) as err:
+        megatron_args_from_hf({**llama(), "model_type": "gpt2"})
+    message = str(err.value)
+    assert "gpt2" in message
+    for name in SIX:
+        assert name in message
+    assert isinstance(err.value, ValueError)
+
+
+def test_unsupported_hidden_act():
+    with pytest.raises(UnsupportedModelError, match="hidden_act") as err:
+        megatron_args_from_hf(llama(hidden_act="gelu"))
+    assert "gelu" in str(err.value)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "deepseek_v3"])
+def test_unsupported_rope_type(model_type):
+    hf = BUILDERS[model_type]()
+    hf["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(UnsupportedModelError, match="rope_type") as err:
+        megatron_args_from_hf(hf)
+    assert "dynamic" in str(err.value)
+
+
+def test_old_style_rope_scaling_type_key():
+    hf = llama()
+    del hf["rope_parameters"]
+    hf["rope_theta"] = 10000.0
+    hf["rope_scaling"] = {"type": "linear", "factor": 2.0}
+    with pytest.raises(UnsupportedModelError, match="linear"):
+        megatron_args_from_hf(hf)
+
+
+@pytest.mark.parametrize("model_type", sorted(SIX))
+def test_missing_required_key(model_type):
+    hf = BUILDERS[model_type]()
+    del hf["num_hidden_layers"]
+    with pytest.raises(UnsupportedModelError, match="num_hidden_layers"):
+        megatron_args_from_hf(hf)
+
+
+def test_missing_deepseek_key():
+    hf = deepseek_v3()
+    del hf["kv_lora_rank"]
+    with pytest.raises(UnsupportedModelError, match="kv_lora_rank"):
+        megatron_args_from_hf(hf)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        megatron_args_from_hf(tmp_path / "nope.json")
+    with pytest.raises(FileNotFoundError):
+        megatron_args_from_hf(tmp_path)                          # directory without config.json
+
+
+# ---------------------------------------------------------------------------------------------
+# Misc
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab,multiple,expected", [
+    (250, 128, 256), (256, 128, 256), (257, 128, 384), (1, 128, 128), (151936, 128, 151936),
+    (32000, 1, 32000), (50257, 64, 50304),
+])
+def test_padded_vocab_size(vocab, multiple, expected):
+    assert padded_vocab_size(vocab, multiple) == expected
+
+
+def test_read_from_directory_file_and_dict(tmp_path):
+    hf = json.loads(json.dumps(qwen3_moe()))  # as a config.json reads back (string id2label keys)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    from_dir = megatron_args_from_hf(tmp_path)
+    from_dir_str = megatron_args_from_hf(str(tmp_path))
+    from_file = megatron_args_from_hf(tmp_path / "config.json")
+    from_dict = megatron_args_from_hf(hf)
+    assert from_dir == from_file == from_dict == from_dir_str
+    assert from_dict.config_kwargs["moe_layer_freq"] == [0, 0, 0, 1, 0, 1]
+
+
+def test_input_dict_not_mutated():
+    hf = json.loads(json.dumps(deepseek_v3()))
+    snapshot = json.loads(json.dumps(hf))
+    megatron_args_from_hf(hf)
+    assert hf == snapshot
+
+
+def test_architectures_are_the_six():
+    assert set(ARCHITECTURES) == SIX
+    assert len(ARCHITECTURES) == 6
+    assert [t for t, a in ARCHITECTURES.items() if a.mla] == ["deepseek_v3"]
+    assert set(MOE) <= MOE_FIELDS
+
+
+def test_repo_model_configs_cover_all_architectures():
+    assert len(MODEL_CONFIGS) == 6
+    types = {json.loads(p.read_text())["model_type"] for p in MODEL_CONFIGS}
+    assert types == SIX
+
+
+@pytest.mark.parametrize("path", MODEL_CONFIGS, ids=[p.stem for p in MODEL_CONFIGS])
+def test_repo_model_config_maps(path):
+    hf = json.loads(path.read_text())
+    args = megatron_args_from_hf(path)
+    assert args == megatron_args_from_hf(hf)
+    kw = args.config_kwargs
+    assert kw["num_layers"] == hf["num_hidden_layers"]
+    assert kw["hidden_size"] == hf["hidden_size"]
+    assert kw["num_attention_heads"] == hf["num_attention_heads"]
+    assert args.vocab_size == hf["vocab_size"]
+    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "deepseek_v3"}
+    if moe:
+        assert kw["num_moe_experts"] == (hf.get("num_local_experts") or hf.get("num_experts")
+                                         or hf.get("n_routed_experts"))
+        assert len(kw["moe_layer_freq"]) == hf["num_hidden_layers"]
+    else:
+        check_dense(args)
+
+
+@pytest.mark.parametrize("path", MODEL_CONFIGS, ids=[p.stem for p in MODEL_CONFIGS])
+def test_repo_model_config_builds_megatron_config(path):
+    """The mapped field names are real Megatron TransformerConfig / MLATransformerConfig fields."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    args = megatron_args_from_hf(path)
+    kw = dict(args.config_kwargs)
+    if not args.mla:
+        kw.pop("rotary_base")  # a GPTModel argument outside MLA
+    cls = MLATransformerConfig if args.mla else TransformerConfig
+    config = cls(**kw, use_cpu_initialization=True, normalization="RMSNorm",
+                 gated_linear_unit=True, add_bias_linear=False, activation_func=F.silu)
+    assert config.num_layers == args.config_kwargs["num_layers"]
+    assert config.num_moe_experts == args.num_experts
