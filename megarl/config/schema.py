@@ -85,8 +85,11 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW)."""
     adam_beta1: float = 0.9
+    """Adam first-moment decay."""
     adam_beta2: float = 0.999
+    """Adam second-moment decay."""
     adam_eps: float = 1e-8
+    """Adam denominator epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     use_distributed_optimizer: bool = True

@@ -61,7 +61,7 @@ COMMON: Dict[str, Row] = {
     "layernorm_epsilon": lambda hf: _get(hf, "rms_norm_eps", default=1e-6),
     "init_method_std": lambda hf: _get(hf, "initializer_range", default=0.02),
     "attention_dropout": lambda hf: float(_get(hf, "attention_dropout", default=0.0)),
-    "add_qkv_bias": lambda hf: bool(_get(hf, "attention_bias", default=False)),
+    "add_qkv_bias": lambda hf: False,
     "rotary_base": lambda hf: _rope(hf)["rope_theta"],
 }
 
@@ -157,6 +157,12 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
     act = _get(hf, "hidden_act", default="silu")
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act '{act}' is not supported (only 'silu' with a gated MLP)")
+    # Megatron has one switch for every linear bias besides QKV; HF's attention_bias also puts
+    # a bias on o_proj (all but qwen2, whose q/k/v-only bias is built in), mlp_bias on the MLP.
+    if model_type != "qwen2" and _get(hf, "attention_bias", default=False):
+        raise UnsupportedModelError(f"{model_type} with attention_bias=true (a bias on o_proj) is not supported")
+    if _get(hf, "mlp_bias", default=False):
+        raise UnsupportedModelError(f"{model_type} with mlp_bias=true is not supported")
     kwargs: Dict[str, Any] = {}
     for name, row in arch.rows.items():
         try:
@@ -166,7 +172,7 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
                 f"{model_type} config lacks {missing} (needed for Megatron field '{name}')") from None
         if value is not None:
             kwargs[name] = value
-    if kwargs.get("num_moe_experts") is None:
+    if not kwargs.get("num_moe_experts"):  # absent or 0: a dense model
         for name in MOE:
             kwargs.pop(name, None)
     rope = _rope(hf)
@@ -183,6 +189,13 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
         elif rope_type != "default":
             raise UnsupportedModelError(f"rope_type '{rope_type}' is not supported for MLA; use 'default' or 'yarn'")
     elif rope_type == "llama3":
+        # Megatron's llama3 scaling takes only the factor; the other three are fixed.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, value in fixed.items():
+            if float(rope.get(key, value)) != float(value):
+                raise UnsupportedModelError(
+                    f"rope_parameters.{key}={rope[key]} is not supported: Megatron's llama3 rope "
+                    f"scaling fixes it to {value}")
         rope_scaling = rope
     elif rope_type != "default":
         raise UnsupportedModelError(

@@ -82,10 +82,11 @@ class Layout:
                 f"does not match the world size {world_size}; {hint}")
         dense = self.tp * self.cp * self.dp
         if dense % (self.etp * self.ep):
+            fits = [e for e in _divisors(dense) if (dense // e) % self.etp == 0]
             raise LayoutError(
-                f"etp*ep = {self.etp}*{self.ep} = {self.etp * self.ep} must divide tp*cp*dp = "
-                f"{dense}; ep can be one of {[e for e in _divisors(dense) if (dense // e) % self.etp == 0]}"
-            )
+                f"etp*ep = {self.etp}*{self.ep} = {self.etp * self.ep} must divide tp*cp*dp = {dense}; "
+                f"with etp={self.etp}, ep can be one of {fits} (or lower etp: expert weights need "
+                f"not be split like the dense ones)")
         if self.ep == 1 and self.etp != self.tp:
             # Megatron treats experts as dense weights when ep == 1; their gradients are then
             # reduced over dp only, which is wrong when tp ranks hold different tokens.

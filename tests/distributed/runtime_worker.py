@@ -4,7 +4,8 @@
 impossible layout is refused before any process group is created.
 ``archs``: every supported architecture builds from its HF config and trains at the given
 layouts (loss finite and falling over a few steps), virtual pipeline stages included.
-``packed``: a packed batch (thd, cu_seqlens) gives the same per-token loss as each sequence alone.
+``single``: a packed batch (thd, cu_seqlens) gives the same per-token loss as each sequence
+alone; the rotary frequencies (default and llama3-scaled) equal transformers'.
 """
 
 from __future__ import annotations
@@ -110,10 +111,28 @@ def check_packed() -> None:
         packed = model(tokens, positions, None, labels=labels, packed_seq_params=params)[0]
         diff = (packed - torch.cat(alone)).abs().max().item()
         emit({"check": "packed", "model": name, "max_abs_diff": diff})
+    check_rope(groups)
     groups.destroy()
+
+
+def check_rope(groups) -> None:
+    import transformers
+
+    from megarl.models import build_model, megatron_args_from_hf
+
+    scaled = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    for name, rope in (("default", None), ("llama3", scaled)):
+        hf = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, **({"rope_parameters": rope} if rope else {}))
+        model = build_model(ModelConfig(), groups, megatron_args_from_hf(hf.to_dict()))[0]
+        reference = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf).inv_freq
+        diff = (model.rotary_pos_emb.inv_freq.double() - reference.double()).abs().max().item()
+        emit({"check": "rope", "rope": name, "max_abs_diff": diff})
 
 
 if __name__ == "__main__":
     init_distributed()
     mode, rest = sys.argv[1], sys.argv[2:]
-    {"groups": lambda: check_groups(), "archs": lambda: check_archs(rest), "packed": check_packed}[mode]()
+    {"groups": lambda: check_groups(), "archs": lambda: check_archs(rest), "single": check_packed}[mode]()

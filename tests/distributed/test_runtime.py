@@ -45,8 +45,19 @@ def test_every_architecture_trains():
         assert losses[-1] < losses[0] - 0.5, run  # same batch four times: the loss must fall
 
 
-def test_packed_sequences_equal_separate_sequences():
-    runs = results(torchrun(1, WORKER, "packed"))
+@pytest.fixture(scope="module")
+def single_results():
+    return results(torchrun(1, WORKER, "single"))
+
+
+def test_packed_sequences_equal_separate_sequences(single_results):
+    runs = [r for r in single_results if r["check"] == "packed"]
     assert {r["model"] for r in runs} == {"tiny-qwen3", "tiny-deepseek-v3"}
     for run in runs:
         assert run["max_abs_diff"] <= 1e-5, run
+
+
+def test_rotary_frequencies_match_transformers(single_results):
+    runs = {r["rope"]: r["max_abs_diff"] for r in single_results if r["check"] == "rope"}
+    assert set(runs) == {"default", "llama3"}
+    assert all(diff <= 1e-7 for diff in runs.values()), runs

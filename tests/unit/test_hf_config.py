@@ -44,7 +44,7 @@ def common_kwargs(**over):
 
 
 def llama(**over):
-    kw = dict(head_dim=24, attention_bias=True)
+    kw = dict(head_dim=24)
     kw.update(over)
     return transformers.LlamaConfig(**common_kwargs(**kw)).to_dict()
 
@@ -135,7 +135,7 @@ def test_llama_mapping():
     assert args.config_kwargs["num_query_groups"] == 2
     assert args.config_kwargs["rotary_base"] == 123456.0
     assert args.config_kwargs["layernorm_epsilon"] == 3e-5
-    assert args.config_kwargs["add_qkv_bias"] is True          # follows attention_bias
+    assert args.config_kwargs["add_qkv_bias"] is False
     assert "qk_layernorm" not in args.config_kwargs
     assert args.tie_word_embeddings is True
     assert args.vocab_size == 1000
@@ -193,7 +193,15 @@ def test_qwen3_mapping():
     assert args.config_kwargs["kv_channels"] == 40
     assert args.config_kwargs["qk_layernorm"] is True
     assert args.config_kwargs["add_qkv_bias"] is False
-    assert megatron_args_from_hf(qwen3(attention_bias=True)).config_kwargs["add_qkv_bias"] is True
+    with pytest.raises(UnsupportedModelError, match="attention_bias"):
+        megatron_args_from_hf(qwen3(attention_bias=True))
+
+
+@pytest.mark.parametrize("bias", [{"attention_bias": True}, {"mlp_bias": True}])
+def test_llama_biases_megatron_cannot_express_are_refused(bias):
+    # HF's attention_bias also biases o_proj; Megatron only has add_qkv_bias / add_bias_linear.
+    with pytest.raises(UnsupportedModelError, match=next(iter(bias))):
+        megatron_args_from_hf(llama(**bias))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +233,20 @@ def test_qwen3_moe_norm_topk_prob_false_and_step_one():
                                            decoder_sparse_step=1, mlp_only_layers=[1]))
     assert args.config_kwargs["moe_router_pre_softmax"] is True
     assert args.config_kwargs["moe_layer_freq"] == [1, 0, 1, 1]
+
+
+def test_qwen3_moe_with_zero_experts_is_dense():
+    """HF builds every Qwen3-MoE layer as a dense MLP when num_experts == 0
+    (``config.num_experts > 0 and ...`` in Qwen3MoeDecoderLayer). Megatron rejects
+    num_moe_experts=0 ("num_moe_experts must be non-negative"), so the mapping must either
+    give a dense model (no MoE fields) or refuse the config up front."""
+    hf = qwen3_moe(num_experts=0)
+    try:
+        args = megatron_args_from_hf(hf)
+    except UnsupportedModelError:
+        return
+    assert args.num_experts is None
+    assert not MOE_FIELDS & set(args.config_kwargs), MOE_FIELDS & set(args.config_kwargs)
 
 
 def test_qwen3_moe_hub_style_num_experts_key():
