@@ -82,12 +82,7 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
     cls = MLATransformerConfig if args.mla else TransformerConfig
     return cls(
         **kwargs,
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
+        **layout.megatron_sizes(),
         sequence_parallel=layout.sequence_parallel and layout.tp > 1,
         normalization="RMSNorm",
         gated_linear_unit=True,

@@ -126,6 +126,17 @@ class Layout:
         elif self.ep > 1:
             raise LayoutError(f"ep={self.ep} is set but the model has no experts; use ep=1")
 
+    def megatron_sizes(self) -> Dict[str, Optional[int]]:
+        """The sizes under Megatron's names (``initialize_model_parallel``, ``TransformerConfig``)."""
+        return {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.etp,
+        }
+
     def coords(self, rank: int) -> Dict[str, int]:
         """Megatron coordinates of a global rank: order tp-cp-dp-pp for dense weights,
         etp-ep-edp-pp for expert weights (tp fastest)."""
@@ -211,14 +222,6 @@ def build_groups(layout: Layout) -> ParallelGroups:
     layout.validate(torch.distributed.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        order="tp-cp-ep-dp-pp",
-    )
+    parallel_state.initialize_model_parallel(**layout.megatron_sizes(), order="tp-cp-ep-dp-pp")
     pg = ProcessGroupCollection.use_mpu_process_groups()
     return ParallelGroups(layout=layout, pg=pg, rank=torch.distributed.get_rank())
