@@ -3,6 +3,7 @@
 Subcommands:
   train-lm   tiny Megatron training on the built-in reverse-digits task (launches torchrun)
   config     print the composed, validated configuration as YAML
+  convert    hf-to-mcore | mcore-to-hf checkpoint conversion (see megarl convert --help)
   layout     print every rank's coordinates in the actor layout (dry run; --world-size=N,
              default trainer.nproc_per_node)
 """
@@ -59,7 +60,13 @@ def _layout(args: List[str]) -> int:
     return 0
 
 
-COMMANDS = {"train-lm": _train_lm, "config": _config, "layout": _layout}
+def _convert(args: List[str]) -> int:
+    from megarl.checkpoint.cli import main as convert_main
+
+    return convert_main(args)
+
+
+COMMANDS = {"train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megarl.models.hf_config import MegatronModelArgs, megatron_args_from_hf, padded_vocab_size
 from megarl.models.norm import RMSNorm
 from megarl.models.sdpa_attention import SDPACoreAttention
-from megarl.parallel.layout import ParallelGroups
+from megarl.parallel.layout import Layout, ParallelGroups
 from megarl.runtime import cpu_mode
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,17 +55,25 @@ def resolve_dtype(choice: str) -> torch.dtype:
     return _DTYPES[choice]
 
 
-def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cfg):
-    """The Megatron TransformerConfig for ``args`` in ``groups.layout``."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-
-    layout = groups.layout
+def check_layout(args: MegatronModelArgs, layout: Layout, model_cfg) -> None:
+    """Raise :class:`LayoutError` if the model cannot be split as ``layout`` says (pure: call it
+    before any process group exists)."""
     kw = args.config_kwargs
     layout.validate_model(
         num_layers=kw["num_layers"], num_attention_heads=kw["num_attention_heads"],
         num_query_groups=kw["num_query_groups"], ffn_hidden_size=kw["ffn_hidden_size"],
         padded_vocab_size=padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by),
         num_experts=args.num_experts, moe_ffn_hidden_size=kw.get("moe_ffn_hidden_size"))
+
+
+def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cfg, initialize: bool = True):
+    """The Megatron TransformerConfig for ``args`` in ``groups.layout``; ``initialize=False``
+    skips random initialisation (weights about to be loaded)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    layout = groups.layout
+    kw = args.config_kwargs
+    check_layout(args, layout, model_cfg)
     dtype = resolve_dtype(model_cfg.params_dtype)
     use_te = resolve_impl(model_cfg.transformer_impl)
     on_cpu = not torch.cuda.is_available()
@@ -94,6 +102,7 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         calculate_per_token_loss=True,
+        perform_initialization=initialize,
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=use_te,
@@ -149,12 +158,13 @@ def layer_spec(config, use_te: bool, vp_stage: Optional[int], pp_rank: int):
     return spec if use_te else _localize(spec, _local_replacements())
 
 
-def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelArgs] = None) -> List[torch.nn.Module]:
+def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelArgs] = None,
+                initialize: bool = True) -> List[torch.nn.Module]:
     """GPTModel chunks of this rank (one per virtual pipeline stage) for ``model_cfg``."""
     from megatron.core.models.gpt import GPTModel
 
     args = args or megatron_args_from_hf(model_cfg.hf_config)
-    config = transformer_config(args, groups, model_cfg)
+    config = transformer_config(args, groups, model_cfg, initialize)
     use_te = resolve_impl(model_cfg.transformer_impl)
     vocab = padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by)
     layout = groups.layout

@@ -179,6 +179,9 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
     rope_type = rope["rope_type"]
     rope_scaling = None
     if arch.mla:
+        if not _get(hf, "rope_interleave", default=True):
+            # Megatron's MLA rope always de-interleaves q_pe/k_pe, as rope_interleave=true does.
+            raise UnsupportedModelError("deepseek_v3 with rope_interleave=false is not supported")
         kwargs["rope_type"] = "rope" if rope_type == "default" else rope_type
         if rope_type == "yarn":
             kwargs.update(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -18,30 +18,43 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
 
 
+# Every layer under its own key (``decoder.layers.3.…``) rather than stacked on a layer axis,
+# as Megatron already does for MoE models with dense layers: one format for dense and MoE.
+SHARDED_METADATA = {"non_homogeneous_layers": True}
+
+
 def sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict:
     """The sharded state dict of all model chunks of this rank (keys are global)."""
     merged: Dict = {}
     for chunk in chunks:
-        merged.update(_unwrap(chunk).sharded_state_dict())
+        merged.update(_unwrap(chunk).sharded_state_dict(metadata=dict(SHARDED_METADATA)))
     return merged
 
 
 def save_model(chunks: List[torch.nn.Module], path: str | Path) -> None:
     """Write this layout's weights to ``path`` (collective over the whole world)."""
+    save_sharded(sharded_state_dict(chunks), path)
+
+
+def save_sharded(state: Dict, path: str | Path, before_rename: Optional[Callable[[Path], None]] = None) -> None:
+    """Save a sharded state dict atomically: into ``path.tmp``, then renamed to ``path``.
+    ``before_rename(tmp)`` runs on rank 0 to add files (e.g. the HF config) first."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = torch.distributed.get_rank()
+    if path.exists():  # every rank sees the same (shared) file system: all raise together
+        raise FileExistsError(f"checkpoint {path} already exists; remove it or choose another path")
     if rank == 0:
-        if path.exists():
-            raise FileExistsError(f"checkpoint {path} already exists; remove it or choose another path")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
-    dist_checkpointing.save(sharded_state_dict(chunks), str(tmp))
+    dist_checkpointing.save(state, str(tmp))
     torch.distributed.barrier()
     if rank == 0:
+        if before_rename is not None:
+            before_rename(tmp)
         tmp.rename(path)
     torch.distributed.barrier()
 

@@ -1,0 +1,1 @@
+"""Hugging Face ↔ Megatron dist-checkpoint conversion: mapping tables, safetensors I/O, drivers."""
