@@ -48,22 +48,26 @@ def _launch(argv: List[str], nproc: int) -> int:
            "-m", "megarl.checkpoint.cli", *rest]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    return 2 if subprocess.call(cmd, env=env) else 0  # the ranks printed the reason
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from megarl.checkpoint.convert import ConvertOptions, hf_to_mcore, mcore_to_hf
+    from megarl.checkpoint.convert import ConvertOptions, hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
     from megarl.config import ParallelConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    if args.nproc and "RANK" not in os.environ:
-        return _launch(argv, args.nproc)
+    launch = bool(args.nproc) and "RANK" not in os.environ
     try:
         if args.direction == "hf-to-mcore":
             parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp, vpp=args.vpp)
             options = ConvertOptions(args.vocab_multiple, args.params_dtype, args.transformer_impl)
+            if launch:  # refuse bad input here, before starting any process
+                prepare_hf_to_mcore(args.hf_dir, args.out_dir, parallel, options, args.nproc)
+                return _launch(argv, args.nproc)
             hf_to_mcore(args.hf_dir, args.out_dir, parallel, options)
+        elif launch:
+            return _launch(argv, args.nproc)
         else:
             mcore_to_hf(args.ckpt_dir, args.out_dir, args.dtype, parse_size(args.max_shard_size), args.hf_config)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:

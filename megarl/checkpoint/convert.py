@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -58,18 +58,21 @@ def _source_dtype(hf: HFCheckpoint) -> str:
     return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(name, "float32")
 
 
-def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfig,
-                options: ConvertOptions = ConvertOptions()) -> None:
-    """Convert an HF checkpoint to a Megatron dist checkpoint; run on every rank of the world."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+@dataclass
+class HFToMcorePlan:
+    """Everything checked about an HF -> Megatron conversion before any process group exists."""
 
-    from megarl.models import build_model
-    from megarl.parallel import build_groups
-    from megarl.runtime import init_distributed
-    from megarl.training.dist_ckpt import save_sharded, sharded_state_dict
+    hf: HFCheckpoint
+    args: object  # MegatronModelArgs
+    plan: object  # hf_mapping.Plan
+    skipped: List[str]
+    model_cfg: ModelConfig
+    layout: Layout
 
-    out_dir = Path(out_dir)
+
+def prepare_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfig,
+                        options: ConvertOptions, world_size: int) -> HFToMcorePlan:
+    """Check names, model type, layout and output path (pure: no tensors, no groups)."""
     hf = HFCheckpoint(hf_dir)
     args = megatron_args_from_hf(hf.config)
     plan = build_plan(args, options.make_vocab_size_divisible_by)
@@ -82,17 +85,33 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
         hf_config=str(hf.path), make_vocab_size_divisible_by=options.make_vocab_size_divisible_by,
         params_dtype=_source_dtype(hf) if options.params_dtype == "auto" else options.params_dtype,
         transformer_impl=options.transformer_impl)
-    init_distributed()
-    layout = Layout.from_config(parallel, torch.distributed.get_world_size())
+    layout = Layout.from_config(parallel, world_size)
     check_layout(args, layout, model_cfg)
-    if out_dir.exists():
+    if Path(out_dir).exists():
         raise FileExistsError(f"output {out_dir} already exists; remove it or choose another path")
-    if skipped and torch.distributed.get_rank() == 0:
-        warnings.warn(f"skipping {len(skipped)} HF tensors that are not converted "
-                      f"(multi-token-prediction layers or a tied lm_head), e.g. '{skipped[0]}'")
+    return HFToMcorePlan(hf, args, plan, skipped, model_cfg, layout)
+
+
+def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfig,
+                options: ConvertOptions = ConvertOptions()) -> None:
+    """Convert an HF checkpoint to a Megatron dist checkpoint; run on every rank of the world."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megarl.models import build_model
+    from megarl.parallel import build_groups
+    from megarl.runtime import init_distributed, world_size_from_env
+    from megarl.training.dist_ckpt import save_sharded, sharded_state_dict
+
+    prepared = prepare_hf_to_mcore(hf_dir, out_dir, parallel, options, world_size_from_env())
+    hf, args, plan, layout = prepared.hf, prepared.args, prepared.plan, prepared.layout
+    init_distributed()
+    if prepared.skipped and torch.distributed.get_rank() == 0:
+        print(f"megarl convert: warning: skipping {len(prepared.skipped)} HF tensors that are not converted "
+              f"(multi-token-prediction layers or a tied lm_head), e.g. '{prepared.skipped[0]}'", file=sys.stderr)
 
     groups = build_groups(layout)
-    chunks = build_model(model_cfg, groups, args, initialize=False)
+    chunks = build_model(prepared.model_cfg, groups, args, initialize=False)
     state = sharded_state_dict(chunks)
     apply_factories(state)
     by_key = plan.by_mcore_key()
@@ -111,7 +130,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
     def add_hf_files(tmp: Path) -> None:
         hf.copy_side_files(tmp / HF_SUBDIR)
 
-    save_sharded(state, out_dir, before_rename=add_hf_files)
+    save_sharded(state, Path(out_dir), before_rename=add_hf_files)
     groups.destroy()
 
 

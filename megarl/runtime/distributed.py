@@ -10,12 +10,27 @@ import torch
 from megarl.runtime import cpu_mode
 
 
-def init_distributed(timeout_s: int = 600) -> int:
-    """Initialise the default process group from torchrun/Ray environment variables.
+def _slurm_to_torch_env() -> None:
+    # srun starts one task per rank with SLURM_* variables; torch reads RANK/WORLD_SIZE/LOCAL_RANK.
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ:
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        os.environ.setdefault("MASTER_PORT", "29500")
 
-    Without ``RANK``/``WORLD_SIZE`` in the environment it starts a world of one on a free local
-    port. Returns this process's global rank. Idempotent.
+
+def world_size_from_env() -> int:
+    """The world size this process will join (torchrun, srun, or 1), before any group exists."""
+    _slurm_to_torch_env()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(timeout_s: int = 600) -> int:
+    """Initialise the default process group from torchrun/srun/Ray environment variables.
+
+    Without ``RANK``/``WORLD_SIZE`` (or srun's ``SLURM_PROCID`` plus ``MASTER_ADDR``) it starts a
+    world of one on a free local port. Returns this process's global rank. Idempotent.
     """
+    _slurm_to_torch_env()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
