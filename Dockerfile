@@ -18,5 +18,6 @@ RUN pip freeze | grep -iE '^(torch|transformer[-_]engine|apex|flash[-_]attn)' > 
  && python -c "import megatron.core, transformer_engine, sglang; print('megarl image ok')"
 COPY configs ./configs
 COPY launch ./launch
+COPY checkpoint_tools ./checkpoint_tools
 COPY benchmarks ./benchmarks
 COPY tests ./tests

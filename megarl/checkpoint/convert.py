@@ -216,7 +216,9 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
     writer = ShardWriter(tmp, f"rank{rank:05d}", max_shard_bytes)
     for key, items in by_key.items():
         layer = items[0].layer
-        if (0 if layer is None else layer) % world != rank:
+        # layers round-robin; the output layer (as large as the embedding) on the last rank
+        owner = layer % world if layer is not None else (world - 1 if key.startswith("output_layer") else 0)
+        if owner != rank:
             continue
         meta = stored[key]
         target = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
