@@ -1,0 +1,1 @@
+"""Training engines: one Megatron model in its training layout, a few verbs."""

@@ -1,0 +1,72 @@
+"""Worker for test_engine.py (under torchrun): engine log-probs at each layout vs log_softmax of
+the single-process model's logits. ``reference`` writes the shared initial weights and the
+reference log-probs; ``run`` checks layouts. Prints RESULT lines on rank 0."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import ModelConfig, OptimizerConfig
+from megarl.engines.megatron_engine import MegatronEngine
+from megarl.models import build_model, megatron_args_from_hf
+from megarl.parallel import Layout, build_groups
+from megarl.runtime import init_distributed, set_seed
+from megarl.training import lm
+from megarl.training.dist_ckpt import load_model, save_model
+
+MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json"}
+
+
+def batch(vocab: int):
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, vocab, (8, 13), generator=gen)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "position_ids": torch.arange(12).expand(8, -1).contiguous()}
+
+
+def reference(work: Path) -> None:
+    for name, path in MODELS.items():
+        groups = build_groups(Layout())
+        set_seed(3, groups)
+        model_cfg = ModelConfig(hf_config=path)
+        chunks = build_model(model_cfg, groups)
+        save_model(chunks, work / name / "init")
+        vocab = megatron_args_from_hf(path).vocab_size
+        b = batch(vocab)
+        with torch.no_grad():
+            logits = chunks[0].eval()(b["tokens"], b["position_ids"], None)[..., :vocab]
+        logp = torch.log_softmax(logits.double(), -1).gather(-1, b["labels"].unsqueeze(-1)).squeeze(-1)
+        torch.save(logp, work / name / "ref_logp.pt")
+        groups.destroy()
+
+
+def run(work: Path, specs) -> None:
+    for spec in specs:
+        name, sizes = spec.split("@")
+        tp, pp, dp, ep = (int(x) for x in sizes.split(","))
+        groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None))
+        set_seed(3, groups)
+        path = MODELS[name]
+        state = lm.build_train_state(ModelConfig(hf_config=path), OptimizerConfig(), groups, 1,
+                                     init_checkpoint=str(work / name / "init"))
+        vocab = megatron_args_from_hf(path).vocab_size
+        engine = MegatronEngine(state, vocab)
+        out = engine.forward_log_probs(lm.dp_shard(batch(vocab), groups), micro_batch_size=2)
+        shards = [torch.empty_like(out["log_probs"]) for _ in range(dp)]
+        dist.all_gather(shards, out["log_probs"], group=groups.pg.dp)
+        got = torch.cat(shards)
+        ref = torch.load(work / name / "ref_logp.pt")
+        diff = torch.tensor([(got.double() - ref).abs().max().item()])
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps({"spec": spec, "max_abs_diff": diff.item()}), flush=True)
+        groups.destroy()
+
+
+if __name__ == "__main__":
+    init_distributed()
+    mode, work = sys.argv[1], Path(sys.argv[2])
+    reference(work) if mode == "reference" else run(work, sys.argv[3:])
