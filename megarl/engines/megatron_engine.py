@@ -1,21 +1,45 @@
 """A Megatron model in its training layout and the verbs the RL roles need.
 
-``forward_log_probs`` runs Megatron's pipeline schedule forward-only over micro-batches and
-returns, for every token, the log-probability of the given next token and the entropy of the
-next-token distribution, computed from vocabulary-parallel logits (never gathered).
+``forward_log_probs`` runs Megatron's pipeline schedule forward-only and returns, per token, the
+log-probability of the next token and the entropy of the next-token distribution, computed from
+vocabulary-parallel logits (never gathered). ``update`` runs forward-backward with a loss the
+role supplies and takes an optimizer step. Both accept fixed-size or token-budget
+micro-batches, padded or packed.
+
+Loss normalisation: a role's loss returns an unnormalised sum and its count (tokens or
+sequences) per micro-batch; Megatron (``calculate_per_token_loss``) sums the counts over all
+micro-batches and data-parallel ranks and divides the gradients by the total, so the update is
+the same whatever dp, pp or micro-batching.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megarl.engines import batching
+from megarl.engines.batching import Batch, MicroBatch
 from megarl.engines.vocab_parallel import log_prob_and_entropy
-from megarl.training import lm
 from megarl.training.lm import TrainState
+
+# (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metric sums)
+LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]]
+
+
+@dataclass
+class MicroBatching:
+    """How a DP rank's rows become micro-batches."""
+
+    micro_batch_size: int = 2
+    """Rows per micro-batch (fixed mode)."""
+    max_tokens: Optional[int] = None
+    """Token budget per micro-batch; set = dynamic mode (micro_batch_size ignored)."""
+    packed: bool = False
+    """Concatenate real tokens (THD) instead of padding rows."""
 
 
 class MegatronEngine:
@@ -25,57 +49,108 @@ class MegatronEngine:
         self.state = state
         self.groups = state.groups
         self.vocab_size = vocab_size
+        # Micro-batches of different lengths need Megatron to exchange shapes between stages.
+        state.model[0].config.variable_seq_lengths = True
 
-    def _schedule(self, batch: Dict[str, torch.Tensor], micro_batch_size: int, forward_step, forward_only: bool):
+    def micro_batches(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> List[MicroBatch]:
+        layout = self.groups.layout
+        multiple = layout.tp * layout.cp if layout.sequence_parallel and layout.tp > 1 else 1
+        if how.max_tokens:
+            groups = batching.token_budget_micro_batches(lengths, how.max_tokens)
+        else:
+            groups = batching.fixed_micro_batches(batch, how.micro_batch_size)
+        build = batching.packed if how.packed else batching.padded
+        return [build(batch, rows, lengths, multiple) for rows in groups]
+
+    def _run(self, micro: List[MicroBatch], loss_func, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-        layout = self.groups.layout
-        if layout.sequence_parallel and layout.tp > 1:
-            batch = lm.pad_sequence_length(batch, layout.tp * layout.cp)
-        micro = lm.micro_batches(batch, micro_batch_size)
-        model = self.state.model
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            logits = model(mb.tensors["tokens"], mb.tensors["position_ids"], None,
+                           packed_seq_params=mb.packed_seq_params)
+            return logits, partial(loss_func, mb)
+
+        layout, model = self.groups.layout, self.state.model
         iterators = [iter(micro) for _ in model] if len(model) > 1 else iter(micro)
         return get_forward_backward_func(layout.pp, layout.vpp)(
             forward_step_func=forward_step, data_iterator=iterators,
             model=model if len(model) > 1 else model[0], num_microbatches=len(micro),
-            seq_length=batch["tokens"].shape[1], micro_batch_size=micro_batch_size,
+            seq_length=max(m.tensors["tokens"].shape[1] for m in micro),
+            micro_batch_size=max(m.tensors["tokens"].shape[0] for m in micro),
             forward_only=forward_only, pg_collection=self.groups.pg,
             p2p_communicator=P2PCommunicator(pp_group=self.groups.pg.pp, config=model[0].config))
 
+    def _log_probs(self, mb: MicroBatch, logits: torch.Tensor, temperature: float):
+        group = self.groups.pg.tp if self.groups.layout.tp > 1 else None
+        return log_prob_and_entropy(logits, mb.tensors["labels"], vocab_size=self.vocab_size,
+                                    group=group, temperature=temperature)
+
     @torch.no_grad()
-    def forward_log_probs(self, batch: Dict[str, torch.Tensor], micro_batch_size: int,
+    def forward_log_probs(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching,
                           temperature: float = 1.0) -> Dict[str, torch.Tensor]:
-        """``batch``: this DP rank's tokens, labels, position_ids [b, s]. Returns ``log_probs``
-        and ``entropy`` [b, s] (of ``labels``), on every rank of this DP replica."""
-        seq = batch["tokens"].shape[1]
-        tp_group = self.groups.pg.tp if self.groups.layout.tp > 1 else None
+        """Log-probs of ``batch['labels']`` and entropies, [rows, seq], on every rank of this
+        data-parallel replica (zeros past each row's length)."""
+        rows, seq = batch["tokens"].shape
+        micro = self.micro_batches(batch, lengths, how)
 
-        def loss_func(labels, output):
-            # output: [b, s, vocab/tp] logits of this micro-batch
-            logp, entropy = log_prob_and_entropy(output, labels, vocab_size=self.vocab_size,
-                                                 group=tp_group, temperature=temperature)
-            zero = logp.new_zeros(())
-            return zero, torch.tensor(1, dtype=torch.int), {"log_probs": logp, "entropy": entropy}
-
-        def forward_step(data_iterator, model):
-            micro = next(data_iterator)
-            return model(micro["tokens"], micro["position_ids"], None), partial(loss_func, micro["labels"])
+        def loss_func(mb, logits):
+            logp, entropy = self._log_probs(mb, logits, temperature)
+            return logp.new_zeros(()), torch.tensor(1, dtype=torch.int), {"log_probs": logp, "entropy": entropy}
 
         for chunk in self.state.model:
             chunk.eval()
-        outputs = self._schedule(batch, micro_batch_size, forward_step, forward_only=True)
+        outputs = self._run(micro, loss_func, forward_only=True)
         for chunk in self.state.model:
             chunk.train()
-        return self._from_last_stage(outputs, batch["tokens"].shape[0], seq)
-
-    def _from_last_stage(self, outputs: List[Dict[str, torch.Tensor]], rows: int, seq: int) -> Dict[str, torch.Tensor]:
-        """Concatenate the last stage's micro-batch results and broadcast them over the pipeline."""
         result = torch.zeros(2, rows, seq)
         if self.groups.is_last_stage:
-            result[0] = torch.cat([o["log_probs"] for o in outputs])[:, :seq]
-            result[1] = torch.cat([o["entropy"] for o in outputs])[:, :seq]
+            for mb, out in zip(micro, outputs):
+                result[0, mb.rows] = batching.unpack(out["log_probs"], mb, seq)
+                result[1, mb.rows] = batching.unpack(out["entropy"], mb, seq)
+        self._broadcast_from_last_stage(result)
+        return {"log_probs": result[0], "entropy": result[1]}
+
+    def update(self, batch: Batch, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
+               temperature: float = 1.0) -> Dict[str, float]:
+        """One optimizer step on this DP rank's rows; returns the global loss and metrics."""
+        state = self.state
+        for chunk in state.model:
+            chunk.zero_grad_buffer()
+        state.optimizer.zero_grad()
+
+        def loss_func(mb, logits):
+            logp, entropy = self._log_probs(mb, logits, temperature)
+            loss_sum, count, metrics = loss_fn(logp, entropy, mb.tensors)
+            report = torch.stack([loss_sum.detach().float(), count.float()]
+                                 + [v.detach().float() for v in metrics.values()])
+            return loss_sum, count.to(torch.int), {"report": report, "names": list(metrics)}
+
+        outputs = self._run(self.micro_batches(batch, lengths, how), loss_func, forward_only=False)
+        ok, grad_norm, _ = state.optimizer.step()
+        if ok:
+            state.scheduler.step(increment=1)
+        return self._metrics(outputs, float(grad_norm or 0.0))
+
+    def _metrics(self, outputs, grad_norm: float) -> Dict[str, float]:
+        names = outputs[0]["names"] if outputs else []  # only the last stage has outputs
+        width = torch.tensor([len(names)], dtype=torch.float)
         if self.groups.layout.pp > 1:
             last = dist.get_global_rank(self.groups.pg.pp, self.groups.layout.pp - 1)
-            dist.broadcast(result, src=last, group=self.groups.pg.pp)
-        return {"log_probs": result[0], "entropy": result[1]}
+            dist.broadcast(width, src=last, group=self.groups.pg.pp)
+        totals = torch.zeros(2 + int(width.item()))
+        if self.groups.is_last_stage:
+            for out in outputs:
+                totals += out["report"]
+            dist.all_reduce(totals, group=self.groups.pg.dp_cp)
+        self._broadcast_from_last_stage(totals)
+        count = totals[1].clamp(min=1)
+        metrics = {"loss": (totals[0] / count).item(), "grad_norm": grad_norm}
+        metrics.update({name: (totals[2 + i] / count).item() for i, name in enumerate(names)})
+        return metrics
+
+    def _broadcast_from_last_stage(self, tensor: torch.Tensor) -> None:
+        if self.groups.layout.pp > 1:
+            last = dist.get_global_rank(self.groups.pg.pp, self.groups.layout.pp - 1)
+            dist.broadcast(tensor, src=last, group=self.groups.pg.pp)

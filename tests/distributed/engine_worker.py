@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ModelConfig, OptimizerConfig
-from megarl.engines.megatron_engine import MegatronEngine
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
 from megarl.models import build_model, megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
@@ -20,11 +20,21 @@ from megarl.training.dist_ckpt import load_model, save_model
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json"}
 
 
+HOW = {"fixed": MicroBatching(micro_batch_size=2), "dynamic": MicroBatching(max_tokens=20),
+       "packed": MicroBatching(micro_batch_size=2, packed=True),
+       "dynamic-packed": MicroBatching(max_tokens=20, packed=True)}
+LENGTHS = torch.tensor([12, 5, 9, 12, 3, 7, 11, 6])  # right padding after these
+
+
 def batch(vocab: int):
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, vocab, (8, 13), generator=gen)
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
             "position_ids": torch.arange(12).expand(8, -1).contiguous()}
+
+
+def real(lengths: torch.Tensor, seq: int) -> torch.Tensor:
+    return torch.arange(seq).unsqueeze(0) < lengths.unsqueeze(1)  # [rows, seq]
 
 
 def reference(work: Path) -> None:
@@ -45,7 +55,8 @@ def reference(work: Path) -> None:
 
 def run(work: Path, specs) -> None:
     for spec in specs:
-        name, sizes = spec.split("@")
+        name, rest = spec.split("@")
+        sizes, mode = rest.split(":") if ":" in rest else (rest, "fixed")
         tp, pp, dp, ep = (int(x) for x in sizes.split(","))
         groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None))
         set_seed(3, groups)
@@ -54,12 +65,17 @@ def run(work: Path, specs) -> None:
                                      init_checkpoint=str(work / name / "init"))
         vocab = megatron_args_from_hf(path).vocab_size
         engine = MegatronEngine(state, vocab)
-        out = engine.forward_log_probs(lm.dp_shard(batch(vocab), groups), micro_batch_size=2)
+        per = 8 // dp
+        rows = slice(groups.dp_rank * per, (groups.dp_rank + 1) * per)
+        mine = {k: v[rows] for k, v in batch(vocab).items()}
+        out = engine.forward_log_probs(mine, LENGTHS[rows], HOW[mode])
         shards = [torch.empty_like(out["log_probs"]) for _ in range(dp)]
         dist.all_gather(shards, out["log_probs"], group=groups.pg.dp)
         got = torch.cat(shards)
         ref = torch.load(work / name / "ref_logp.pt")
-        diff = torch.tensor([(got.double() - ref).abs().max().item()])
+        mask = real(LENGTHS, ref.shape[1])
+        diff = torch.tensor([((got.double() - ref).abs() * mask).max().item()
+                             + got[~mask].abs().max().item()])  # zeros past each length
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps({"spec": spec, "max_abs_diff": diff.item()}), flush=True)

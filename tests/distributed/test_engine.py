@@ -1,5 +1,6 @@
 """Engine log-probs (vocabulary-parallel, through Megatron's pipeline schedule) equal
-log_softmax of the single-process model's logits at every layout; max abs diff <= 1e-5."""
+log_softmax of the single-process model's logits at every layout, with fixed or token-budget
+micro-batches, padded or packed; max abs diff <= 1e-5 on real tokens, zeros past them."""
 
 import json
 
@@ -8,9 +9,11 @@ import pytest
 from tests.distributed.launch import torchrun
 
 WORKER = "tests/distributed/engine_worker.py"
-SPECS = {1: ["dense@1,1,1,1", "moe@1,1,1,1"],
-         2: ["dense@2,1,1,1", "dense@1,2,1,1", "dense@1,1,2,1", "moe@2,1,1,1", "moe@1,2,1,1", "moe@1,1,2,2"],
-         4: ["dense@2,2,1,1", "moe@2,2,1,1"]}
+# name@t,p,d,e[:micro-batching]; padded fixed-size micro-batches unless said otherwise
+SPECS = {1: ["dense@1,1,1,1", "moe@1,1,1,1", "dense@1,1,1,1:dynamic", "dense@1,1,1,1:packed"],
+         2: ["dense@2,1,1,1", "dense@1,2,1,1", "dense@1,1,2,1", "moe@2,1,1,1", "moe@1,2,1,1", "moe@1,1,2,2",
+             "dense@2,1,1,1:dynamic-packed", "dense@1,2,1,1:dynamic", "moe@1,1,2,2:packed", "dense@1,2,1,1:packed"],
+         4: ["dense@2,2,1,1", "moe@2,2,1,1", "dense@2,2,1,1:dynamic-packed"]}
 
 
 @pytest.fixture(scope="module")

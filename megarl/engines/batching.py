@@ -1,0 +1,116 @@
+"""Micro-batches for the engines: fixed-size or by token budget, padded or packed.
+
+A batch is a dict of [rows, seq] tensors with right padding (``lengths`` [rows] gives each
+row's real tokens). Micro-batches keep the indices of their rows so results go back in order.
+Packed micro-batches concatenate the real tokens of their rows into one row (THD format,
+``cu_seqlens``), so no compute is spent on padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+Batch = Dict[str, torch.Tensor]
+
+
+@dataclass
+class MicroBatch:
+    """Rows of a batch and the tensors fed to the model for them."""
+
+    rows: torch.Tensor  # [n] indices into the batch
+    tensors: Batch  # [n, s] (padded) or [1, T] (packed)
+    packed_seq_params: Optional[object] = None  # megatron PackedSeqParams when packed
+    lengths: Optional[torch.Tensor] = None  # [n] real tokens of each row
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tensors["tokens"].numel())
+
+
+def balance_across_dp(lengths: torch.Tensor, dp: int) -> List[torch.Tensor]:
+    """Assign rows to data-parallel ranks so each gets a similar number of real tokens
+    (longest first, to the least loaded rank; ties to the lower rank). Deterministic."""
+    loads = [0] * dp
+    assigned: List[List[int]] = [[] for _ in range(dp)]
+    for row in sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r)):
+        rank = min(range(dp), key=lambda k: (loads[k], k))
+        assigned[rank].append(row)
+        loads[rank] += int(lengths[row])
+    return [torch.tensor(sorted(rows), dtype=torch.long) for rows in assigned]
+
+
+def take_rows(batch: Batch, rows: torch.Tensor) -> Batch:
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def fixed_micro_batches(batch: Batch, micro_batch_size: int) -> List[torch.Tensor]:
+    """Row groups of ``micro_batch_size`` in order."""
+    rows = batch["tokens"].shape[0]
+    if rows % micro_batch_size:
+        raise ValueError(f"{rows} rows do not split into micro-batches of {micro_batch_size}")
+    return [torch.arange(i, i + micro_batch_size) for i in range(0, rows, micro_batch_size)]
+
+
+def token_budget_micro_batches(lengths: torch.Tensor, max_tokens: int) -> List[torch.Tensor]:
+    """Row groups whose real tokens fit ``max_tokens`` (first-fit over rows sorted by length,
+    longest first). A row longer than the budget gets a micro-batch of its own."""
+    bins: List[List[int]] = []
+    loads: List[int] = []
+    for row in sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r)):
+        n = int(lengths[row])
+        for i, load in enumerate(loads):
+            if load + n <= max_tokens:
+                bins[i].append(row)
+                loads[i] += n
+                break
+        else:
+            bins.append([row])
+            loads.append(n)
+    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+
+
+def padded(batch: Batch, rows: torch.Tensor, lengths: torch.Tensor, multiple: int) -> MicroBatch:
+    """The rows, cut to their longest real length (rounded up to ``multiple``)."""
+    longest = int(lengths[rows].max())
+    longest = -(-longest // multiple) * multiple
+    return MicroBatch(rows, {k: v[rows, :longest] for k, v in batch.items()}, lengths=lengths[rows])
+
+
+def packed(batch: Batch, rows: torch.Tensor, lengths: torch.Tensor, multiple: int) -> MicroBatch:
+    """The rows' real tokens end to end in one row; a padding segment makes the total divide
+    by ``multiple`` (sequence parallelism). Positions restart at every sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lens = [int(lengths[r]) for r in rows]
+    total = sum(lens)
+    pad = -total % multiple
+    seg_lens = lens + ([pad] if pad else [])
+    cu = torch.tensor([0] + seg_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    tensors = {}
+    for key, value in batch.items():
+        parts = [value[r, :n] for r, n in zip(rows.tolist(), lens)]
+        if pad:
+            parts.append(value.new_zeros(pad))
+        tensors[key] = torch.cat(parts).unsqueeze(0)
+    tensors["position_ids"] = torch.cat([torch.arange(n) for n in seg_lens]).unsqueeze(0)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(seg_lens), max_seqlen_kv=max(seg_lens))
+    return MicroBatch(rows, tensors, params, torch.tensor(lens))
+
+
+def unpack(values: torch.Tensor, micro: MicroBatch, seq: int) -> torch.Tensor:
+    """Per-token values of a micro-batch back to [n, seq] rows (zeros past each length)."""
+    out = values.new_zeros(len(micro.rows), seq)
+    if micro.packed_seq_params is None:
+        for i, n in enumerate(micro.lengths.tolist()):
+            out[i, :n] = values[i, :n]
+        return out
+    flat = values.reshape(-1)
+    start = 0
+    for i, n in enumerate(micro.lengths.tolist()):
+        out[i, :n] = flat[start:start + n]
+        start += n
+    return out
