@@ -1,0 +1,188 @@
+"""Advantage estimators: token rewards, outcome scores and values in, ``(advantages, returns)`` out.
+
+Every estimator takes one :class:`AdvantageInputs` and returns two ``[batch, response_len]``
+tensors that are zero at masked positions. Critic-free estimators return ``returns = advantages``
+before any whitening (there is no value head to regress onto them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from megarl.algorithms.masked import masked_whiten
+from megarl.algorithms.registry import Registry
+
+AdvantageEstimator = Callable[["AdvantageInputs"], Tuple[Tensor, Tensor]]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """Everything an estimator may need; each estimator says which fields it reads."""
+
+    response_mask: Optional[Tensor] = None  # [batch, T], 1 = real response token
+    token_rewards: Optional[Tensor] = None  # [batch, T], e.g. score at the last token minus KL
+    scores: Optional[Tensor] = None  # [batch], outcome reward of each sample
+    values: Optional[Tensor] = None  # [batch, T], critic values V(s_t)
+    index: Optional[Tensor] = None  # [batch] int64, group (prompt) id of each sample
+    baseline_scores: Optional[Tensor] = None  # [batch], reward of the greedy sample (ReMax)
+    gamma: float = 1.0  # discount
+    lam: float = 1.0  # GAE lambda
+    norm_by_std: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
+    whiten: bool = False  # GAE: whiten advantages over the batch's valid tokens
+    eps: float = 1e-6  # GRPO: added to the group std
+
+    def need(self, field: str, estimator: str) -> Tensor:
+        """The field ``estimator`` cannot do without; a ValueError names it when unset."""
+        value = getattr(self, field)
+        if value is None:
+            raise ValueError(f"advantage estimator {estimator!r} needs AdvantageInputs.{field}")
+        return value
+
+
+def _group_stats(scores: Tensor, index: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per row (``[batch]`` each): its group's size, score minus group mean, and the group's sum of
+    squared deviations."""
+    _, group = torch.unique(index, return_inverse=True)  # ids -> 0..G-1, any order, any gaps
+    num_groups = int(group.max()) + 1
+
+    def group_sum(x: Tensor) -> Tensor:
+        sums = torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, group, x)
+        return sums[group]
+
+    # Shift by a member of the group first: a group of equal scores then centres to exactly 0.
+    # Without it, 7 copies of 0.1 leave a rounding residue that 1/(std + eps) blows up to ~0.01.
+    group_max = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
+    shifted = scores - group_max.scatter_reduce_(0, group, scores, "amax", include_self=False)[group]
+    count = group_sum(torch.ones_like(scores))
+    centred = shifted - group_sum(shifted) / count
+    return count, centred, group_sum(centred**2)
+
+
+def _per_token(seq_values: Tensor, mask: Tensor) -> Tensor:
+    """Broadcast a ``[batch]`` value over the response tokens: ``[batch, T]``, 0 where masked."""
+    return seq_values[:, None] * mask.to(seq_values.dtype)
+
+
+def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_{t'} with t' the next valid token; masked positions are skipped."""
+    valid = mask.bool()
+    carry = torch.zeros_like(rewards[:, 0])
+    out = []
+    for t in reversed(range(rewards.shape[1])):
+        ret = rewards[:, t] + gamma * carry
+        carry = torch.where(valid[:, t], ret, carry)
+        out.append(torch.where(valid[:, t], ret, 0.0))
+    return torch.stack(out[::-1], dim=1)
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def gae(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous
+    Control Using GAE", eq. 16): A_t = sum_l (gamma*lam)^l delta_{t+l}, delta_t = r_t + gamma
+    V_{t+1} - V_t, V = 0 after the last token. returns = A + V (the critic's target).
+
+    Masked positions are not steps of the episode: the recursion carries over them, so right
+    padding (and masked tokens inside a response) neither contribute nor cut the sum. With
+    ``whiten`` the advantages are whitened over the batch's valid tokens, a local statistic;
+    a DP-sharded trainer must whiten with global statistics (``whiten_with_stats``) instead.
+    """
+    rewards = inputs.need("token_rewards", "gae")
+    values = inputs.need("values", "gae")
+    mask = inputs.need("response_mask", "gae")
+    valid = mask.bool()
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    out = []
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + inputs.gamma * next_value - values[:, t]
+        adv = delta + inputs.gamma * inputs.lam * next_adv
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv, next_adv)
+        out.append(torch.where(valid[:, t], adv, 0.0))
+    advantages = torch.stack(out[::-1], dim=1)  # [batch, T]
+    returns = torch.where(valid, advantages + values, 0.0)
+    if inputs.whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
+    """GRPO outcome supervision (Shao et al. 2024, DeepSeekMath §4.1.2): A_i = (r_i - mean(r_group))
+    / (std(r_group) + eps) on every response token.
+
+    std is the unbiased (Bessel-corrected) sample std, as ``torch.std`` in verl and TRL. A group
+    of size 1 has no baseline and gets advantage 0; a group of equal rewards gets 0, not NaN.
+    ``norm_by_std=False`` is Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training",
+    the Dr. GRPO objective), which also drops the 1/|o_i| length normalisation: that half is the
+    loss aggregation ``seq-mean-token-sum-norm``, not this function.
+    """
+    scores = inputs.need("scores", "grpo")
+    index = inputs.need("index", "grpo")
+    mask = inputs.need("response_mask", "grpo")
+    count, centred, sq_dev = _group_stats(scores, index)
+    if inputs.norm_by_std:
+        std = torch.sqrt(sq_dev / (count - 1).clamp_min(1))
+        centred = centred / (std + inputs.eps)
+    advantages = _per_token(torch.where(count > 1, centred, 0.0), mask)
+    return advantages, advantages
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024, "Back to Basics", the RLOO estimator, after
+    Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"):
+    A_i = r_i - mean_{j != i} r_j = n/(n-1) * (r_i - mean(r_group)). Groups of size 1: 0.
+    """
+    scores = inputs.need("scores", "rloo")
+    index = inputs.need("index", "rloo")
+    mask = inputs.need("response_mask", "rloo")
+    count, centred, _ = _group_stats(scores, index)
+    loo = centred * count / (count - 1).clamp_min(1)
+    advantages = _per_token(torch.where(count > 1, loo, 0.0), mask)
+    return advantages, advantages
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def reinforce_pp(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262, the k >= 1 variant): returns
+    G_t = sum_{s>=t} gamma^(s-t) r_s over the token rewards (outcome score at the last token, the
+    per-token KL penalty already folded in by the caller with ``kl_penalty_rewards``); advantages
+    = G whitened over the batch's valid tokens ("global" normalisation; local statistics, see
+    ``masked_whiten``). returns = G.
+    """
+    rewards = inputs.need("token_rewards", "reinforce_pp")
+    mask = inputs.need("response_mask", "reinforce_pp")
+    returns = _discounted_returns(rewards, mask, inputs.gamma)
+    return masked_whiten(returns, mask), returns
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+def reinforce_pp_baseline(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
+    """REINFORCE++ w/ baseline (Hu et al. 2025, arXiv:2501.03262, the k > 1 variant): subtract the
+    group mean of the outcome score, broadcast over tokens, then whiten over the batch's valid
+    tokens (token-weighted statistics, local to the batch). returns = the centred scores.
+    """
+    scores = inputs.need("scores", "reinforce_pp_baseline")
+    index = inputs.need("index", "reinforce_pp_baseline")
+    mask = inputs.need("response_mask", "reinforce_pp_baseline")
+    _, centred, _ = _group_stats(scores, index)
+    returns = _per_token(centred, mask)
+    return masked_whiten(returns, mask), returns
+
+
+@ADVANTAGE_ESTIMATORS.register("remax")
+def remax(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
+    """ReMax (Li et al. 2023, "ReMax", Algorithm 1): A_i = r(x, y_i) - r(x, y_greedy), the
+    greedy response's reward as the baseline, on every response token.
+    """
+    scores = inputs.need("scores", "remax")
+    baseline = inputs.need("baseline_scores", "remax")
+    mask = inputs.need("response_mask", "remax")
+    advantages = _per_token(scores - baseline, mask)
+    return advantages, advantages

@@ -1,0 +1,1 @@
+"""Model roles (actor, reference, ...): thin classes over a Megatron engine."""

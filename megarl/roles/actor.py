@@ -1,0 +1,77 @@
+"""The actor: the policy's log-probs and its update (policy loss + KL to the reference +
+entropy bonus), over a :class:`MegatronEngine`.
+
+Batch tensors, [rows, seq], right-padded: ``tokens``, ``labels`` (next tokens), ``position_ids``,
+``loss_mask`` (1 on response tokens), ``old_log_probs``, ``ref_log_probs``, ``advantages``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from megarl.algorithms.losses import POLICY_LOSSES, entropy_bonus, kl_loss, loss_denominators
+from megarl.engines.batching import Batch
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+
+
+@dataclass
+class ActorLossConfig:
+    """The actor's objective."""
+
+    policy_loss: str = "ppo"
+    """A POLICY_LOSSES name: ``ppo`` or ``gspo``."""
+    agg_mode: str = "token-mean"
+    """Loss aggregation over the global batch (see megarl.algorithms.losses.aggregate)."""
+    clip_low: float = 0.2
+    """Lower clip range of the ratio."""
+    clip_high: float = 0.2
+    """Upper clip range (raise it for DAPO's clip-higher)."""
+    dual_clip_c: Optional[float] = None
+    """Dual-clip bound for negative advantages (> 1), null = off."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss term."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    max_len: Optional[int] = None
+    """Generation budget, needed by ``seq-mean-token-sum-norm``."""
+    temperature: float = 1.0
+    """Sampling temperature the log-probs are computed at."""
+
+
+class Actor:
+    """The policy model in its training layout."""
+
+    def __init__(self, engine: MegatronEngine, loss: ActorLossConfig):
+        self.engine = engine
+        self.cfg = loss
+
+    def compute_log_prob(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
+        return self.engine.forward_log_probs(batch, lengths, how, self.cfg.temperature)["log_probs"]
+
+    def _loss(self, logp: torch.Tensor, entropy: torch.Tensor, t: Batch):
+        cfg, mask = self.cfg, t["loss_mask"]
+        tokens, seqs = loss_denominators(mask)
+        # Sums here; Megatron divides by the count summed over micro-batches and DP ranks.
+        count = tokens if cfg.agg_mode == "token-mean" else seqs
+        norm = dict(global_tokens=1, global_seqs=1, max_len=cfg.max_len)
+        loss, metrics = POLICY_LOSSES.get(cfg.policy_loss)(
+            logp, t["old_log_probs"], t["advantages"], mask, agg_mode=cfg.agg_mode,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, **norm)
+        if cfg.kl_coef:
+            kl = kl_loss(logp, t["ref_log_probs"], mask, cfg.kl_estimator, cfg.agg_mode, **norm)
+            loss = loss + cfg.kl_coef * kl
+            metrics["kl"] = kl.detach() / count.clamp(min=1)
+        if cfg.entropy_coef:
+            entropy_term = entropy_bonus(entropy, mask, cfg.agg_mode, **norm)
+            loss = loss - cfg.entropy_coef * entropy_term
+            metrics["entropy"] = entropy_term.detach() / count.clamp(min=1)
+        # metrics are micro-batch means; weight them by the count so the engine can average
+        return loss, count, {k: v * count for k, v in metrics.items()}
+
+    def update(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> Dict[str, float]:
+        return self.engine.update(batch, lengths, self._loss, how, self.cfg.temperature)

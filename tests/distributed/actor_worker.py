@@ -1,0 +1,114 @@
+"""Worker for test_actor_update.py (under torchrun). ``run``: for each spec, one actor update
+(PPO with clipping engaged + k3 KL loss + entropy bonus) from shared initial weights on a shared
+batch; saves the reduced gradients and the new weights as dist checkpoints and the metrics.
+``compare``: one process reads them back whole and reports relative differences to the
+single-process run. Prints RESULT lines on rank 0."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import ModelConfig, OptimizerConfig
+from megarl.engines.batching import balance_across_dp
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.models import build_model, megatron_args_from_hf
+from megarl.parallel import Layout, build_groups
+from megarl.roles.actor import Actor, ActorLossConfig
+from megarl.runtime import init_distributed, set_seed
+from megarl.training import lm
+from megarl.training.dist_ckpt import save_model
+from tests.distributed.parity_worker import _full_tensors, _rel, grads_as_weights
+
+MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json"}
+HOW = {"fixed": MicroBatching(micro_batch_size=2), "dynamic": MicroBatching(max_tokens=24),
+       "packed": MicroBatching(micro_batch_size=2, packed=True),
+       "dynamic-packed": MicroBatching(max_tokens=24, packed=True)}
+LOSS = ActorLossConfig(policy_loss="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01)
+ROWS, SEQ = 8, 14
+
+
+def rl_batch(vocab: int):
+    """Prompt + response rows of varying length (right padding), old/ref log-probs near the
+    model's so some ratios fall outside the clip range, per-sequence advantages."""
+    gen = torch.Generator().manual_seed(21)
+    tokens = torch.randint(0, vocab, (ROWS, SEQ + 1), generator=gen)
+    lengths = torch.tensor([14, 6, 10, 14, 4, 9, 12, 7])
+    prompt = torch.tensor([3, 2, 4, 5, 1, 3, 2, 2])
+    pos = torch.arange(SEQ).unsqueeze(0)
+    loss_mask = ((pos >= prompt.unsqueeze(1)) & (pos < lengths.unsqueeze(1))).float()
+    advantages = torch.randn(ROWS, 1, generator=gen).expand(ROWS, SEQ) * loss_mask
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": pos.expand(ROWS, -1).contiguous(), "loss_mask": loss_mask,
+             "advantages": advantages.contiguous(),
+             "noise_old": torch.randn(ROWS, SEQ, generator=gen) * 0.3,
+             "noise_ref": torch.randn(ROWS, SEQ, generator=gen) * 0.3}
+    return batch, lengths
+
+
+def tag(spec: str) -> str:
+    return spec.replace("@", "-").replace(",", "").replace(":", "-")
+
+
+def run(work: Path, specs, reference: bool) -> None:
+    for spec in specs:
+        name, rest = spec.split("@")
+        sizes, mode = rest.split(":") if ":" in rest else (rest, "fixed")
+        tp, pp, dp, ep = (int(x) for x in sizes.split(","))
+        groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None))
+        set_seed(9, groups)
+        model_cfg = ModelConfig(hf_config=MODELS[name])
+        init = work / name / "init"
+        if reference:
+            save_model(build_model(model_cfg, groups), init)
+        state = lm.build_train_state(model_cfg, OptimizerConfig(lr=1e-4, clip_grad=1.0), groups, 1,
+                                     use_distributed_optimizer=False, init_checkpoint=str(init))
+        engine = MegatronEngine(state, megatron_args_from_hf(MODELS[name]).vocab_size)
+        actor = Actor(engine, LOSS)
+        batch, lengths = rl_batch(engine.vocab_size)
+        rows = balance_across_dp(lengths, dp)[groups.dp_rank]  # each DP rank its share
+        mine = {k: v[rows] for k, v in batch.items()}
+        logp = actor.compute_log_prob(mine, lengths[rows], HOW[mode])
+        # old = current + noise: ratios around exp(0.3) engage the clip; the first-step invariant
+        # (ratio 1) is the rollout issue's test.
+        mine["old_log_probs"] = (logp + mine.pop("noise_old")) * mine["loss_mask"]
+        mine["ref_log_probs"] = (logp + mine.pop("noise_ref")) * mine["loss_mask"]
+        metrics = actor.update(mine, lengths[rows], HOW[mode])
+        out = work / name / tag(spec)
+        with grads_as_weights(state.model):
+            save_model(state.model, out / "grads")
+        save_model(state.model, out / "weights")
+        if dist.get_rank() == 0:
+            (out / "metrics.json").write_text(json.dumps(metrics))
+            print("RESULT " + json.dumps({"spec": spec, **metrics}), flush=True)
+        groups.destroy()
+
+
+def compare(work: Path) -> None:
+    groups = build_groups(Layout())
+    for name in MODELS:
+        model_cfg = ModelConfig(hf_config=MODELS[name])
+        ref_dir = work / name / tag(f"{name}@1,1,1,1")
+        ref = {k: _full_tensors(model_cfg, groups, ref_dir / k) for k in ("grads", "weights")}
+        ref_metrics = json.loads((ref_dir / "metrics.json").read_text())
+        for run_dir in sorted(p for p in (work / name).iterdir() if p.name != "init"):
+            got_metrics = json.loads((run_dir / "metrics.json").read_text())
+            record = {"run": f"{name}/{run_dir.name}",
+                      "loss": abs(got_metrics["loss"] - ref_metrics["loss"]) / abs(ref_metrics["loss"]),
+                      "clip_frac": ref_metrics["clip_frac"]}
+            for kind in ("grads", "weights"):
+                got = _full_tensors(model_cfg, groups, run_dir / kind)
+                record[kind] = max(_rel(got[k], ref[kind][k]) for k in ref[kind])
+            print("RESULT " + json.dumps(record), flush=True)
+    groups.destroy()
+
+
+if __name__ == "__main__":
+    init_distributed()
+    mode, work = sys.argv[1], Path(sys.argv[2])
+    if mode == "compare":
+        compare(work)
+    else:
+        run(work, sys.argv[3:], reference=mode == "reference")
