@@ -26,7 +26,8 @@ from megarl.engines.batching import Batch, MicroBatch
 from megarl.engines.vocab_parallel import log_prob_and_entropy
 from megarl.training.lm import TrainState
 
-# (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metric sums)
+# (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metric sums);
+# for a value head: (values [n, s], None, tensors)
 LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]]
 
 
@@ -43,9 +44,10 @@ class MicroBatching:
 
 
 class MegatronEngine:
-    """One model (actor, critic or reference) in its training layout."""
+    """One model (actor, critic or reference) in its training layout. ``vocab_size`` None
+    means the model ends in a value head (critic): its outputs are values, not log-probs."""
 
-    def __init__(self, state: TrainState, vocab_size: int):
+    def __init__(self, state: TrainState, vocab_size: Optional[int]):
         self.state = state
         self.groups = state.groups
         self.vocab_size = vocab_size
@@ -82,22 +84,27 @@ class MegatronEngine:
             forward_only=forward_only, pg_collection=self.groups.pg,
             p2p_communicator=P2PCommunicator(pp_group=self.groups.pg.pp, config=model[0].config))
 
-    def _log_probs(self, mb: MicroBatch, logits: torch.Tensor, temperature: float):
+    def _head(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
+        """(log-probs, entropy) of the labels from vocabulary-parallel logits, or (values, None)."""
+        if self.vocab_size is None:
+            return output[..., 0].float(), None  # [n, s]
         group = self.groups.pg.tp if self.groups.layout.tp > 1 else None
-        return log_prob_and_entropy(logits, mb.tensors["labels"], vocab_size=self.vocab_size,
+        return log_prob_and_entropy(output, mb.tensors["labels"], vocab_size=self.vocab_size,
                                     group=group, temperature=temperature)
 
     @torch.no_grad()
     def forward_log_probs(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching,
                           temperature: float = 1.0) -> Dict[str, torch.Tensor]:
-        """Log-probs of ``batch['labels']`` and entropies, [rows, seq], on every rank of this
-        data-parallel replica (zeros past each row's length)."""
+        """Log-probs of ``batch['labels']`` and entropies (or ``values`` for a value head),
+        [rows, seq], on every rank of this data-parallel replica (zeros past each row's length)."""
         rows, seq = batch["tokens"].shape
         micro = self.micro_batches(batch, lengths, how)
+        keys = ("values", "unused") if self.vocab_size is None else ("log_probs", "entropy")
 
-        def loss_func(mb, logits):
-            logp, entropy = self._log_probs(mb, logits, temperature)
-            return logp.new_zeros(()), torch.tensor(1, dtype=torch.int), {"log_probs": logp, "entropy": entropy}
+        def loss_func(mb, output):
+            first, second = self._head(mb, output, temperature)
+            second = torch.zeros_like(first) if second is None else second
+            return first.new_zeros(()), torch.tensor(1, dtype=torch.int), {keys[0]: first, keys[1]: second}
 
         for chunk in self.state.model:
             chunk.eval()
@@ -107,10 +114,10 @@ class MegatronEngine:
         result = torch.zeros(2, rows, seq)
         if self.groups.is_last_stage:
             for mb, out in zip(micro, outputs):
-                result[0, mb.rows] = batching.unpack(out["log_probs"], mb, seq)
-                result[1, mb.rows] = batching.unpack(out["entropy"], mb, seq)
+                result[0, mb.rows] = batching.unpack(out[keys[0]], mb, seq)
+                result[1, mb.rows] = batching.unpack(out[keys[1]], mb, seq)
         self._broadcast_from_last_stage(result)
-        return {"log_probs": result[0], "entropy": result[1]}
+        return {keys[0]: result[0]} if self.vocab_size is None else {keys[0]: result[0], keys[1]: result[1]}
 
     def update(self, batch: Batch, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
                temperature: float = 1.0) -> Dict[str, float]:
@@ -120,9 +127,9 @@ class MegatronEngine:
             chunk.zero_grad_buffer()
         state.optimizer.zero_grad()
 
-        def loss_func(mb, logits):
-            logp, entropy = self._log_probs(mb, logits, temperature)
-            loss_sum, count, metrics = loss_fn(logp, entropy, mb.tensors)
+        def loss_func(mb, output):
+            first, second = self._head(mb, output, temperature)
+            loss_sum, count, metrics = loss_fn(first, second, mb.tensors)
             report = torch.stack([loss_sum.detach().float(), count.float()]
                                  + [v.detach().float() for v in metrics.values()])
             return loss_sum, count.to(torch.int), {"report": report, "names": list(metrics)}

@@ -7,13 +7,15 @@ Losses are per-token sums divided by the token count of the whole global batch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from megarl.models import build_model
+from megarl.models import build_model, megatron_args_from_hf
+from megarl.models.value_head import attach_value_head
 from megarl.parallel.layout import ParallelGroups
 from megarl.training.dist_ckpt import load_model
 
@@ -30,11 +32,12 @@ class TrainState:
 
 def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps: int,
                       use_distributed_optimizer: Optional[bool] = None,
-                      init_checkpoint: Optional[str] = None) -> TrainState:
+                      init_checkpoint: Optional[str] = None, value_head: bool = False) -> TrainState:
     """Model chunks wrapped in Megatron DDP, Megatron's optimizer and LR/WD scheduler.
 
     ``init_checkpoint``: a Megatron dist checkpoint of the weights (any layout) loaded before
-    DDP copies the parameters into its buffers.
+    DDP copies the parameters into its buffers. ``value_head``: a scalar head instead of the
+    vocabulary (critic), never tied to the embedding.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -42,7 +45,12 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     distributed = optim_cfg.use_distributed_optimizer if use_distributed_optimizer is None else use_distributed_optimizer
-    chunks = build_model(model_cfg, groups)
+    args = megatron_args_from_hf(model_cfg.hf_config)
+    if value_head:
+        args = dataclasses.replace(args, tie_word_embeddings=False)
+    chunks = build_model(model_cfg, groups, args)
+    if value_head:
+        attach_value_head(chunks)
     if init_checkpoint:
         load_model(chunks, init_checkpoint)
     config = chunks[0].config

@@ -16,13 +16,16 @@ from megarl.engines.batching import balance_across_dp
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
 from megarl.models import build_model, megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
+from megarl.models.value_head import attach_value_head
 from megarl.roles.actor import Actor, ActorLossConfig
+from megarl.roles.critic import Critic, CriticLossConfig
 from megarl.runtime import init_distributed, set_seed
 from megarl.training import lm
 from megarl.training.dist_ckpt import save_model
 from tests.distributed.parity_worker import _full_tensors, _rel, grads_as_weights
 
-MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json"}
+MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
+          "critic": "configs/models/tiny-llama.json"}  # critic: the dense backbone with a value head
 HOW = {"fixed": MicroBatching(micro_batch_size=2), "dynamic": MicroBatching(max_tokens=24),
        "packed": MicroBatching(micro_batch_size=2, packed=True),
        "dynamic-packed": MicroBatching(max_tokens=24, packed=True)}
@@ -44,7 +47,8 @@ def rl_batch(vocab: int):
              "position_ids": pos.expand(ROWS, -1).contiguous(), "loss_mask": loss_mask,
              "advantages": advantages.contiguous(),
              "noise_old": torch.randn(ROWS, SEQ, generator=gen) * 0.3,
-             "noise_ref": torch.randn(ROWS, SEQ, generator=gen) * 0.3}
+             "noise_ref": torch.randn(ROWS, SEQ, generator=gen) * 0.3,
+             "returns": torch.randn(ROWS, SEQ, generator=gen) * loss_mask}
     return batch, lengths
 
 
@@ -61,21 +65,33 @@ def run(work: Path, specs, reference: bool) -> None:
         set_seed(9, groups)
         model_cfg = ModelConfig(hf_config=MODELS[name])
         init = work / name / "init"
+        critic = name == "critic"
         if reference:
-            save_model(build_model(model_cfg, groups), init)
+            chunks = build_model(model_cfg, groups)
+            if critic:
+                attach_value_head(chunks)
+            save_model(chunks, init)
         state = lm.build_train_state(model_cfg, OptimizerConfig(lr=1e-4, clip_grad=1.0), groups, 1,
-                                     use_distributed_optimizer=False, init_checkpoint=str(init))
-        engine = MegatronEngine(state, megatron_args_from_hf(MODELS[name]).vocab_size)
-        actor = Actor(engine, LOSS)
-        batch, lengths = rl_batch(engine.vocab_size)
+                                     use_distributed_optimizer=False, init_checkpoint=str(init),
+                                     value_head=critic)
+        vocab = megatron_args_from_hf(MODELS[name]).vocab_size
+        engine = MegatronEngine(state, None if critic else vocab)
+        batch, lengths = rl_batch(vocab)
         rows = balance_across_dp(lengths, dp)[groups.dp_rank]  # each DP rank its share
         mine = {k: v[rows] for k, v in batch.items()}
-        logp = actor.compute_log_prob(mine, lengths[rows], HOW[mode])
-        # old = current + noise: ratios around exp(0.3) engage the clip; the first-step invariant
-        # (ratio 1) is the rollout issue's test.
-        mine["old_log_probs"] = (logp + mine.pop("noise_old")) * mine["loss_mask"]
-        mine["ref_log_probs"] = (logp + mine.pop("noise_ref")) * mine["loss_mask"]
-        metrics = actor.update(mine, lengths[rows], HOW[mode])
+        noise_old, noise_ref = mine.pop("noise_old"), mine.pop("noise_ref")
+        if critic:
+            role = Critic(engine, CriticLossConfig(clip_range=0.05))
+            values = role.compute_values(mine, lengths[rows], HOW[mode])
+            mine["old_values"] = (values + noise_old * 0.3) * mine["loss_mask"]  # some clipped
+        else:
+            role = Actor(engine, LOSS)
+            logp = role.compute_log_prob(mine, lengths[rows], HOW[mode])
+            # old = current + noise: ratios around exp(0.3) engage the clip; the first-step
+            # invariant (ratio 1) is the rollout issue's test.
+            mine["old_log_probs"] = (logp + noise_old) * mine["loss_mask"]
+            mine["ref_log_probs"] = (logp + noise_ref) * mine["loss_mask"]
+        metrics = role.update(mine, lengths[rows], HOW[mode])
         out = work / name / tag(spec)
         with grads_as_weights(state.model):
             save_model(state.model, out / "grads")
@@ -88,10 +104,11 @@ def run(work: Path, specs, reference: bool) -> None:
 
 def compare(work: Path) -> None:
     groups = build_groups(Layout())
-    for name in MODELS:
+    for name in [n for n in MODELS if (work / n).is_dir()]:
         model_cfg = ModelConfig(hf_config=MODELS[name])
         ref_dir = work / name / tag(f"{name}@1,1,1,1")
-        ref = {k: _full_tensors(model_cfg, groups, ref_dir / k) for k in ("grads", "weights")}
+        ref = {k: _full_tensors(model_cfg, groups, ref_dir / k, value_head=name == "critic")
+               for k in ("grads", "weights")}
         ref_metrics = json.loads((ref_dir / "metrics.json").read_text())
         for run_dir in sorted(p for p in (work / name).iterdir() if p.name != "init"):
             got_metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -99,7 +116,7 @@ def compare(work: Path) -> None:
                       "loss": abs(got_metrics["loss"] - ref_metrics["loss"]) / abs(ref_metrics["loss"]),
                       "clip_frac": ref_metrics["clip_frac"]}
             for kind in ("grads", "weights"):
-                got = _full_tensors(model_cfg, groups, run_dir / kind)
+                got = _full_tensors(model_cfg, groups, run_dir / kind, value_head=name == "critic")
                 record[kind] = max(_rel(got[k], ref[kind][k]) for k in ref[kind])
             print("RESULT " + json.dumps(record), flush=True)
     groups.destroy()

@@ -93,8 +93,12 @@ def run(args) -> None:
             groups.destroy()
 
 
-def _full_tensors(model_cfg, groups, path):
+def _full_tensors(model_cfg, groups, path, value_head: bool = False):
     chunks = build_model(model_cfg, groups)
+    if value_head:
+        from megarl.models.value_head import attach_value_head
+
+        attach_value_head(chunks)
     load_model(chunks, path)
     return {k: v.detach().clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
 

@@ -1,0 +1,51 @@
+"""The critic: per-token values from a value head on the policy's backbone, and its update
+with the clipped value loss (PPO2), over a :class:`MegatronEngine` built with ``value_head``.
+
+Batch tensors, [rows, seq]: ``tokens``, ``position_ids``, ``loss_mask``, ``old_values``,
+``returns``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+
+from megarl.algorithms.losses import loss_denominators, value_loss
+from megarl.engines.batching import Batch
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+
+
+@dataclass
+class CriticLossConfig:
+    """The critic's objective."""
+
+    clip_range: float = 0.2
+    """Value clipping around the old values (absolute, in reward units)."""
+    agg_mode: str = "token-mean"
+    """Loss aggregation over the global batch."""
+
+
+class Critic:
+    """The value model in its training layout."""
+
+    def __init__(self, engine: MegatronEngine, loss: CriticLossConfig):
+        if engine.vocab_size is not None:
+            raise ValueError("the critic's engine needs a value head (build_train_state(value_head=True))")
+        self.engine = engine
+        self.cfg = loss
+
+    def compute_values(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
+        return self.engine.forward_log_probs(batch, lengths, how)["values"]
+
+    def _loss(self, values: torch.Tensor, _unused, t: Batch):
+        mask = t["loss_mask"]
+        tokens, seqs = loss_denominators(mask)
+        count = tokens if self.cfg.agg_mode == "token-mean" else seqs
+        loss, metrics = value_loss(values, t["old_values"], t["returns"], mask, self.cfg.clip_range,
+                                   self.cfg.agg_mode, global_tokens=1, global_seqs=1)
+        return loss, count, {k: v * count for k, v in metrics.items()}
+
+    def update(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> Dict[str, float]:
+        return self.engine.update(batch, lengths, self._loss, how)
