@@ -1,0 +1,64 @@
+"""Worker for test_offload.py: two identical training states, one offloaded to host memory
+between steps. Checks the storages really are freed, come back bit-identical, and that training
+continues bit-identically. Prints RESULT lines on rank 0."""
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import ModelConfig, OptimizerConfig
+from megarl.engines.offload import _storages, offload
+from megarl.parallel import Layout, build_groups
+from megarl.runtime import init_distributed, set_seed
+from megarl.training import lm
+from megarl.training.tasks import reverse_digits_batch
+
+
+def snapshot(state):
+    params = [p.detach().clone() for chunk in state.model for p in chunk.parameters()]
+    opt_state = []
+    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+        for values in opt.optimizer.state.values():
+            opt_state += [v.clone() for v in values.values() if torch.is_tensor(v)]
+    return params + opt_state
+
+
+def build(model, layout):
+    groups = build_groups(layout)
+    states = []
+    for _ in range(2):
+        set_seed(4, groups)  # same seed: the two states start identical
+        states.append(lm.build_train_state(ModelConfig(hf_config=model), OptimizerConfig(lr=1e-3), groups, 4))
+    return groups, states
+
+
+if __name__ == "__main__":
+    init_distributed()
+    for model, layout in (("configs/models/tiny-llama.json", Layout(tp=1, dp=2)),
+                          ("configs/models/tiny-qwen3-moe.json", Layout(tp=1, dp=2, ep=2, etp=1)),
+                          ("configs/models/tiny-llama.json", Layout(tp=2, dp=1))):
+        groups, (plain, moved) = build(model, layout)
+        batch = lambda step: lm.dp_shard(reverse_digits_batch(step, 8, 4, seed=1), groups)
+        losses = [[], []]
+        for state, out in ((plain, losses[0]), (moved, losses[1])):
+            out.append(lm.train_step(state, batch(0), 2)["loss"])
+        before = snapshot(moved)
+        handle = offload(moved)
+        freed = all(s.nbytes() == 0 for s in _storages(moved).values()) and all(
+            p.untyped_storage().nbytes() == 0 for chunk in moved.model for p in chunk.parameters())
+        offloaded_mb = handle.nbytes / 2**20
+        handle.reload()
+        restored = all(torch.equal(a, b) for a, b in zip(before, snapshot(moved)))
+        for step in (1, 2):
+            for state, out in ((plain, losses[0]), (moved, losses[1])):
+                out.append(lm.train_step(state, batch(step), 2)["loss"])
+        same_params = all(torch.equal(a, b) for a, b in zip(snapshot(plain), snapshot(moved)))
+        ok = torch.tensor([float(freed and restored and same_params and losses[0] == losses[1])])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps({"layout": str(layout), "freed": freed, "restored": restored,
+                                          "same_after_training": same_params, "losses": losses,
+                                          "offloaded_mb": offloaded_mb,
+                                          "all_ranks_ok": bool(ok.item())}), flush=True)
+        groups.destroy()
