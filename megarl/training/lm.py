@@ -79,6 +79,17 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, groups=groups)
 
 
+def build_frozen_state(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[str] = None) -> TrainState:
+    """Model chunks for forward passes only (a reference policy): no DDP, no optimizer,
+    parameters frozen."""
+    chunks = build_model(model_cfg, groups, initialize=init_checkpoint is None)
+    if init_checkpoint:
+        load_model(chunks, init_checkpoint)
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+    return TrainState(model=chunks, optimizer=None, scheduler=None, groups=groups)
+
+
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     # output_tensor: per-token cross entropy [b, s] from the vocab-parallel head.
     loss_sum = (output_tensor.float() * loss_mask).sum()

@@ -13,6 +13,7 @@ from megarl.config import ModelConfig, OptimizerConfig
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
 from megarl.models import build_model, megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
+from megarl.roles.reference import Reference
 from megarl.runtime import init_distributed, set_seed
 from megarl.training import lm
 from megarl.training.dist_ckpt import load_model, save_model
@@ -61,16 +62,21 @@ def run(work: Path, specs) -> None:
         groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None))
         set_seed(3, groups)
         path = MODELS[name]
-        state = lm.build_train_state(ModelConfig(hf_config=path), OptimizerConfig(), groups, 1,
-                                     init_checkpoint=str(work / name / "init"))
+        init = str(work / name / "init")
         vocab = megatron_args_from_hf(path).vocab_size
-        engine = MegatronEngine(state, vocab)
+        if name == "moe":  # the MoE runs go through the frozen reference role
+            engine = MegatronEngine(lm.build_frozen_state(ModelConfig(hf_config=path), groups, init), vocab)
+            compute = Reference(engine).compute_log_prob
+        else:
+            state = lm.build_train_state(ModelConfig(hf_config=path), OptimizerConfig(), groups, 1, init_checkpoint=init)
+            engine = MegatronEngine(state, vocab)
+            compute = lambda *a: engine.forward_log_probs(*a)["log_probs"]
         per = 8 // dp
         rows = slice(groups.dp_rank * per, (groups.dp_rank + 1) * per)
         mine = {k: v[rows] for k, v in batch(vocab).items()}
-        out = engine.forward_log_probs(mine, LENGTHS[rows], HOW[mode])
-        shards = [torch.empty_like(out["log_probs"]) for _ in range(dp)]
-        dist.all_gather(shards, out["log_probs"], group=groups.pg.dp)
+        logp = compute(mine, LENGTHS[rows], HOW[mode])
+        shards = [torch.empty_like(logp) for _ in range(dp)]
+        dist.all_gather(shards, logp, group=groups.pg.dp)
         got = torch.cat(shards)
         ref = torch.load(work / name / "ref_logp.pt")
         mask = real(LENGTHS, ref.shape[1])

@@ -1,0 +1,21 @@
+"""The reference policy: frozen, forward-only log-probs for the KL term."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.engines.batching import Batch
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+
+
+class Reference:
+    """A frozen copy of the initial policy in its own layout."""
+
+    def __init__(self, engine: MegatronEngine, temperature: float = 1.0):
+        if engine.state.optimizer is not None:
+            raise ValueError("the reference's engine must be frozen (lm.build_frozen_state)")
+        self.engine = engine
+        self.temperature = temperature
+
+    def compute_log_prob(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
+        return self.engine.forward_log_probs(batch, lengths, how, self.temperature)["log_probs"]
