@@ -47,8 +47,25 @@ def worker(args) -> None:
     seconds = time.perf_counter() - start
     if torch.distributed.get_rank() == 0:
         tokens = args.steps * batch["tokens"].numel()
-        print("RESULT " + json.dumps({"layout": args.layout, "tokens_per_s": tokens / seconds,
-                                      "step_s": seconds / args.steps}), flush=True)
+        record = {"layout": args.layout, "tokens_per_s": tokens / seconds, "step_s": seconds / args.steps}
+        if torch.cuda.is_available():
+            # Model FLOPs utilisation: 6 * parameters per trained token (Kaplan et al. 2020),
+            # against the stated dense bf16 peak of every GPU in the world.
+            flops = 6 * dense_params(args.model) * tokens / seconds
+            record["mfu"] = flops / (args.peak_tflops * 1e12 * torch.distributed.get_world_size())
+        print("RESULT " + json.dumps(record), flush=True)
+
+
+def dense_params(hf_config: str) -> int:
+    """Parameters of a dense HF config (attention with GQA, gated MLP, embeddings)."""
+    from megarl.models.hf_config import megatron_args_from_hf
+
+    args = megatron_args_from_hf(hf_config)
+    kw = args.config_kwargs
+    h, heads, groups, d = kw["hidden_size"], kw["num_attention_heads"], kw["num_query_groups"], kw["kv_channels"]
+    attention = h * (heads + 2 * groups) * d + heads * d * h
+    mlp = 3 * h * kw["ffn_hidden_size"]
+    return kw["num_layers"] * (attention + mlp) + 2 * args.vocab_size * h
 
 
 def main() -> None:
@@ -59,6 +76,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--digits", type=int, default=16)
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="dense bf16 peak per GPU for the MFU line (H100/H200 SXM: 989)")
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.layout:
@@ -71,7 +90,8 @@ def main() -> None:
             world *= int(size)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                __file__, "--layout", layout, "--model", args.model, "--steps", str(args.steps),
-               "--batch", str(args.batch), "--micro", str(args.micro), "--digits", str(args.digits)]
+               "--batch", str(args.batch), "--micro", str(args.micro), "--digits", str(args.digits),
+               "--peak-tflops", str(args.peak_tflops)]
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         found = [json.loads(l[7:]) for l in out.stdout.splitlines() if l.startswith("RESULT ")]
         if out.returncode or not found:
@@ -81,7 +101,8 @@ def main() -> None:
     print(f"model {args.model}, global batch {args.batch} x {2 * args.digits + 1} tokens, {args.steps} timed steps")
     print(f"{'t,p,d':>8} {'tokens/s':>10} {'s/step':>8} {'ratio':>6}")
     for row in rows:
-        print(f"{row['layout']:>8} {row['tokens_per_s']:10.0f} {row['step_s']:8.3f} {row['tokens_per_s'] / base:6.2f}")
+        mfu = f"  MFU {row['mfu']:.1%}" if "mfu" in row else ""
+        print(f"{row['layout']:>8} {row['tokens_per_s']:10.0f} {row['step_s']:8.3f} {row['tokens_per_s'] / base:6.2f}{mfu}")
 
 
 if __name__ == "__main__":
