@@ -101,6 +101,27 @@ def packed(batch: Batch, rows: torch.Tensor, lengths: torch.Tensor, multiple: in
     return MicroBatch(rows, tensors, params, torch.tensor(lens))
 
 
+def pad_to(micro: MicroBatch, width: int) -> MicroBatch:
+    """Right-pad a micro-batch's tensors to ``width`` columns (masked, after every real token);
+    a packed row gets the padding as one more segment."""
+    extra = width - micro.tensors["tokens"].shape[1]
+    if extra <= 0:
+        return micro
+    tensors = {k: torch.nn.functional.pad(v, (0, extra)) for k, v in micro.tensors.items()}
+    params = micro.packed_seq_params
+    if params is not None:
+        from dataclasses import replace
+
+        cu = torch.cat([params.cu_seqlens_q, params.cu_seqlens_q[-1:] + extra])
+        tensors["position_ids"][:, -extra:] = torch.arange(extra)
+        params = replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(params.max_seqlen_q, extra),
+                         max_seqlen_kv=max(params.max_seqlen_kv, extra))
+    else:
+        last = micro.tensors["position_ids"][:, -1:]
+        tensors["position_ids"][:, -extra:] = last + torch.arange(1, extra + 1)
+    return MicroBatch(micro.rows, tensors, params, micro.lengths)
+
+
 def unpack(values: torch.Tensor, micro: MicroBatch, seq: int) -> torch.Tensor:
     """Per-token values of a micro-batch back to [n, seq] rows (zeros past each length)."""
     out = values.new_zeros(len(micro.rows), seq)

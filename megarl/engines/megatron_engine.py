@@ -51,8 +51,9 @@ class MegatronEngine:
         self.state = state
         self.groups = state.groups
         self.vocab_size = vocab_size
-        # Micro-batches of different lengths need Megatron to exchange shapes between stages.
-        state.model[0].config.variable_seq_lengths = True
+        # Micro-batches of different lengths need Megatron to exchange shapes between stages
+        # (the interleaved schedule gets equal shapes instead, see micro_batches).
+        state.model[0].config.variable_seq_lengths = not state.groups.layout.vpp
 
     def micro_batches(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> List[MicroBatch]:
         layout = self.groups.layout
@@ -62,7 +63,15 @@ class MegatronEngine:
         else:
             groups = batching.fixed_micro_batches(batch, how.micro_batch_size)
         build = batching.packed if how.packed else batching.padded
-        return [build(batch, rows, lengths, multiple) for rows in groups]
+        micro = [build(batch, rows, lengths, multiple) for rows in groups]
+        if layout.vpp:
+            # Megatron's interleaved schedule sends one activation shape for all micro-batches.
+            if how.max_tokens and not how.packed:
+                raise ValueError("virtual pipeline stages need equal micro-batch shapes: use packed "
+                                 "micro-batches or a fixed micro_batch_size with dynamic batching off")
+            width = max(m.tensors["tokens"].shape[1] for m in micro)
+            micro = [batching.pad_to(m, width) for m in micro]
+        return micro
 
     def _run(self, micro: List[MicroBatch], loss_func, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -122,6 +131,10 @@ class MegatronEngine:
     def update(self, batch: Batch, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
                temperature: float = 1.0) -> Dict[str, float]:
         """One optimizer step on this DP rank's rows; returns the global loss and metrics."""
+        if self.groups.layout.vpp:
+            # TODO: updates with virtual pipeline stages give gradients that differ from the
+            # single-process run (forward passes agree); refused until that is found and tested.
+            raise ValueError("updates with virtual pipeline stages (vpp) are not supported yet; set vpp=null")
         state = self.state
         for chunk in state.model:
             chunk.zero_grad_buffer()

@@ -24,11 +24,11 @@ SHARDED_METADATA = {"non_homogeneous_layers": True}
 
 
 def sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict:
-    """The sharded state dict of all model chunks of this rank (keys are global)."""
-    merged: Dict = {}
-    for chunk in chunks:
-        merged.update(_unwrap(chunk).sharded_state_dict(metadata=dict(SHARDED_METADATA)))
-    return merged
+    """The sharded state dict of this rank's model chunks: one chunk's dict, or ``model0``,
+    ``model1``, ... for virtual pipeline stages (their local names repeat; the tensors'
+    checkpoint keys are global either way)."""
+    dicts = [_unwrap(chunk).sharded_state_dict(metadata=dict(SHARDED_METADATA)) for chunk in chunks]
+    return dicts[0] if len(dicts) == 1 else {f"model{i}": d for i, d in enumerate(dicts)}
 
 
 def save_model(chunks: List[torch.nn.Module], path: str | Path) -> None:
@@ -67,7 +67,8 @@ def load_model(chunks: List[torch.nn.Module], path: str | Path) -> None:
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a Megatron dist checkpoint (no metadata.json)")
     state = dist_checkpointing.load(sharded_state_dict(chunks), str(path))
-    for chunk in chunks:
+    per_chunk = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
+    for chunk, loaded in zip(chunks, per_chunk):
         module = _unwrap(chunk)
-        own = {k: v for k, v in state.items() if k in module.state_dict()}
+        own = {k: v for k, v in loaded.items() if k in module.state_dict()}
         module.load_state_dict(own, strict=False)

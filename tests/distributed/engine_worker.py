@@ -58,8 +58,8 @@ def run(work: Path, specs) -> None:
     for spec in specs:
         name, rest = spec.split("@")
         sizes, mode = rest.split(":") if ":" in rest else (rest, "fixed")
-        tp, pp, dp, ep = (int(x) for x in sizes.split(","))
-        groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None))
+        tp, pp, dp, ep, vpp = (int(x) for x in (sizes + ",0").split(",")[:5])
+        groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None, vpp=vpp or None))
         set_seed(3, groups)
         path = MODELS[name]
         init = str(work / name / "init")

@@ -12,7 +12,8 @@ WORKER = "tests/distributed/engine_worker.py"
 # name@t,p,d,e[:micro-batching]; padded fixed-size micro-batches unless said otherwise
 SPECS = {1: ["dense@1,1,1,1", "moe@1,1,1,1", "dense@1,1,1,1:dynamic", "dense@1,1,1,1:packed"],
          2: ["dense@2,1,1,1", "dense@1,2,1,1", "dense@1,1,2,1", "moe@2,1,1,1", "moe@1,2,1,1", "moe@1,1,2,2",
-             "dense@2,1,1,1:dynamic-packed", "dense@1,2,1,1:dynamic", "moe@1,1,2,2:packed", "dense@1,2,1,1:packed"],
+             "dense@2,1,1,1:dynamic-packed", "dense@1,2,1,1:dynamic", "moe@1,1,2,2:packed", "dense@1,2,1,1:packed",
+             "dense@1,2,1,1,2", "dense@1,2,1,1,2:dynamic-packed"],  # ,2 = two virtual pipeline stages
          4: ["dense@2,2,1,1", "moe@2,2,1,1", "dense@2,2,1,1:dynamic-packed"]}
 
 
