@@ -131,10 +131,6 @@ class MegatronEngine:
     def update(self, batch: Batch, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
                temperature: float = 1.0) -> Dict[str, float]:
         """One optimizer step on this DP rank's rows; returns the global loss and metrics."""
-        if self.groups.layout.vpp:
-            # TODO: updates with virtual pipeline stages give gradients that differ from the
-            # single-process run (forward passes agree); refused until that is found and tested.
-            raise ValueError("updates with virtual pipeline stages (vpp) are not supported yet; set vpp=null")
         state = self.state
         for chunk in state.model:
             chunk.zero_grad_buffer()

@@ -53,7 +53,7 @@ def grads_as_weights(chunks):
 
 
 def layout_name(layout: Layout) -> str:
-    return f"t{layout.tp}p{layout.pp}d{layout.dp}e{layout.ep}"
+    return f"t{layout.tp}p{layout.pp}d{layout.dp}e{layout.ep}" + (f"v{layout.vpp}" if layout.vpp else "")
 
 
 def run(args) -> None:
@@ -64,10 +64,10 @@ def run(args) -> None:
         optim_cfg = OptimizerConfig(lr=1e-4, clip_grad=1.0, weight_decay=0.01)
         init = out / model_name / "init"
         for spec in args.layouts:
-            tp, pp, dp, ep = (int(x) for x in spec.split(","))
+            tp, pp, dp, ep, vpp = (int(x) for x in (spec + ",0").split(",")[:5])
             if model_name == "dense" and ep > 1:
                 continue
-            layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
+            layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp or None)
             groups = build_groups(layout)
             set_seed(SEED, groups)
             if args.reference:
