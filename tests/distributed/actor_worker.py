@@ -13,22 +13,20 @@ import torch.distributed as dist
 
 from megarl.config import ModelConfig, OptimizerConfig
 from megarl.engines.batching import balance_across_dp
-from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.megatron_engine import MegatronEngine
 from megarl.models import build_model, megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
 from megarl.models.value_head import attach_value_head
 from megarl.roles.actor import Actor, ActorLossConfig
 from megarl.roles.critic import Critic, CriticLossConfig
 from megarl.runtime import init_distributed, set_seed
+from tests.distributed.specs import HOW, parse
 from megarl.training import lm
 from megarl.training.dist_ckpt import save_model
 from tests.distributed.parity_worker import _full_tensors, _rel, grads_as_weights
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
           "critic": "configs/models/tiny-llama.json"}  # critic: the dense backbone with a value head
-HOW = {"fixed": MicroBatching(micro_batch_size=2), "dynamic": MicroBatching(max_tokens=24),
-       "packed": MicroBatching(micro_batch_size=2, packed=True),
-       "dynamic-packed": MicroBatching(max_tokens=24, packed=True)}
 LOSS = ActorLossConfig(policy_loss="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01)
 ROWS, SEQ = 8, 14
 
@@ -58,10 +56,9 @@ def tag(spec: str) -> str:
 
 def run(work: Path, specs, reference: bool) -> None:
     for spec in specs:
-        name, rest = spec.split("@")
-        sizes, mode = rest.split(":") if ":" in rest else (rest, "fixed")
-        tp, pp, dp, ep, vpp = (int(x) for x in (sizes + ",0").split(",")[:5])
-        groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None, vpp=vpp or None))
+        name, layout, mode = parse(spec)
+        dp = layout.dp
+        groups = build_groups(layout)
         set_seed(9, groups)
         model_cfg = ModelConfig(hf_config=MODELS[name])
         init = work / name / "init"

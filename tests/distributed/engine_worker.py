@@ -10,20 +10,18 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ModelConfig, OptimizerConfig
-from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.megatron_engine import MegatronEngine
 from megarl.models import build_model, megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
 from megarl.roles.reference import Reference
 from megarl.runtime import init_distributed, set_seed
+from tests.distributed.specs import HOW, parse
 from megarl.training import lm
-from megarl.training.dist_ckpt import load_model, save_model
+from megarl.training.dist_ckpt import save_model
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json"}
 
 
-HOW = {"fixed": MicroBatching(micro_batch_size=2), "dynamic": MicroBatching(max_tokens=20),
-       "packed": MicroBatching(micro_batch_size=2, packed=True),
-       "dynamic-packed": MicroBatching(max_tokens=20, packed=True)}
 LENGTHS = torch.tensor([12, 5, 9, 12, 3, 7, 11, 6])  # right padding after these
 
 
@@ -56,10 +54,9 @@ def reference(work: Path) -> None:
 
 def run(work: Path, specs) -> None:
     for spec in specs:
-        name, rest = spec.split("@")
-        sizes, mode = rest.split(":") if ":" in rest else (rest, "fixed")
-        tp, pp, dp, ep, vpp = (int(x) for x in (sizes + ",0").split(",")[:5])
-        groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None, vpp=vpp or None))
+        name, layout, mode = parse(spec)
+        dp, vpp = layout.dp, layout.vpp
+        groups = build_groups(layout)
         set_seed(3, groups)
         path = MODELS[name]
         init = str(work / name / "init")

@@ -22,7 +22,7 @@ from megarl.models import build_model
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
 from megarl.training import lm
-from megarl.training.dist_ckpt import load_model, save_model, sharded_state_dict
+from megarl.training.dist_ckpt import load_model, save_model
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json"}
 GLOBAL_BATCH, SEQ, MICRO, STEPS, SEED = 8, 16, 2, 3, 1234
