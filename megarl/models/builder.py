@@ -102,6 +102,10 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         calculate_per_token_loss=True,
+        # gloo's batch_isend_irecv mismatches messages when the interleaved (virtual pipeline)
+        # schedule posts sends and receives in both directions at once: losses then differ
+        # from the single-process run. Single p2p ops are correct there; NCCL batches fine.
+        batch_p2p_comm=torch.cuda.is_available(),
         perform_initialization=initialize,
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,

@@ -44,12 +44,6 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if groups.layout.vpp:
-        # TODO: with virtual pipeline stages the interleaved schedule's losses and gradients
-        # differ from the single-process run (forward-only passes agree); refused until the
-        # cause is found and the layout-parity test covers it.
-        raise ValueError("training with virtual pipeline stages (vpp) is not supported yet; set vpp=null "
-                         "(forward-only models accept it)")
     distributed = optim_cfg.use_distributed_optimizer if use_distributed_optimizer is None else use_distributed_optimizer
     args = megatron_args_from_hf(model_cfg.hf_config)
     if value_head:

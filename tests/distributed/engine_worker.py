@@ -61,7 +61,7 @@ def run(work: Path, specs) -> None:
         path = MODELS[name]
         init = str(work / name / "init")
         vocab = megatron_args_from_hf(path).vocab_size
-        if name == "moe" or vpp:  # frozen reference role (training states refuse vpp for now)
+        if name == "moe":  # the MoE runs go through the frozen reference role
             engine = MegatronEngine(lm.build_frozen_state(ModelConfig(hf_config=path), groups, init), vocab)
             compute = Reference(engine).compute_log_prob
         else:

@@ -3,8 +3,7 @@
 ``groups``: for several layouts, every rank's Megatron groups agree with Layout.coords, and an
 impossible layout is refused before any process group is created.
 ``archs``: every supported architecture builds from its HF config and trains at the given
-layouts (loss finite and falling over a few steps); training with virtual pipeline stages is
-refused with a message until its parity is established.
+layouts (loss finite and falling over a few steps), virtual pipeline stages included.
 ``single``: a packed batch (thd, cu_seqlens) gives the same per-token loss as each sequence
 alone; the rotary frequencies (default and llama3-scaled) equal transformers'.
 """
@@ -85,14 +84,6 @@ def check_archs(specs) -> None:
             losses.append(lm.train_step(state, lm.dp_shard(batch, groups), 2)["loss"])
         emit({"check": "arch", "model": name, "layout": str(layout), "losses": losses})
         groups.destroy()
-    groups = build_groups(Layout(tp=1, pp=2, dp=dist.get_world_size() // 2, vpp=2))
-    try:
-        lm.build_train_state(ModelConfig(hf_config="configs/models/tiny-qwen2.json"), OptimizerConfig(), groups, 1)
-        refused = ""
-    except ValueError as exc:
-        refused = str(exc)
-    emit({"check": "vpp_refused", "message": refused})
-    groups.destroy()
 
 
 def check_packed() -> None:

@@ -17,7 +17,8 @@ SPECS = {
     1: ["dense@1,1,1,1:dynamic", "dense@1,1,1,1:packed"],
     2: ["dense@2,1,1,1", "dense@1,2,1,1", "dense@1,1,2,1", "dense@1,2,1,1:packed", "dense@1,1,2,1:dynamic",
         "dense@2,1,1,1:dynamic-packed", "moe@2,1,1,1", "moe@1,1,2,2", "moe@1,1,2,2:packed",
-        "critic@2,1,1,1", "critic@1,2,1,1:packed", "critic@1,1,2,1:dynamic"],
+        "critic@2,1,1,1", "critic@1,2,1,1:packed", "critic@1,1,2,1:dynamic",
+        "dense@1,2,1,1,2", "critic@1,2,1,1,2:packed"],  # ,2 = two virtual pipeline stages
     4: ["dense@2,2,1,1", "dense@2,2,1,1:dynamic-packed", "moe@2,2,1,1", "critic@2,2,1,1"],
 }
 

@@ -17,11 +17,12 @@ import pytest
 from tests.distributed.launch import torchrun
 
 TOL = 1e-5
-LAYOUTS_2 = ["2,1,1,1", "1,2,1,1", "1,1,2,1", "1,1,2,2"]  # (t, p, d, e); e=2 runs for MoE only
+# (t, p, d, e[, vpp]); e=2 runs for MoE only; 1,2,1,1,2 = two virtual pipeline stages per rank
+LAYOUTS_2 = ["2,1,1,1", "1,2,1,1", "1,1,2,1", "1,1,2,2", "1,2,1,1,2"]
 LAYOUTS_4 = ["2,2,1,1"]
 EXPECTED = {
-    "dense": {"t1p1d1e1", "t2p1d1e1", "t1p2d1e1", "t1p1d2e1", "t2p2d1e1"},
-    "moe": {"t1p1d1e1", "t2p1d1e1", "t1p2d1e1", "t1p1d2e1", "t1p1d2e2", "t2p2d1e1"},
+    "dense": {"t1p1d1e1", "t2p1d1e1", "t1p2d1e1", "t1p1d2e1", "t2p2d1e1", "t1p2d1e1v2"},
+    "moe": {"t1p1d1e1", "t2p1d1e1", "t1p2d1e1", "t1p1d2e1", "t1p1d2e2", "t2p2d1e1", "t1p2d1e1v2"},
 }
 
 
