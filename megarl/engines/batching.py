@@ -31,8 +31,8 @@ class MicroBatch:
 
 
 def balance_across_dp(lengths: torch.Tensor, dp: int) -> List[torch.Tensor]:
-    """Assign rows to data-parallel ranks so each gets a similar number of real tokens
-    (longest first, to the least loaded rank; ties to the lower rank). Deterministic."""
+    """Assign rows to ``dp`` bins (data-parallel ranks, or micro-batches) so each gets a similar
+    number of real tokens (longest first, to the least loaded bin; ties to the lower). Deterministic."""
     loads = [0] * dp
     assigned: List[List[int]] = [[] for _ in range(dp)]
     for row in sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r)):

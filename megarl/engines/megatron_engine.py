@@ -60,8 +60,19 @@ class MegatronEngine:
         multiple = layout.tp * layout.cp if layout.sequence_parallel and layout.tp > 1 else 1
         if how.max_tokens:
             groups = batching.token_budget_micro_batches(lengths, how.max_tokens)
+            if layout.vpp and len(groups) % layout.pp:
+                # The interleaved schedule takes micro-batches in groups of pp: rebalance the
+                # rows over the next multiple of pp (each under the budget or smaller than before).
+                count = -(-len(groups) // layout.pp) * layout.pp
+                if count > len(lengths):
+                    raise ValueError(f"{len(lengths)} rows cannot fill {count} micro-batches, a multiple of "
+                                     f"pp={layout.pp} that virtual pipeline stages need; send more rows per DP rank")
+                groups = batching.balance_across_dp(lengths, count)
         else:
             groups = batching.fixed_micro_batches(batch, how.micro_batch_size)
+            if layout.vpp and len(groups) % layout.pp:
+                raise ValueError(f"{len(groups)} micro-batches per DP rank is not a multiple of pp={layout.pp}, "
+                                 f"which virtual pipeline stages need; change the batch or micro_batch_size")
         build = batching.packed if how.packed else batching.padded
         micro = [build(batch, rows, lengths, multiple) for rows in groups]
         if layout.vpp:
