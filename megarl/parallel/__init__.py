@@ -1,5 +1,5 @@
 """Parallel layouts and their process groups."""
 
-from megarl.parallel.layout import Layout, LayoutError, ParallelGroups, build_groups
+from megarl.parallel.layout import Layout, LayoutError, ParallelGroups, build_groups, build_placed_groups
 
-__all__ = ["Layout", "LayoutError", "ParallelGroups", "build_groups"]
+__all__ = ["Layout", "LayoutError", "ParallelGroups", "build_groups", "build_placed_groups"]

@@ -9,7 +9,7 @@ explicitly; megarl keeps no module-level groups of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -20,6 +20,17 @@ class LayoutError(ValueError):
 
 def _divisors(n: int) -> List[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+# For each process-group kind, the coordinates its members share.
+GROUP_KINDS: Dict[str, tuple] = {
+    "tp": ("cp", "dp", "pp"), "pp": ("tp", "cp", "dp"), "dp": ("tp", "cp", "pp"),
+    "cp": ("tp", "dp", "pp"), "dp_cp": ("tp", "pp"), "tp_cp": ("dp", "pp"), "tp_dp_cp": ("pp",),
+    "mp": ("cp", "dp"), "ep": ("etp", "edp", "pp"), "expt_tp": ("ep", "edp", "pp"),
+    "expt_dp": ("etp", "ep", "pp"), "tp_ep": ("edp", "pp"), "tp_ep_pp": ("edp",),
+}
+
+SINGLE_AXIS_KINDS = ("tp", "pp", "dp", "cp", "ep", "expt_tp", "expt_dp")
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,19 @@ class Layout:
             "edp": inner // (self.etp * self.ep),
         }
 
+    def group_ranks(self, kind: str) -> List[List[int]]:
+        """The rank lists of every process group of ``kind`` (a :data:`GROUP_KINDS` name; Megatron's
+        ``ProcessGroupCollection`` field names), each in rank order."""
+        if kind in ("embd", "pos_embd"):
+            stages = self.group_ranks("pp")
+            return [[g[0]] if kind == "pos_embd" else sorted({g[0], g[-1]}) for g in stages]
+        shared = GROUP_KINDS[kind]
+        groups: Dict[tuple, List[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            groups.setdefault(tuple(c[k] for k in shared), []).append(rank)
+        return list(groups.values())
+
     def __str__(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
         parts += [f"{k}={getattr(self, k)}" for k in ("ep", "cp") if getattr(self, k) > 1]
@@ -175,6 +199,7 @@ class ParallelGroups:
     layout: Layout
     pg: object  # megatron.core.process_groups_config.ProcessGroupCollection
     rank: int
+    megatron_registry: bool = True  # these are the groups in Megatron's parallel_state
 
     @property
     def tp_rank(self) -> int:
@@ -204,7 +229,15 @@ class ParallelGroups:
         """Release the groups (Megatron's registry included) so another layout can be built."""
         from megatron.core import parallel_state
 
-        parallel_state.destroy_model_parallel()
+        if self.megatron_registry:
+            parallel_state.destroy_model_parallel()
+            return
+        seen = set()
+        for name in GROUP_KINDS.keys() | {"embd", "pos_embd"}:
+            group = getattr(self.pg, name, None)
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                torch.distributed.destroy_process_group(group)
 
 
 def build_groups(layout: Layout) -> ParallelGroups:
@@ -225,3 +258,35 @@ def build_groups(layout: Layout) -> ParallelGroups:
     parallel_state.initialize_model_parallel(**layout.megatron_sizes(), order="tp-cp-ep-dp-pp")
     pg = ProcessGroupCollection.use_mpu_process_groups()
     return ParallelGroups(layout=layout, pg=pg, rank=torch.distributed.get_rank())
+
+
+def build_placed_groups(layout: Layout, rank_at: Sequence[int]) -> ParallelGroups:
+    """Process groups of ``layout`` when layout position ``v`` is global rank ``rank_at[v]``
+    (a second layout beside Megatron's primary one, e.g. the generation layout of the hybrid
+    engine). Collective: every rank calls it with the same arguments. Megatron's registry is
+    left alone; code uses the returned groups.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world = torch.distributed.get_world_size()
+    layout.validate(world)
+    if sorted(rank_at) != list(range(world)):
+        raise LayoutError(f"rank_at must be a permutation of the {world} ranks")
+    me = torch.distributed.get_rank()
+    groups = {}
+    for kind in list(GROUP_KINDS) + ["embd", "pos_embd"]:
+        lists = [[rank_at[v] for v in g] for g in layout.group_ranks(kind)]
+        for g in lists:
+            # A process group numbers its members in global rank order; Megatron reads a
+            # coordinate (tp rank, ep rank, ...) from that number, so the two must agree for
+            # single-axis groups (joint groups such as tp_dp_cp only gather and reduce).
+            if kind in SINGLE_AXIS_KINDS and g != sorted(g):
+                raise LayoutError(f"{kind} group {g} of layout {layout} is not in global rank order")
+        mine, _ = torch.distributed.new_subgroups_by_enumeration(lists)
+        groups[kind] = mine
+    groups["hcp"] = [groups["cp"]]
+    groups["intra_dp_cp"] = groups["dp_cp"]
+    groups["intra_expt_dp"] = groups["expt_dp"]
+    groups["intra_dist_opt"] = groups["dp_cp"]
+    pg = ProcessGroupCollection(**groups)
+    return ParallelGroups(layout=layout, pg=pg, rank=me, megatron_registry=False)

@@ -1,0 +1,235 @@
+"""3D-HybridEngine executor: performs a :class:`ReshardPlan` on this rank.
+
+Bucket by bucket, each rank packs the ranges others need from its training tensors into flat
+send buffers, receives its missing ranges into flat receive buffers, and copies them into its
+generation-layout tensors (this copy is the re-layout: a generation shard of a fused gate/up
+weight is [gate; up] again). With ``overlap`` the next bucket is in flight while the previous
+one is copied out, and buckets are planned at half the memory budget so that the in-flight
+buffers never exceed it. Frozen weights (``requires_grad=False``) move once and again only if
+their version counter changes: optimizers write through ``.data``, which version counters do not
+see, so trainable weights always move.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megarl.hybrid.planner import ReshardPlan, Regrouping, Segment, plan_reshard
+from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
+
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
+
+@dataclass
+class SyncStats:
+    """What one sync did on this rank (bytes counted where they enter the transport)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    peak_extra_bytes: int = 0  # live send/receive buffers (plus the full model in full_gather)
+    tensors_moved: int = 0
+    tensors_skipped: int = 0
+    seconds: float = 0.0
+
+
+class P2PTransport:
+    """torch.distributed point-to-point (gloo or NCCL): one message per peer and bucket."""
+
+    def start(self, sends: Dict[Tuple[int, int], torch.Tensor], recvs: Dict[Tuple[int, int], torch.Tensor]):
+        """Post receives and sends, keyed by (peer, tag); returns what :meth:`wait` takes."""
+        ops = [dist.P2POp(dist.irecv, buf, src, tag=tag) for (src, tag), buf in sorted(recvs.items())]
+        ops += [dist.P2POp(dist.isend, buf, dst, tag=tag) for (dst, tag), buf in sorted(sends.items())]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    @staticmethod
+    def wait(works) -> None:
+        for work in works:
+            work.wait()
+
+
+def _view(tensor: torch.Tensor, spec: TensorSpec, local: LocalTensor, start: int, stop: int) -> torch.Tensor:
+    """The part of a local tensor that holds global range [start, stop) along the split dim."""
+    for piece in local.pieces:
+        if piece.start <= start and stop <= piece.stop:
+            return tensor.narrow(spec.split_dim, piece.local_start + start - piece.start, stop - start)
+    raise AssertionError(f"{local.name} holds no range [{start}, {stop}) of {spec.key}")
+
+
+class Resharder:
+    """Moves the actor's training shards into generation-layout tensors on this rank.
+
+    ``train_chunks`` are this rank's training model chunks; :meth:`sync` fills (and keeps) one
+    tensor per generation-layout local name. ``outputs`` may pass tensors to fill in place,
+    e.g. a generation model's parameters (the in-process transport of the native rollout).
+    """
+
+    @classmethod
+    def create(cls, model: ModelSpec, regrouping: Regrouping, train_chunks: List[torch.nn.Module],
+               bucket_bytes: int = 256 << 20, mode: str = "micro_dp", overlap: bool = True,
+               outputs: Optional[Dict[str, torch.Tensor]] = None) -> "Resharder":
+        """Plan (cached) and prepare a sync whose extra buffers stay within ``bucket_bytes``."""
+        itemsize = next(p for c in train_chunks for p in c.parameters()).element_size()
+        elems = max(1, bucket_bytes // itemsize // (2 if overlap else 1))
+        return cls(plan_reshard(model, regrouping, mode, elems), train_chunks, outputs, overlap)
+
+    def __init__(self, plan: ReshardPlan, train_chunks: List[torch.nn.Module],
+                 outputs: Optional[Dict[str, torch.Tensor]] = None, overlap: bool = True,
+                 transport: Optional[P2PTransport] = None):
+        self.plan, self.overlap = plan, overlap
+        self.rank = dist.get_rank()
+        self.transport = transport or P2PTransport()
+        chunks = [getattr(c, "module", c) for c in train_chunks]
+        named = [dict(c.named_parameters()) | dict(c.named_buffers()) for c in chunks]
+        self.train: Dict[int, Tuple[LocalTensor, torch.Tensor]] = {}
+        self.originals: Dict[int, torch.Tensor] = {}  # the parameters themselves (requires_grad)
+        for local in plan.sources[self.rank]:
+            tensor = named[local.chunk].get(local.name)
+            if tensor is None or tuple(tensor.shape) != local.shape:
+                got = None if tensor is None else tuple(tensor.shape)
+                raise ValueError(f"rank {self.rank}: training tensor '{local.name}' (chunk {local.chunk}) "
+                                 f"is {got}, the plan expects {local.shape}; the model does not "
+                                 f"match the layout {plan.regrouping.train}")
+            self.train[local.spec] = (local, tensor.detach())
+            self.originals[local.spec] = tensor
+        some = next(iter(self.train.values()))[1]
+        # Ranks agree on each tensor's dtype (a receiver may hold no training copy of it).
+        codes = torch.zeros(len(plan.model.tensors), dtype=torch.int32)
+        for spec, (_, tensor) in self.train.items():
+            codes[spec] = _DTYPE_CODES[tensor.dtype]
+        dist.all_reduce(codes, op=dist.ReduceOp.MAX)
+        self.dtypes = [_CODE_DTYPES[int(c)] for c in codes]
+        self.device = some.device
+        self.outputs = dict(outputs or {})
+        self.gen = {t.spec: t for t in plan.gen[self.rank]}
+        self.targets = {t.spec: t for t in plan.targets[self.rank]}
+        for t in plan.gen[self.rank]:
+            out = self.outputs.get(t.name)
+            if out is None:
+                self.outputs[t.name] = torch.empty(t.shape, dtype=self.dtypes[t.spec], device=self.device)
+            elif tuple(out.shape) != t.shape:
+                raise ValueError(f"rank {self.rank}: generation tensor '{t.name}' is {tuple(out.shape)}, "
+                                 f"the plan expects {t.shape} in layout {plan.regrouping.gen}")
+        self.versions: Dict[int, int] = {}
+        self.last = SyncStats()
+
+    # -- which tensors moved since the last sync: every rank must agree, so flags are all-reduced
+    def _changed(self, force: bool) -> torch.Tensor:
+        flags = torch.zeros(len(self.plan.model.tensors), dtype=torch.int32)
+        for spec, (_, tensor) in self.train.items():
+            frozen = isinstance(self.originals[spec], torch.nn.Parameter) and not self.originals[spec].requires_grad
+            if force or not frozen or self.versions.get(spec) != tensor._version:
+                flags[spec] = 1
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags.bool()
+
+    def _target(self, spec: int, full: Dict[int, torch.Tensor]) -> Tuple[LocalTensor, torch.Tensor]:
+        if self.plan.mode == "full_gather":
+            return self.targets[spec], full[spec]
+        local = self.gen[spec]
+        return local, self.outputs[local.name]
+
+    @torch.no_grad()
+    def sync(self, force: bool = False) -> Dict[str, torch.Tensor]:
+        """One weight sync (collective over the world); returns the generation-layout tensors.
+        ``force`` moves frozen weights too (after editing them through ``.data``)."""
+        begin = time.perf_counter()
+        stats = SyncStats()
+        changed = self._changed(force)
+        model = self.plan.model
+        live = 0
+        full: Dict[int, torch.Tensor] = {}
+        if self.plan.mode == "full_gather":  # the baseline holds the whole model at once
+            for spec, t in self.targets.items():
+                if changed[spec]:
+                    full[spec] = torch.empty(t.shape, dtype=self.dtypes[spec], device=self.device)
+                    live += full[spec].numel() * full[spec].element_size()
+            stats.peak_extra_bytes = live
+
+        def start(index: int, bucket: List[Segment]):
+            nonlocal live
+            # One message per (peer, dtype); tags keep messages of overlapping buckets apart.
+            sends: Dict[Tuple[int, int], List[Segment]] = {}
+            recvs: Dict[Tuple[int, int], List[Segment]] = {}
+            for seg in bucket:
+                if not changed[seg.tensor]:
+                    continue
+                tag = index * 8 + _DTYPE_CODES[self.dtypes[seg.tensor]]
+                if seg.src == self.rank:
+                    sends.setdefault((seg.dst, tag), []).append(seg)
+                if seg.dst == self.rank:
+                    recvs.setdefault((seg.src, tag), []).append(seg)
+            packed: Dict[tuple, torch.Tensor] = {}
+            send_bufs = {}
+            for dst, segs in sends.items():
+                key = tuple((s.tensor, s.start, s.stop) for s in segs)
+                if key not in packed:  # the same ranges to several peers share one buffer
+                    parts = [_view(self.train[s.tensor][1], model.tensors[s.tensor],
+                                   self.train[s.tensor][0], s.start, s.stop).reshape(-1) for s in segs]
+                    packed[key] = torch.cat(parts)
+                    live += packed[key].numel() * packed[key].element_size()
+                send_bufs[dst] = packed[key]
+            recv_bufs = {src: torch.empty(sum(self.plan.elems(s) for s in segs),
+                                          dtype=self.dtypes[segs[0].tensor], device=self.device)
+                         for src, segs in recvs.items()}
+            live += sum(b.numel() * b.element_size() for b in recv_bufs.values())
+            stats.peak_extra_bytes = max(stats.peak_extra_bytes, live)
+            stats.bytes_sent += sum(b.numel() * b.element_size() for b in send_bufs.values())
+            stats.bytes_received += sum(b.numel() * b.element_size() for b in recv_bufs.values())
+            works = self.transport.start(send_bufs, recv_bufs)
+            return works, recvs, recv_bufs, packed
+
+        def finish(handle) -> None:
+            nonlocal live
+            works, recvs, recv_bufs, packed = handle
+            self.transport.wait(works)
+            for src, segs in recvs.items():
+                flat, offset = recv_bufs[src], 0
+                for seg in segs:
+                    spec = model.tensors[seg.tensor]
+                    local, out = self._target(seg.tensor, full)
+                    dest = _view(out, spec, local, seg.start, seg.stop)
+                    n = dest.numel()
+                    dest.copy_(flat[offset:offset + n].view(dest.shape))
+                    offset += n
+            live -= sum(b.numel() * b.element_size() for b in recv_bufs.values())
+            live -= sum(b.numel() * b.element_size() for b in packed.values())
+
+        buckets = self.plan.buckets
+        pending = start(0, buckets[0]) if buckets else None
+        for seg in self.plan.local.get(self.rank, []):  # own ranges, while bucket 0 is in flight
+            if changed[seg.tensor]:
+                spec = model.tensors[seg.tensor]
+                local, out = self._target(seg.tensor, full)
+                src_local, src = self.train[seg.tensor]
+                _view(out, spec, local, seg.start, seg.stop).copy_(_view(src, spec, src_local, seg.start, seg.stop))
+        for index in range(1, len(buckets)):
+            if self.overlap:
+                nxt = start(index, buckets[index])
+                finish(pending)
+                pending = nxt
+            else:
+                finish(pending)
+                pending = start(index, buckets[index])
+        if pending is not None:
+            finish(pending)
+        if self.plan.mode == "full_gather":  # slice the generation shard out of the full model
+            for spec, local in self.gen.items():
+                if changed[spec]:
+                    out = self.outputs[local.name]
+                    for piece in local.pieces:
+                        out.narrow(model.tensors[spec].split_dim, piece.local_start, piece.stop - piece.start).copy_(
+                            full[spec].narrow(model.tensors[spec].split_dim, piece.start, piece.stop - piece.start))
+            full.clear()
+        for spec, (_, tensor) in self.train.items():
+            self.versions[spec] = tensor._version
+        stats.tensors_moved = int(changed.sum())
+        stats.tensors_skipped = len(changed) - stats.tensors_moved
+        stats.seconds = time.perf_counter() - begin
+        self.last = stats
+        return self.outputs
