@@ -208,16 +208,22 @@ class _Coverer:
         return pool[rank % len(pool)]
 
 
-def rank_traffic(model: ModelSpec, regrouping: Regrouping, rank: int, mode: str = "micro_dp") -> Dict[str, int]:
-    """Elements ``rank`` receives and ends with, without planning the other ranks (cost models)."""
+def rank_traffic(model: ModelSpec, regrouping: Regrouping, rank: int, mode: str = "micro_dp",
+                 gpus_per_node: int = 0) -> Dict[str, int]:
+    """Elements ``rank`` receives and ends with, without planning the other ranks (cost models).
+    With ``gpus_per_node``, received elements are split into same-node and other-node senders
+    (ranks fill nodes in order)."""
     cov = _Coverer(model, regrouping, mode)
-    received = 0
+    received = inter = 0
     for seg in cov.segments(rank):
         if seg.src != rank:
-            received += model.tensors[seg.tensor].slice_numel(seg.stop - seg.start)
+            n = model.tensors[seg.tensor].slice_numel(seg.stop - seg.start)
+            received += n
+            if gpus_per_node and seg.src // gpus_per_node != rank // gpus_per_node:
+                inter += n
     shard = model.local_numel(cov.gen.local_tensors(regrouping.gen_rank[rank]))
     held = model.local_numel(cov.train.local_tensors(rank))
-    return {"received": received, "gen_shard": shard, "train_shard": held,
+    return {"received": received, "received_other_nodes": inter, "gen_shard": shard, "train_shard": held,
             "assembled": model.numel() if mode == "full_gather" else shard}
 
 
