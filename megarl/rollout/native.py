@@ -1,0 +1,179 @@
+"""Native rollout: the actor's own Megatron ``GPTModel`` in the generation layout, fed in process
+by the 3D-HybridEngine, decoding with Megatron's static KV cache. Runs on CPU and GPU.
+
+Prompts are left-padded into one batch; pad positions are masked out as keys (rotary embeddings
+depend only on relative positions, so the shift changes nothing). Finished rows are dropped
+from the batch and its KV cache at every step. Each generation data-parallel replica (d·d_g of
+them) decodes a contiguous share of the rows; the responses are gathered so that every rank
+returns all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.hybrid import ModelSpec, Regrouping, Resharder
+from megarl.models import build_model
+from megarl.models.hf_config import MegatronModelArgs
+from megarl.parallel import LayoutError, build_placed_groups
+from megarl.rollout.sampling import generator_for, sample
+from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams
+
+
+class NativeRollout(RolloutEngine):
+    """Generation with the actor's architecture in layout ``regrouping.gen`` (p_g = 1)."""
+
+    def __init__(self, model_cfg, args: MegatronModelArgs, regrouping: Regrouping,
+                 train_chunks: List[torch.nn.Module], bucket_bytes: int = 256 << 20, max_batch_rows: int = 256):
+        gen = dataclasses.replace(regrouping.gen, sequence_parallel=False)  # decode steps are one token long
+        if gen.pp != 1:
+            raise ValueError(f"the native rollout runs without pipeline stages; set rollout.pp=1 (got {gen.pp})")
+        if gen.ep > 1:
+            raise ValueError(f"the native rollout needs rollout.ep=1 (got {gen.ep}): replicas decode "
+                             f"different rows for different numbers of steps, while expert "
+                             f"parallelism needs every member of an expert group in each step; "
+                             f"use sglang for expert-parallel generation")
+        if args.num_experts and gen.tp > 1:
+            raise ValueError(f"the native rollout runs MoE models at rollout.tp=1 (got {gen.tp}): Megatron's "
+                             f"MoE needs sequence parallelism with tp > 1, which one-token decode steps "
+                             f"cannot use; set rollout.tp=1 (and rollout.ep as needed) or use sglang")
+        self.args, self.vocab = args, args.vocab_size
+        self.max_batch_rows = max_batch_rows
+        positions = sorted(range(len(regrouping.gen_rank)), key=lambda r: regrouping.gen_rank[r])
+        try:
+            self.groups = build_placed_groups(gen, positions)
+            self.model = build_model(model_cfg, self.groups, args, initialize=False)[0].eval()
+        except LayoutError as err:
+            raise ValueError(f"rollout layout {gen}: {err}") from None
+        tensors = {n: t.data for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())}
+        self.resharder = Resharder.create(ModelSpec.from_args(args, model_cfg.make_vocab_size_divisible_by),
+                                          regrouping, train_chunks, bucket_bytes, outputs=tensors)
+        self.weights = list(self.resharder.outputs.values())
+        self.released = False
+        self.stale = True  # no weights yet
+        self.calls = 0
+        self.last = RolloutStats()
+
+    # ---------------------------------------------------------------- weights and memory
+
+    def update_weights(self, policy_version: int) -> None:
+        if self.released:
+            raise RuntimeError("rollout memory is released; call resume_memory() before update_weights()")
+        self.resharder.sync()
+        self.policy_version = policy_version
+        self.stale = False
+
+    def release_memory(self) -> None:
+        """Free the generation weights' storage (the tensors stay, empty) until resume_memory()."""
+        for tensor in self.weights:
+            tensor.untyped_storage().resize_(0)
+        self.released = True
+
+    def resume_memory(self) -> None:
+        for tensor in self.weights:
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        self.resharder.versions.clear()  # everything moves at the next sync
+        self.released, self.stale = False, True
+
+    def flush_cache(self) -> None:
+        """Nothing to drop: the KV cache lives for one generate() call (no prefix cache)."""
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
+        if self.released or self.stale:
+            raise RuntimeError("the rollout has no current weights: call update_weights() "
+                               "(after resume_memory() if memory was released)")
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) + sampling.max_new_tokens > self.args.max_position_embeddings:
+                raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_new_tokens={sampling.max_new_tokens} "
+                                 f"exceed the model's {self.args.max_position_embeddings} positions")
+        begin = time.perf_counter()
+        seed = sampling.seed if sampling.seed is not None else self.calls
+        self.calls += 1
+        rows = [(p, s) for p in range(len(prompts)) for s in range(sampling.n)]
+        dp, dp_rank = self.groups.layout.dp, self.groups.pg.dp.rank()
+        share = -(-len(rows) // dp)
+        mine = rows[dp_rank * share:(dp_rank + 1) * share]
+        out: List[Response] = []
+        for start in range(0, len(mine), self.max_batch_rows):
+            out += self._decode(prompts, mine[start:start + self.max_batch_rows], sampling, seed)
+        if dp > 1:
+            parts = [None] * dp
+            dist.all_gather_object(parts, out, group=self.groups.pg.dp)
+            out = [r for part in parts for r in part]
+        self.last = RolloutStats(prompts=len(prompts), tokens=sum(r.length for r in out),
+                                 seconds=time.perf_counter() - begin)
+        return out
+
+    def _logits(self, tokens: torch.Tensor, blocked: torch.Tensor, context) -> torch.Tensor:
+        """Next-token logits [rows, vocab] (real vocabulary) after ``tokens`` [rows, s]."""
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        logits = self.model(tokens, positions, blocked, inference_context=context,
+                            runtime_gather_output=True)  # [rows, 1, padded vocab], gathered over tp
+        return logits[:, -1, : self.vocab]
+
+    @torch.no_grad()
+    def _decode(self, prompts, rows, sampling: SamplingParams, seed: int) -> List[Response]:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        if not rows:
+            return []
+        device = self.weights[0].device
+        lengths = [len(prompts[p]) for p, _ in rows]
+        width = max(lengths)
+        total = width + sampling.max_new_tokens
+        tokens = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        valid = torch.zeros(len(rows), total, dtype=torch.bool, device=device)  # real tokens, as keys
+        for i, ((p, _), n) in enumerate(zip(rows, lengths)):
+            tokens[i, width - n:] = torch.tensor(prompts[p], device=device)
+            valid[i, width - n:width] = True
+        # Megatron masks are True where attention is blocked; a pad query may see itself so that
+        # no softmax row is empty (its output is never used).
+        eye = torch.eye(width, dtype=torch.bool, device=device)
+        blocked = ~(valid[:, None, None, :width] | eye)
+        context = StaticInferenceContext(len(rows), total)
+        active = list(range(len(rows)))
+        generators = [generator_for(seed, p, s) for p, s in rows]
+        produced: List[List[int]] = [[] for _ in rows]
+        log_probs: List[List[float]] = [[] for _ in rows]
+        finish = [""] * len(rows)
+        logits = self._logits(tokens, blocked, context)
+        context.sequence_len_offset += width
+        context.enable_decode_mode()
+        stop = set(sampling.stop_token_ids)
+        for step in range(sampling.max_new_tokens):
+            chosen, chosen_logp = sample(logits, sampling, [generators[i] for i in active])
+            keep = []
+            for j, i in enumerate(active):
+                token = int(chosen[j])
+                produced[i].append(token)
+                log_probs[i].append(float(chosen_logp[j]))
+                if token in stop:
+                    finish[i] = "stop"
+                elif step + 1 == sampling.max_new_tokens:
+                    finish[i] = "length"
+                else:
+                    keep.append(j)
+            if not keep:
+                break
+            position = context.sequence_len_offset
+            if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
+                index = torch.tensor(keep, device=device)
+                for layer, (k, v) in context.key_value_memory_dict.items():
+                    context.key_value_memory_dict[layer] = (k.index_select(1, index), v.index_select(1, index))
+                valid = valid.index_select(0, index)
+                chosen = chosen.index_select(0, index)
+                active = [active[j] for j in keep]
+            valid[:, position] = True
+            logits = self._logits(chosen.view(-1, 1).to(device), ~valid[:, None, None, :position + 1], context)
+            context.sequence_len_offset += 1
+        return [Response(p, s, produced[i], log_probs[i], finish[i], self.policy_version)
+                for i, (p, s) in enumerate(rows)]

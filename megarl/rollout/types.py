@@ -1,0 +1,104 @@
+"""The rollout interface every engine implements, and what goes in and out of it."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How responses are drawn."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy. Log-probs are reported at this temperature (1 when greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    n: int = 1
+    """Samples per prompt."""
+    max_new_tokens: int = 32
+    """Response length limit (tokens); reaching it ends a response with finish reason 'length'."""
+    stop_token_ids: Sequence[int] = ()
+    """Tokens that end a response (kept as its last token; finish reason 'stop')."""
+    seed: Optional[int] = None
+    """Seed of the draws; each sample's stream depends only on (seed, prompt index, sample index)."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0 or self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"sampling.top_k={self.top_k} must be >= 0, n={self.n} and "
+                             f"max_new_tokens={self.max_new_tokens} >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        return 1.0 if self.greedy else self.temperature
+
+
+@dataclass
+class Response:
+    """One sampled response."""
+
+    prompt_index: int
+    sample_index: int
+    token_ids: List[int]
+    log_probs: List[float]  # of each response token, at the sampling temperature, full vocabulary
+    finish_reason: str  # "stop" or "length"
+    policy_version: int = -1
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class RolloutStats:
+    """What the last ``generate`` cost."""
+
+    prompts: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(abc.ABC):
+    """Generation for the RL loop. Collective: every rank of the world calls each verb."""
+
+    policy_version: int = -1
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
+        """Responses for every prompt (``n`` each, prompt-major), the same list on every rank."""
+
+    @abc.abstractmethod
+    def update_weights(self, policy_version: int) -> None:
+        """Take the actor's current weights through the hybrid engine."""
+
+    def release_memory(self) -> None:
+        """Give weights and KV cache memory back while training runs."""
+
+    def resume_memory(self) -> None:
+        """Take the memory back before the next generation."""
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes (stale after a weight update)."""
+
+
+def stack_log_probs(responses: Sequence[Response]) -> torch.Tensor:
+    """[rows, max_len] log-probs of responses, zero past each length."""
+    width = max((r.length for r in responses), default=0)
+    out = torch.zeros(len(responses), width)
+    for i, r in enumerate(responses):
+        out[i, : r.length] = torch.tensor(r.log_probs)
+    return out

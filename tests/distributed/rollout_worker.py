@@ -1,0 +1,145 @@
+"""Worker for test_rollout.py (under torchrun). Prints ``RESULT {json}`` lines on rank 0.
+
+``reference WORK MODEL...``: one process builds each full model, saves it as a dist checkpoint
+and greedy continuations of PROMPTS by full recomputation (no cache).
+``run WORK CASE...``, a case being ``model@t,p,d,e>t_g,e_g``: the actor in the training layout
+(the trainer's engine), the native rollout in the generation layout fed by the hybrid engine;
+greedy with and without a stop token, seeded sampling twice, and the trainer's log-probs of
+every response against the rollout's own.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import ModelConfig
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.hybrid import regroup
+from megarl.models import build_model
+from megarl.models.hf_config import megatron_args_from_hf
+from megarl.parallel import Layout, build_groups
+from megarl.rollout import SamplingParams
+from megarl.rollout.native import NativeRollout
+from megarl.runtime import init_distributed, set_seed
+from megarl.training import lm
+from megarl.training.dist_ckpt import save_model
+
+MODELS = {"llama": "configs/models/tiny-llama.json", "qwen3-moe": "configs/models/tiny-qwen3-moe.json",
+          "deepseek": "configs/models/tiny-deepseek-v3.json"}
+PROMPTS = [[5, 17, 42], [9, 9, 120, 33, 2, 45, 6], [3], [200, 31, 4, 15, 60, 7, 7, 8, 100, 1], [77, 78]]
+MAX_NEW = 8
+
+
+def emit(record) -> None:
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(record), flush=True)
+
+
+def reference(work: Path, name: str) -> None:
+    groups = build_groups(Layout())
+    set_seed(11, groups)
+    chunks = build_model(ModelConfig(hf_config=MODELS[name]), groups)
+    save_model(chunks, work / f"{name}-ckpt")
+    model, vocab = chunks[0].eval(), megatron_args_from_hf(MODELS[name]).vocab_size
+    greedy = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            seq = list(prompt)
+            for _ in range(MAX_NEW):  # full recomputation of the whole sequence every step
+                ids = torch.tensor([seq])
+                logits = model(ids, torch.arange(len(seq)).unsqueeze(0), None)[0, -1, :vocab]
+                seq.append(int(logits.argmax()))
+            greedy.append(seq[len(prompt):])
+    (work / f"{name}-greedy.json").write_text(json.dumps(greedy))
+    groups.destroy()
+
+
+def trainer_log_probs(engine: MegatronEngine, responses, temperature: float) -> torch.Tensor:
+    """The actor engine's log-probs of each response given its prompt: [rows, max response]."""
+    seqs = [PROMPTS[r.prompt_index] + r.token_ids for r in responses]
+    width = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), width + 1, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = torch.tensor(s)
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": torch.arange(width).expand(len(seqs), -1).contiguous()}
+    lengths = torch.tensor([len(s) for s in seqs])
+    logp = engine.forward_log_probs(batch, lengths, MicroBatching(max_tokens=48), temperature)["log_probs"]
+    out = torch.zeros(len(responses), MAX_NEW)
+    for i, r in enumerate(responses):
+        start = len(PROMPTS[r.prompt_index]) - 1  # position predicting the first response token
+        out[i, : r.length] = logp[i, start:start + r.length]
+    return out
+
+
+def max_diff(engine, responses, temperature) -> float:
+    ref = trainer_log_probs(engine, responses, temperature)
+    got = torch.zeros_like(ref)
+    for i, r in enumerate(responses):
+        got[i, : r.length] = torch.tensor(r.log_probs)
+    return (got - ref).abs().max().item()
+
+
+def run(work: Path, case: str) -> None:
+    name, rest = case.split("@")
+    train, gen = rest.split(">")
+    tp, pp, dp, ep = (int(x) for x in train.split(","))
+    gen_tp, gen_ep = (int(x) for x in gen.split(","))
+    model_cfg = ModelConfig(hf_config=MODELS[name])
+    args = megatron_args_from_hf(MODELS[name])
+    groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None))
+    set_seed(11, groups)
+    state = lm.build_frozen_state(model_cfg, groups, str(work / f"{name}-ckpt"))
+    engine = MegatronEngine(state, args.vocab_size)
+    rg = regroup(groups.layout, gen_tp, 1, gen_ep, args.num_experts or 0)
+    rollout = NativeRollout(model_cfg, args, rg, state.model, bucket_bytes=1 << 16, max_batch_rows=3)
+    rollout.update_weights(policy_version=1)
+    record = {"case": case}
+
+    greedy_ref = json.loads((work / f"{name}-greedy.json").read_text())
+    greedy = rollout.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
+    record["greedy_equal"] = [r.token_ids == g for r, g in zip(greedy, greedy_ref)]
+    record["greedy_finish"] = [r.finish_reason for r in greedy]
+    record["greedy_logp_diff"] = max_diff(engine, greedy, 1.0)
+    record["policy_versions"] = sorted({r.policy_version for r in greedy})
+
+    stop = greedy_ref[0][2]
+    stopped = rollout.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=MAX_NEW, stop_token_ids=[stop]))
+    expected = [g[: g.index(stop) + 1] if stop in g else g for g in greedy_ref]
+    record["stop_equal"] = [r.token_ids == e for r, e in zip(stopped, expected)]
+    record["stop_finish"] = [(r.finish_reason, "stop" if stop in g else "length") for r, g in zip(stopped, greedy_ref)]
+
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, n=3, max_new_tokens=MAX_NEW, seed=1234)
+    first = rollout.generate(PROMPTS, sampling)
+    again = rollout.generate(PROMPTS, sampling)
+    record["samples"] = len(first)
+    record["sample_order"] = [(r.prompt_index, r.sample_index) for r in first][:6]
+    record["reproducible"] = [r.token_ids for r in first] == [r.token_ids for r in again]
+    record["distinct_samples"] = len({tuple(r.token_ids) for r in first})
+    record["sampled_logp_diff"] = max_diff(engine, first, 0.8)
+    record["sampled_tokens"] = [r.token_ids for r in first]
+
+    rollout.release_memory()
+    try:
+        rollout.generate(PROMPTS, sampling)
+        record["released_refuses"] = False
+    except RuntimeError:
+        record["released_refuses"] = True
+    rollout.resume_memory()
+    rollout.update_weights(policy_version=2)
+    resumed = rollout.generate(PROMPTS, sampling)
+    record["resumed_same"] = [r.token_ids for r in resumed] == [r.token_ids for r in first]
+    emit(record)
+    groups.destroy()
+
+
+if __name__ == "__main__":
+    init_distributed()
+    mode, work = sys.argv[1], Path(sys.argv[2])
+    for arg in sys.argv[3:]:
+        reference(work, arg) if mode == "reference" else run(work, arg)
