@@ -29,7 +29,8 @@ class NativeRollout(RolloutEngine):
     """Generation with the actor's architecture in layout ``regrouping.gen`` (p_g = 1)."""
 
     def __init__(self, model_cfg, args: MegatronModelArgs, regrouping: Regrouping,
-                 train_chunks: List[torch.nn.Module], bucket_bytes: int = 256 << 20, max_batch_rows: int = 256):
+                 train_chunks: List[torch.nn.Module], bucket_bytes: int = 256 << 20, max_batch_rows: int = 256,
+                 kv_cache: bool = True):
         gen = dataclasses.replace(regrouping.gen, sequence_parallel=False)  # decode steps are one token long
         if gen.pp != 1:
             raise ValueError(f"the native rollout runs without pipeline stages; set rollout.pp=1 (got {gen.pp})")
@@ -44,6 +45,7 @@ class NativeRollout(RolloutEngine):
                              f"cannot use; set rollout.tp=1 (and rollout.ep as needed) or use sglang")
         self.args, self.vocab = args, args.vocab_size
         self.max_batch_rows = max_batch_rows
+        self.kv_cache = kv_cache  # False: recompute the whole sequence every step (a baseline)
         positions = sorted(range(len(regrouping.gen_rank)), key=lambda r: regrouping.gen_rank[r])
         try:
             self.groups = build_placed_groups(gen, positions)
@@ -117,7 +119,7 @@ class NativeRollout(RolloutEngine):
         """Next-token logits [rows, vocab] (real vocabulary) after ``tokens`` [rows, s]."""
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         logits = self.model(tokens, positions, blocked, inference_context=context,
-                            runtime_gather_output=True)  # [rows, 1, padded vocab], gathered over tp
+                            runtime_gather_output=True)  # [rows, 1 or s, padded vocab], gathered over tp
         return logits[:, -1, : self.vocab]
 
     @torch.no_grad()
@@ -139,15 +141,17 @@ class NativeRollout(RolloutEngine):
         # no softmax row is empty (its output is never used).
         eye = torch.eye(width, dtype=torch.bool, device=device)
         blocked = ~(valid[:, None, None, :width] | eye)
-        context = StaticInferenceContext(len(rows), total)
+        context = StaticInferenceContext(len(rows), total) if self.kv_cache else None
         active = list(range(len(rows)))
         generators = [generator_for(seed, p, s) for p, s in rows]
         produced: List[List[int]] = [[] for _ in rows]
         log_probs: List[List[float]] = [[] for _ in rows]
         finish = [""] * len(rows)
         logits = self._logits(tokens, blocked, context)
-        context.sequence_len_offset += width
-        context.enable_decode_mode()
+        position = width  # where the next token goes
+        if context is not None:
+            context.sequence_len_offset += width
+            context.enable_decode_mode()
         stop = set(sampling.stop_token_ids)
         for step in range(sampling.max_new_tokens):
             chosen, chosen_logp = sample(logits, sampling, [generators[i] for i in active])
@@ -164,16 +168,21 @@ class NativeRollout(RolloutEngine):
                     keep.append(j)
             if not keep:
                 break
-            position = context.sequence_len_offset
+            tokens = torch.cat([tokens, chosen.view(-1, 1).to(device)], dim=1)
             if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
                 index = torch.tensor(keep, device=device)
-                for layer, (k, v) in context.key_value_memory_dict.items():
-                    context.key_value_memory_dict[layer] = (k.index_select(1, index), v.index_select(1, index))
-                valid = valid.index_select(0, index)
-                chosen = chosen.index_select(0, index)
+                if context is not None:
+                    for layer, (k, v) in context.key_value_memory_dict.items():
+                        context.key_value_memory_dict[layer] = (k.index_select(1, index), v.index_select(1, index))
+                valid, tokens = valid.index_select(0, index), tokens.index_select(0, index)
                 active = [active[j] for j in keep]
             valid[:, position] = True
-            logits = self._logits(chosen.view(-1, 1).to(device), ~valid[:, None, None, :position + 1], context)
-            context.sequence_len_offset += 1
+            if context is not None:  # only the new token; keys come from the cache
+                logits = self._logits(tokens[:, -1:], ~valid[:, None, None, :position + 1], context)
+                context.sequence_len_offset += 1
+            else:
+                eye = torch.eye(position + 1, dtype=torch.bool, device=device)
+                logits = self._logits(tokens, ~(valid[:, None, None, :position + 1] | eye), None)
+            position += 1
         return [Response(p, s, produced[i], log_probs[i], finish[i], self.policy_version)
                 for i, (p, s) in enumerate(rows)]

@@ -108,6 +108,13 @@ def run(work: Path, case: str) -> None:
     record["greedy_logp_diff"] = max_diff(engine, greedy, 1.0)
     record["policy_versions"] = sorted({r.policy_version for r in greedy})
 
+    rollout.kv_cache = False  # the same decoding by full recomputation inside the rollout
+    recomputed = rollout.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=MAX_NEW))
+    rollout.kv_cache = True
+    record["recompute_equal"] = [r.token_ids == g for r, g in zip(recomputed, greedy_ref)]
+    record["recompute_logp_diff"] = max(abs(a - b) for r, q in zip(recomputed, greedy)
+                                        for a, b in zip(r.log_probs, q.log_probs))
+
     stop = greedy_ref[0][2]
     stopped = rollout.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=MAX_NEW, stop_token_ids=[stop]))
     expected = [g[: g.index(stop) + 1] if stop in g else g for g in greedy_ref]

@@ -38,6 +38,7 @@ def results(tmp_path_factory):
 def test_greedy_equals_full_recomputation(results, case):
     r = results[case]
     assert all(r["greedy_equal"]), r["greedy_equal"]
+    assert all(r["recompute_equal"]) and r["recompute_logp_diff"] <= TOL  # the no-cache baseline
     assert r["greedy_finish"] == ["length"] * 5
     assert r["policy_versions"] == [1]
 
