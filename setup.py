@@ -23,6 +23,7 @@ setup(
         "tqdm>=4.66",
         "einops>=0.8",
         "psutil>=5.9",
+        "pyarrow>=15",
         "numpy>=1.26",
     ],
     extras_require={

@@ -1,0 +1,127 @@
+"""Verifiers on tricky answers, the safe scorer, reward functions by import path, datasets."""
+
+import json
+import time
+
+import pytest
+
+from megarl.data.datasets import DataError, load_records, reverse_digits_records
+from megarl.data.tokenizer import DigitTokenizer
+from megarl.rewards import resolve_reward_fn, score_all
+from megarl.rewards.verifiers import (boxed_answer, countdown_reward, gsm8k_reward, math_reward,
+                                     reverse_digits_reward)
+
+GSM8K = [  # (response, reference answer, verdict)
+    ("She pays 3 * 4 = 12 dollars. #### 12", "12", 1.0),
+    ("The total is $1,234.", "1234", 1.0),
+    ("#### 1,234", "Natalia sold 48/2 = 24 clips.\n#### 1234", 1.0),
+    ("It takes 7 apples", "7", 1.0),
+    ("About 0.5 of them", "1/2", 1.0),
+    ("The answer is 12.0", "12", 1.0),
+    ("#### 13", "12", 0.0),
+    ("I don't know", "12", 0.0),
+    ("", "12", 0.0),
+    ("5 then 7 then 12 then 13", "12", 0.0),  # the last number counts
+    ("#### -3", "-3", 1.0),
+    ("It is 45%", "45", 1.0),
+]
+MATH = [
+    ("so \\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("\\boxed{3/4}", "\\frac{3}{4}", 1.0),
+    ("\\boxed{\\frac{1}{2}} and later \\boxed{2}", "2", 1.0),  # the last box
+    ("\\boxed{x^{2}+1}", "x^{2} + 1", 1.0),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{3}", 0.0),
+    ("no box: 42", "42", 0.0),
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{12 \\text{ cm}}", "12", 1.0),
+    ("\\boxed{{nested}", "nested", 0.0),  # unbalanced
+]
+COUNTDOWN = [
+    ("(3 + 5) * 2", {"target": 16, "numbers": [3, 5, 2]}, 1.0),
+    ("3 * 5 + 2 = 17", {"target": 17, "numbers": [3, 5, 2]}, 1.0),
+    ("3 * 3 + 7", {"target": 16, "numbers": [3, 5, 7]}, 0.0),  # 3 used twice
+    ("__import__('os')", {"target": 0, "numbers": [1]}, 0.0),
+    ("8 / (3 - 3)", {"target": 1, "numbers": [8, 3, 3]}, 0.0),
+    ("", {"target": 1, "numbers": [1]}, 0.0),
+]
+
+
+@pytest.mark.parametrize("response,answer,verdict", GSM8K)
+def test_gsm8k(response, answer, verdict):
+    assert gsm8k_reward(response, answer) == verdict
+
+
+@pytest.mark.parametrize("response,answer,verdict", MATH)
+def test_math(response, answer, verdict):
+    assert math_reward(response, answer) == verdict
+
+
+@pytest.mark.parametrize("response,answer,verdict", COUNTDOWN)
+def test_countdown(response, answer, verdict):
+    assert countdown_reward(response, answer) == verdict
+
+
+def test_boxed_nesting():
+    assert boxed_answer("\\boxed{\\frac{a}{b^{2}}}") == "\\frac{a}{b^{2}}"
+
+
+@pytest.mark.parametrize("response,score", [("4321", 1.0), ("4320", 0.75), ("43", 0.5), ("432100", 4 / 6), ("", 0.0),
+                                            ("1234", 0.0)])
+def test_reverse_digits_partial_credit(response, score):
+    assert reverse_digits_reward(response, "4321") == pytest.approx(score)
+
+
+def flaky(response, answer):
+    if response == "boom":
+        raise RuntimeError("bad sample")
+    if response == "slow":
+        time.sleep(2)
+    return 1.0
+
+
+def test_scorer_survives_errors_and_timeouts():
+    report = score_all(flaky, [("ok", 0), ("boom", 0), ("slow", 0), ("ok", 0)], timeout_s=0.3)
+    assert report.scores == [1.0, 0.0, 0.0, 1.0]
+    assert report.errors == 1 and report.timeouts == 1 and len(report.examples) == 2
+
+
+def test_reward_function_by_import_path():
+    assert resolve_reward_fn("tests.unit.test_rewards:flaky")("ok", 0) == 1.0
+    assert resolve_reward_fn("gsm8k") is gsm8k_reward
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve_reward_fn("no.such.module:fn")
+    with pytest.raises(KeyError):
+        resolve_reward_fn("no-such-name")
+
+
+def test_datasets_jsonl_parquet_and_bad_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n\n"
+                    + json.dumps({"question": [{"role": "user", "content": "2+2?"}],
+                                  "reward_model": {"ground_truth": "4"}}) + "\n")
+    records = load_records([str(good)], prompt_key="question")
+    assert [r.answer for r in records] == ["2", "4"] and records[1].source.endswith("good.jsonl:3")
+    pq.write_table(pa.Table.from_pylist([{"question": "3+3?", "answer": "6"}]), tmp_path / "p.parquet")
+    assert load_records([str(tmp_path / "p.parquet")], prompt_key="question")[0].answer == "6"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "ok", "answer": 1}) + "\n{not json\n" + json.dumps({"q": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2 invalid JSON"):
+        load_records([str(bad)], prompt_key="question")
+    assert len(load_records([str(bad)], prompt_key="question", bad_rows="skip")) == 1
+    with pytest.raises(DataError, match=r"bad.jsonl:1 has no 'prompt' field \(data.prompt_key\)"):
+        load_records([str(bad)])
+    with pytest.raises(DataError, match="does not exist"):
+        load_records([str(tmp_path / "missing.jsonl")])
+
+
+def test_builtin_task_and_tokenizer():
+    tok = DigitTokenizer()
+    record = reverse_digits_records(1, 4, seed=0)[0]
+    ids = tok.prompt_ids(record.prompt)
+    assert ids[0] == tok.bos_token_id and tok.decode(ids) == record.prompt
+    assert record.answer == record.prompt[:4][::-1]
+    with pytest.raises(ValueError, match="not in the built-in tokenizer"):
+        tok.encode("abc")
