@@ -1,6 +1,7 @@
 """The ``megarl`` command: ``megarl <subcommand> [CONFIG.yaml ...] [key=value ...]``.
 
 Subcommands:
+  train      RL post-training (GRPO, PPO, DAPO, RLOO, REINFORCE++, ReMax) on Ray, colocated
   train-lm   tiny Megatron training on the built-in reverse-digits task (launches torchrun)
   config     print the composed, validated configuration as YAML
   convert    hf-to-mcore | mcore-to-hf checkpoint conversion (see megarl convert --help)
@@ -40,6 +41,12 @@ def _train_lm(args: List[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def _train(args: List[str]) -> int:
+    from megarl.entrypoints.train_rl import main
+
+    return main(args)
+
+
 def _config(args: List[str]) -> int:
     files, overrides = _split(args)
     print(to_yaml(load_config(files, overrides)), end="")
@@ -66,7 +73,7 @@ def _convert(args: List[str]) -> int:
     return convert_main(args)
 
 
-COMMANDS = {"train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
+COMMANDS = {"train": _train, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
 
 
 def main(argv=None) -> int:

@@ -62,6 +62,10 @@ class RolloutLayoutConfig:
     """Generation pipeline-parallel size p_g."""
     ep: int = 1
     """Generation expert-parallel size e_g (MoE)."""
+    engine: str = "native"
+    """``native`` (Megatron with a KV cache; CPU and GPU) or ``sglang`` (GPU, extra ``sglang``)."""
+    bucket_mb: int = 256
+    """Hybrid-engine bucket: extra memory a weight sync may hold (MiB)."""
 
 
 @dataclass
@@ -107,7 +111,21 @@ class DataConfig:
     train_files: List[str] = field(default_factory=list)
     """Prompt datasets (jsonl or parquet); empty = the built-in task."""
     prompt_key: str = "prompt"
-    """Record field holding the prompt."""
+    """Record field holding the prompt (a string or a list of chat messages)."""
+    answer_key: str = "answer"
+    """Record field holding the reference answer (else ``reward_model.ground_truth``)."""
+    bad_rows: str = "fail"
+    """A malformed row: ``fail`` (stop, naming file and row) or ``skip`` (log and go on)."""
+    tokenizer: Optional[str] = None
+    """HF tokenizer directory; null = the built-in digit tokenizer (built-in task)."""
+    chat_template: bool = True
+    """Format prompts with the tokenizer's chat template when it has one."""
+    builtin_size: int = 4096
+    """Prompts generated for the built-in task."""
+    prompts_per_step: int = 16
+    """Prompts per RL step; times algorithm.samples_per_prompt must divide by the actor's dp."""
+    micro_batch_tokens: int = 1024
+    """Token budget of one micro-batch in log-prob and update passes."""
     num_digits: int = 6
     """Built-in reverse-the-digits task: digits per problem (sequences are 2*num_digits+1 tokens)."""
     global_batch_size: int = 16
@@ -118,14 +136,54 @@ class DataConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """The RL algorithm (filled in by the trainer issue; defaults describe GRPO)."""
+    """The RL algorithm: advantage estimator, objective and sampling."""
 
     name: str = "grpo"
-    """``grpo``, ``ppo``, ``dapo``, ``rloo``, ``reinforce_pp`` or ``remax``."""
+    """``grpo``, ``ppo`` (GAE + critic), ``dapo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline`` or ``remax``."""
+    samples_per_prompt: int = 8
+    """Responses sampled per prompt (the group of GRPO/RLOO/DAPO)."""
+    reward_fn: str = "reverse_digits"
+    """A registered verifier (reverse_digits, gsm8k, math, countdown, exact_match) or ``module:function`` (trusted code)."""
+    reward_timeout_s: float = 10.0
+    """Per-sample reward time limit; a timeout or an exception scores 0 and is counted."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = 16
+    """Response length limit."""
     kl_coef: float = 0.0
-    """Weight of the KL-to-reference term."""
-    samples_per_prompt: int = 4
-    """Responses sampled per prompt (GRPO group size)."""
+    """KL-to-reference weight (0 = no reference model)."""
+    kl_in_reward: bool = False
+    """Apply the KL as a per-token reward penalty (classic PPO) instead of a loss term."""
+    kl_estimator: str = "k3"
+    """k1, k2 or k3."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    clip_low: float = 0.2
+    """PPO clip range below 1."""
+    clip_high: float = 0.2
+    """PPO clip range above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
+    agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
+    norm_by_std: bool = True
+    """GRPO: divide by the group's std (false = Dr. GRPO)."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts until the step is full."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: generation rounds per step at most (then train on what there is)."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping: penalise responses within this many tokens of max_new_tokens (0 = off)."""
+    overlong_penalty: float = 1.0
+    """Penalty at max_new_tokens (linear from 0 at the buffer's start)."""
+    critic_lr: Optional[float] = None
+    """Critic learning rate (PPO); null = optimizer.lr."""
 
 
 @dataclass
@@ -142,13 +200,15 @@ class TrainerConfig:
     """Print metrics every this many steps."""
     run_dir: str = "runs/latest"
     """Where logs, metrics and checkpoints go."""
+    loop: str = "sync"
+    """``sync`` (on-policy) or ``one_step_off`` (rollout of step k+1 from the weights before update k)."""
 
 
 @dataclass
 class LoggingConfig:
     """Where metrics go."""
 
-    mlflow: bool = False
+    mlflow: bool = True
     """Log to MLflow."""
     mlflow_tracking_uri: Optional[str] = None
     """null = a sqlite store inside trainer.run_dir."""

@@ -76,6 +76,10 @@ def padded(batch: Batch, rows: torch.Tensor, lengths: torch.Tensor, multiple: in
     """The rows, cut to their longest real length (rounded up to ``multiple``)."""
     longest = int(lengths[rows].max())
     longest = -(-longest // multiple) * multiple
+    width = next(iter(batch.values())).shape[1]
+    if longest > width:
+        raise ValueError(f"batch width {width} is not a multiple of {multiple} (tp with sequence "
+                         f"parallelism); pad the batch's sequence dim to a multiple of {multiple}")
     return MicroBatch(rows, {k: v[rows, :longest] for k, v in batch.items()}, lengths=lengths[rows])
 
 

@@ -1,0 +1,131 @@
+"""The SPMD worker of colocated placement: on each rank the actor, reference, critic and rollout
+share the process (the 3D-HybridEngine time-shares the device between them). The driver calls
+its methods through :class:`WorkerGroup` proxies; method names are ``<role>_<verb>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, List, Sequence
+
+import torch
+
+from megarl.controller.protocol import Batch
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.hybrid import regroup
+from megarl.models.hf_config import megatron_args_from_hf
+from megarl.parallel import Layout, build_groups
+from megarl.roles.actor import Actor, ActorLossConfig
+from megarl.roles.critic import Critic, CriticLossConfig
+from megarl.roles.reference import Reference
+from megarl.rollout import Response, SamplingParams
+from megarl.runtime import init_distributed, set_seed
+from megarl.training import lm
+
+CRITIC_ALGORITHMS = ("ppo",)
+
+
+def needs_reference(algo) -> bool:
+    return algo.kl_coef > 0
+
+
+def needs_critic(algo) -> bool:
+    return algo.name in CRITIC_ALGORITHMS
+
+
+def _unwrap(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+class RLWorker:
+    """One rank of the colocated worker group."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config):
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        self.cfg = config
+
+    def setup(self) -> Dict:
+        cfg, algo = self.cfg, self.cfg.algorithm
+        init_distributed()
+        layout = Layout.from_config(cfg.parallel.actor, torch.distributed.get_world_size())
+        self.groups = build_groups(layout)
+        set_seed(cfg.trainer.seed, self.groups)
+        args = megatron_args_from_hf(cfg.model.hf_config)
+        steps = cfg.trainer.train_steps
+        state = lm.build_train_state(cfg.model, cfg.optimizer, self.groups, steps)
+        loss = ActorLossConfig(
+            policy_loss="ppo", agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
+            entropy_coef=algo.entropy_coef, max_len=algo.max_new_tokens, temperature=algo.temperature)
+        self.actor = Actor(MegatronEngine(state, args.vocab_size), loss)
+        self.reference = None
+        if needs_reference(algo):  # a frozen copy of the initial policy, same layout
+            ref_state = lm.build_frozen_state(cfg.model, self.groups)
+            for ref, act in zip(ref_state.model, state.model):
+                actor_params = dict(_unwrap(act).named_parameters())
+                for name, param in _unwrap(ref).named_parameters():
+                    param.data.copy_(actor_params[name].data)
+            self.reference = Reference(MegatronEngine(ref_state, args.vocab_size), algo.temperature)
+        self.critic = None
+        if needs_critic(algo):
+            optim = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr or cfg.optimizer.lr)
+            critic_state = lm.build_train_state(cfg.model, optim, self.groups, steps, value_head=True)
+            self.critic = Critic(MegatronEngine(critic_state, None), CriticLossConfig(clip_range=algo.clip_low,
+                                                                                      agg_mode=algo.agg_mode))
+        r = cfg.parallel.rollout
+        regrouping = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
+        if r.engine != "native":
+            raise ValueError(f"parallel.rollout.engine='{r.engine}': colocated RL on this machine runs the "
+                             f"native engine; sglang needs GPUs (benchmarks/gpu/check_rollout.sh)")
+        from megarl.rollout.native import NativeRollout
+
+        self.rollout = NativeRollout(cfg.model, args, regrouping, state.model, bucket_bytes=r.bucket_mb << 20)
+        self.how = MicroBatching(max_tokens=cfg.data.micro_batch_tokens)
+        g = self.groups
+        return {"rank": torch.distributed.get_rank(), "dp": layout.dp, "dp_rank": g.dp_rank,
+                "collect": g.tp_rank == 0 and g.is_last_stage,
+                "micro_dp_group": list(regrouping.micro_dp_group(torch.distributed.get_rank())),
+                "gen_layout": str(regrouping.gen)}
+
+    # ------------------------------------------------------------------ rollout
+    def rollout_generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
+        return self.rollout.generate(prompts, sampling)
+
+    def rollout_update_weights(self, policy_version: int) -> Dict:
+        self.rollout.update_weights(policy_version)
+        s = self.rollout.resharder.last
+        return {"sync/seconds": s.seconds, "sync/bytes_received": s.bytes_received}
+
+    def rollout_release_memory(self) -> None:
+        self.rollout.release_memory()
+
+    def rollout_resume_memory(self) -> None:
+        self.rollout.resume_memory()
+
+    # ------------------------------------------------------------------ training roles
+    @staticmethod
+    def _inputs(batch: Batch):
+        """The engine's [rows, seq] tensors, and the row lengths (per-row fields stay behind)."""
+        return {k: v for k, v in batch.tensors.items() if v.dim() == 2}, batch["lengths"]
+
+    def actor_compute_log_prob(self, batch: Batch) -> Batch:
+        tensors, lengths = self._inputs(batch)
+        return Batch({"old_log_probs": self.actor.compute_log_prob(tensors, lengths, self.how)})
+
+    def reference_compute_log_prob(self, batch: Batch) -> Batch:
+        tensors, lengths = self._inputs(batch)
+        return Batch({"ref_log_probs": self.reference.compute_log_prob(tensors, lengths, self.how)})
+
+    def critic_compute_values(self, batch: Batch) -> Batch:
+        tensors, lengths = self._inputs(batch)
+        return Batch({"values": self.critic.compute_values(tensors, lengths, self.how)})
+
+    def actor_update(self, batch: Batch) -> Dict[str, float]:
+        tensors, lengths = self._inputs(batch)
+        return self.actor.update(tensors, lengths, self.how)
+
+    def critic_update(self, batch: Batch) -> Dict[str, float]:
+        tensors, lengths = self._inputs(batch)
+        return {f"critic/{k}": v for k, v in self.critic.update(tensors, lengths, self.how).items()}

@@ -1,0 +1,127 @@
+"""``megarl train``: RL post-training with a single controller on Ray (colocated placement).
+
+Everything a user can get wrong is checked in :func:`prepare`, before Ray or any worker
+starts: layouts, the rollout layout against the actor's, batch sizes against data parallelism,
+datasets and their keys, the reward function, the tokenizer against the model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from megarl.config import ConfigError, MegarlConfig, load_config
+from megarl.data.datasets import load_records, reverse_digits_records
+from megarl.data.tokenizer import load_tokenizer
+from megarl.hybrid import regroup
+from megarl.models.builder import check_layout
+from megarl.models.hf_config import megatron_args_from_hf
+from megarl.parallel import Layout
+from megarl.trainer.steps import ESTIMATOR, PromptStream, Scorer
+
+LOOPS = ("sync", "one_step_off")
+
+
+@dataclass
+class Prepared:
+    cfg: MegarlConfig
+    layout: Layout
+    stream: PromptStream
+    scorer: Scorer
+    tokenizer: Any
+
+
+def prepare(cfg: MegarlConfig) -> Prepared:
+    """Validate the whole configuration and load the data (no process started)."""
+    world = cfg.trainer.nproc_per_node
+    layout = Layout.from_config(cfg.parallel.actor, world)
+    args = megatron_args_from_hf(cfg.model.hf_config)
+    check_layout(args, layout, cfg.model)
+    r = cfg.parallel.rollout
+    try:
+        regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
+    except ValueError as err:
+        raise ConfigError(f"parallel.rollout: {err}") from None
+    algo, data = cfg.algorithm, cfg.data
+    if algo.name not in ESTIMATOR:
+        raise ConfigError(f"algorithm.name='{algo.name}' must be one of {sorted(ESTIMATOR)}")
+    if cfg.trainer.loop not in LOOPS:
+        raise ConfigError(f"trainer.loop='{cfg.trainer.loop}' must be one of {LOOPS}")
+    rows = data.prompts_per_step * algo.samples_per_prompt
+    if rows % layout.dp:
+        raise ConfigError(f"data.prompts_per_step={data.prompts_per_step} x algorithm.samples_per_prompt="
+                          f"{algo.samples_per_prompt} = {rows} rows do not split over the actor's dp={layout.dp}; "
+                          f"make the product a multiple of {layout.dp}")
+    if algo.name in ("grpo", "dapo", "rloo", "reinforce_pp_baseline") and algo.samples_per_prompt < 2:
+        raise ConfigError(f"algorithm.samples_per_prompt={algo.samples_per_prompt}: {algo.name} compares "
+                          f"samples of one prompt; use 2 or more")
+    tokenizer = load_tokenizer(data.tokenizer, data.chat_template)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocab_size is "
+                          f"{args.vocab_size} (model.hf_config)")
+    if data.train_files:
+        records = load_records(data.train_files, data.prompt_key, data.answer_key, data.bad_rows)
+    else:
+        records = reverse_digits_records(data.builtin_size, data.num_digits, cfg.trainer.seed)
+    room = args.max_position_embeddings - algo.max_new_tokens
+    stream = PromptStream(records, tokenizer, cfg.trainer.seed, room)
+    stream.token_ids(records[0])  # the first prompt tokenizes and fits
+    return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer)
+
+
+@dataclass
+class Roles:
+    actor: Any
+    rollout: Any
+    reference: Optional[Any] = None
+    critic: Optional[Any] = None
+
+
+def run(prepared: Prepared) -> List[dict]:
+    import ray
+
+    from megarl.controller.group import Proxy, WorkerGroup
+    from megarl.controller.rl_worker import RLWorker, needs_critic, needs_reference
+    from megarl.trainer import loop, one_step_off
+    from megarl.trainer.logger import RunLogger
+
+    cfg = prepared.cfg
+    world = cfg.trainer.nproc_per_node
+    ray.init(num_cpus=world, include_dashboard=False, _node_ip_address="127.0.0.1",
+             configure_logging=False, log_to_driver=False)
+    group = WorkerGroup(RLWorker, world, cfg)
+    try:
+        roles = Roles(
+            actor=Proxy(group, "actor", dp_verbs=("compute_log_prob", "update")),
+            rollout=Proxy(group, "rollout", spmd_verbs=("generate", "update_weights", "release_memory", "resume_memory")),
+            reference=Proxy(group, "reference", dp_verbs=("compute_log_prob",)) if needs_reference(cfg.algorithm) else None,
+            critic=Proxy(group, "critic", dp_verbs=("compute_values", "update")) if needs_critic(cfg.algorithm) else None)
+        log = RunLogger(cfg, cfg.trainer.train_steps)
+        train = one_step_off.train if cfg.trainer.loop == "one_step_off" else loop.train
+        tok = prepared.tokenizer
+        train(cfg, roles, prepared.stream, prepared.scorer, log, tok.eos_token_id, tok.pad_token_id)
+        png = log.close()
+        print(f"run directory {log.run_dir}: metrics.jsonl, mlflow.db, {png.name}", flush=True)
+        return log.history
+    finally:
+        group.shutdown()
+        ray.shutdown()
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    files = [a for a in argv if a.endswith((".yaml", ".yml"))]
+    cfg = load_config(files, [a for a in argv if a not in files])
+    history = run(prepare(cfg))
+    if history:
+        first, last = history[: max(1, len(history) // 10)], history[-max(1, len(history) // 10):]
+        mean = lambda rows: sum(r["reward/mean"] for r in rows) / len(rows)
+        print(json.dumps({"steps": len(history), "reward_first_10pct": round(mean(first), 4),
+                          "reward_last_10pct": round(mean(last), 4)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The RL loops the single controller runs, and their driver-side helpers."""

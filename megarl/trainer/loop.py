@@ -1,0 +1,40 @@
+"""The RL loop of the single controller (HybridFlow): each phase is one verb on a role.
+
+generate → reward → old log-prob → reference log-prob → values → advantages → critic update →
+actor update → weight sync → metrics. Roles run on their worker groups; nothing here touches a
+process group.
+"""
+
+from __future__ import annotations
+
+from megarl.trainer.steps import advantages, make_batch, sample_step
+
+
+def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int) -> None:
+    algo, data = cfg.algorithm, cfg.data
+    roles.rollout.update_weights(0)
+    for step in range(1, cfg.trainer.train_steps + 1):
+        with log.phase("generate_and_reward"):
+            sampled = sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
+                                  seed=cfg.trainer.seed + step, eos_token_id=eos_token_id)
+        roles.rollout.release_memory()  # the training roles get the device (hybrid engine)
+        batch = make_batch(sampled, pad_token_id, policy_version=step - 1)
+        with log.phase("old_log_prob"):
+            batch |= roles.actor.compute_log_prob(batch)
+        if roles.reference:
+            with log.phase("ref_log_prob"):
+                batch |= roles.reference.compute_log_prob(batch)
+        if roles.critic:
+            with log.phase("values"):
+                batch |= roles.critic.compute_values(batch)
+        batch |= advantages(batch, algo)
+        metrics = {"sampling/rounds": sampled.rounds, "sampling/dropped_groups": sampled.dropped_groups}
+        if roles.critic:
+            with log.phase("critic_update"):
+                metrics |= roles.critic.update(batch)
+        with log.phase("actor_update"):
+            metrics |= roles.actor.update(batch)
+        with log.phase("weight_sync"):
+            roles.rollout.resume_memory()
+            metrics |= roles.rollout.update_weights(step)
+        log.step(step, batch, metrics)

@@ -1,0 +1,45 @@
+"""One-step-off-policy loop: the rollout of step k+1 is drawn from the weights before update k,
+so generation can run beside training (split placement); the trained batch is one policy
+version stale, and the measured staleness is logged.
+
+With colocated placement the two calls queue on the same workers (no overlap); the staleness,
+and so the algorithm, is the same.
+"""
+
+from __future__ import annotations
+
+from megarl.trainer.steps import advantages, make_batch, sample_step
+
+
+def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int) -> None:
+    algo, data = cfg.algorithm, cfg.data
+
+    def draw(step):
+        return sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
+                           seed=cfg.trainer.seed + step, eos_token_id=eos_token_id)
+
+    roles.rollout.update_weights(0)
+    pending, pending_version = draw(1), 0
+    for step in range(1, cfg.trainer.train_steps + 1):
+        batch = make_batch(pending, pad_token_id, policy_version=pending_version)
+        with log.phase("generate_and_reward"):
+            if step < cfg.trainer.train_steps:  # drawn from version step-1, before this step's update
+                pending, pending_version = draw(step + 1), step - 1
+        with log.phase("old_log_prob"):
+            batch |= roles.actor.compute_log_prob(batch)
+        if roles.reference:
+            with log.phase("ref_log_prob"):
+                batch |= roles.reference.compute_log_prob(batch)
+        if roles.critic:
+            with log.phase("values"):
+                batch |= roles.critic.compute_values(batch)
+        batch |= advantages(batch, algo)
+        metrics = {"sampling/staleness": (step - 1) - batch.policy_version}  # actor version - batch version
+        if roles.critic:
+            with log.phase("critic_update"):
+                metrics |= roles.critic.update(batch)
+        with log.phase("actor_update"):
+            metrics |= roles.actor.update(batch)
+        with log.phase("weight_sync"):
+            metrics |= roles.rollout.update_weights(step)
+        log.step(step, batch, metrics)

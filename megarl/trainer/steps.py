@@ -1,0 +1,192 @@
+"""Driver-side pieces of an RL step: prompts, sampling with rewards (DAPO dynamic sampling and
+overlong shaping, ReMax's greedy baseline), the training batch, advantages."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS, kl_penalty_rewards
+from megarl.controller.protocol import Batch
+from megarl.data.datasets import PromptRecord
+from megarl.rewards import resolve_reward_fn, score_all
+from megarl.rollout import Response, SamplingParams
+
+ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "ppo": "gae", "rloo": "rloo", "reinforce_pp": "reinforce_pp",
+             "reinforce_pp_baseline": "reinforce_pp_baseline", "remax": "remax"}
+
+
+class PromptStream:
+    """Records in a seeded random order, epoch after epoch, tokenized once."""
+
+    def __init__(self, records: Sequence[PromptRecord], tokenizer, seed: int, max_prompt_tokens: int):
+        self.records, self.tokenizer = list(records), tokenizer
+        self.rng = random.Random(seed)
+        self.order: List[int] = []
+        self.ids = {}
+        self.max_prompt_tokens = max_prompt_tokens
+        self.position = 0  # records handed out so far (a resumable data position)
+
+    def next(self, count: int) -> List[PromptRecord]:
+        out = []
+        while len(out) < count:
+            if not self.order:
+                self.order = list(range(len(self.records)))
+                self.rng.shuffle(self.order)
+            out.append(self.records[self.order.pop()])
+        self.position += count
+        return out
+
+    def token_ids(self, record: PromptRecord) -> List[int]:
+        key = id(record)
+        if key not in self.ids:
+            ids = self.tokenizer.prompt_ids(record.prompt)
+            if len(ids) > self.max_prompt_tokens:
+                raise ValueError(f"{record.source}: prompt of {len(ids)} tokens exceeds the model's room "
+                                 f"({self.max_prompt_tokens} = max positions - algorithm.max_new_tokens)")
+            self.ids[key] = ids
+        return self.ids[key]
+
+
+class Scorer:
+    """Decode responses and score them with the configured reward function (safely)."""
+
+    def __init__(self, algo, tokenizer):
+        self.fn = resolve_reward_fn(algo.reward_fn)
+        self.tokenizer, self.algo = tokenizer, algo
+        self.failures = 0
+
+    def __call__(self, records: Sequence[PromptRecord], responses: Sequence[Response]) -> torch.Tensor:
+        samples = [(self.tokenizer.decode(r.token_ids), records[r.prompt_index].answer) for r in responses]
+        report = score_all(self.fn, samples, self.algo.reward_timeout_s)
+        self.failures += report.errors + report.timeouts
+        return torch.tensor(report.scores)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_new - buffer, then
+    linear down to -factor at max_new."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape)
+    excess = (lengths.float() - (max_new - buffer)).clamp(min=0)
+    return -factor * excess / buffer
+
+
+def varied_groups(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[groups] bool: the group's scores are not all equal (DAPO dynamic sampling keeps these)."""
+    ids = torch.unique(group)
+    return torch.stack([scores[group == g].max() > scores[group == g].min() for g in ids])
+
+
+@dataclass
+class Sampled:
+    """One step's prompts and responses with their scores."""
+
+    records: List[PromptRecord]
+    prompt_ids: List[List[int]]
+    responses: List[Response]
+    scores: torch.Tensor  # [rows], reward with shaping
+    raw_scores: torch.Tensor  # [rows], the verifier's reward
+    baseline: Optional[torch.Tensor] = None  # [rows], ReMax greedy reward
+    rounds: int = 1
+    dropped_groups: int = 0
+
+
+def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per_step: int, seed: int,
+                eos_token_id: int) -> Sampled:
+    """Generate and score ``prompts_per_step`` groups (refilling dropped groups under dynamic sampling)."""
+    sampling = SamplingParams(temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k,
+                              n=algo.samples_per_prompt, max_new_tokens=algo.max_new_tokens,
+                              stop_token_ids=[eos_token_id], seed=seed)
+    kept: List[tuple] = []  # (record, ids, responses of the group, shaped scores, raw scores)
+    spare: List[tuple] = []
+    rounds = 0
+    while len(kept) < prompts_per_step and rounds < (algo.max_sampling_rounds if algo.dynamic_sampling else 1):
+        records = stream.next(prompts_per_step - len(kept))
+        ids = [stream.token_ids(r) for r in records]
+        sampling.seed = seed * 1000 + rounds
+        responses = rollout.generate(ids, sampling)
+        raw = scorer(records, responses)
+        lengths = torch.tensor([r.length for r in responses])
+        shaped = raw + overlong_penalty(lengths, algo.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        group = torch.tensor([r.prompt_index for r in responses])
+        keep = varied_groups(shaped, group) if algo.dynamic_sampling else torch.ones(len(records), dtype=torch.bool)
+        for g, record in enumerate(records):
+            rows = (group == g).nonzero().flatten()
+            entry = (record, ids[g], [responses[i] for i in rows], shaped[rows], raw[rows])
+            (kept if keep[g] else spare).append(entry)
+        rounds += 1
+    dropped = len(spare)
+    kept = (kept + spare)[:prompts_per_step]  # past the round limit, equal-reward groups fill the step
+    responses = []
+    for g, (_, _, group_responses, _, _) in enumerate(kept):
+        for r in group_responses:
+            responses.append(Response(g, r.sample_index, r.token_ids, r.log_probs, r.finish_reason, r.policy_version))
+    sampled = Sampled([k[0] for k in kept], [k[1] for k in kept], responses,
+                      torch.cat([k[3] for k in kept]), torch.cat([k[4] for k in kept]), rounds=rounds,
+                      dropped_groups=dropped)
+    if algo.name == "remax":  # the greedy response of each prompt is the baseline (Li et al. 2023)
+        greedy = rollout.generate(sampled.prompt_ids, SamplingParams(temperature=0, max_new_tokens=algo.max_new_tokens,
+                                                                     stop_token_ids=[eos_token_id]))
+        base = scorer(sampled.records, greedy)
+        sampled.baseline = base[torch.tensor([r.prompt_index for r in responses])]
+    return sampled
+
+
+SEQ_MULTIPLE = 8  # batch widths divide by any tp <= 8 (sequence parallelism splits the sequence)
+
+
+def make_batch(sampled: Sampled, pad_id: int, policy_version: int) -> Batch:
+    """Right-padded next-token batch: inputs ``tokens``, ``labels``, ``loss_mask`` on the
+    positions that predict response tokens, ``rollout_log_probs`` there, and per-row fields."""
+    rows = sampled.responses
+    seqs = [sampled.prompt_ids[r.prompt_index] + r.token_ids for r in rows]
+    width = -(-(max(len(s) for s in seqs) - 1) // SEQ_MULTIPLE) * SEQ_MULTIPLE
+    full = torch.full((len(rows), width + 1), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), width)
+    rollout_logp = torch.zeros(len(rows), width)
+    for i, (r, seq) in enumerate(zip(rows, seqs)):
+        full[i, : len(seq)] = torch.tensor(seq)
+        start = len(sampled.prompt_ids[r.prompt_index]) - 1
+        loss_mask[i, start:start + r.length] = 1
+        rollout_logp[i, start:start + r.length] = torch.tensor(r.log_probs)
+    tensors = {
+        "tokens": full[:, :-1].contiguous(), "labels": full[:, 1:].contiguous(),
+        "position_ids": torch.arange(width).expand(len(rows), -1).contiguous(), "loss_mask": loss_mask,
+        "lengths": torch.tensor([len(s) - 1 for s in seqs]), "rollout_log_probs": rollout_logp,
+        "scores": sampled.scores, "raw_scores": sampled.raw_scores,
+        "index": torch.tensor([r.prompt_index for r in rows]),
+        "response_lengths": torch.tensor([r.length for r in rows]),
+    }
+    if sampled.baseline is not None:
+        tensors["baseline_scores"] = sampled.baseline
+    return Batch(tensors, policy_version=policy_version)
+
+
+def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[rows, seq]: each row's score on its last response position."""
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()
+    return torch.where(last, scores.unsqueeze(-1), 0.0)
+
+
+def advantages(batch: Batch, algo) -> Batch:
+    """``advantages`` and ``returns`` ([rows, seq], zero off the response) for ``algo.name``."""
+    if algo.name not in ESTIMATOR:
+        raise ValueError(f"algorithm.name='{algo.name}' must be one of {sorted(ESTIMATOR)}")
+    mask = batch["loss_mask"]
+    rewards = last_token_rewards(batch["scores"], mask)
+    out: Dict[str, torch.Tensor] = {}
+    if algo.kl_coef and algo.kl_in_reward:
+        kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch["old_log_probs"], batch["ref_log_probs"])
+        rewards = kl_penalty_rewards(rewards, kl, algo.kl_coef, mask)
+    inputs = AdvantageInputs(
+        response_mask=mask, token_rewards=rewards, scores=batch["scores"],
+        values=batch.tensors.get("values"), index=batch["index"], baseline_scores=batch.tensors.get("baseline_scores"),
+        gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_by_std, whiten=algo.name == "ppo")
+    out["advantages"], out["returns"] = ADVANTAGE_ESTIMATORS.get(ESTIMATOR[algo.name])(inputs)
+    if "values" in batch.tensors:
+        out["old_values"] = batch["values"]
+    return Batch(out)
