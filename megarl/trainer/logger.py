@@ -65,8 +65,10 @@ class RunLogger:
             "reward/min": batch["raw_scores"].min().item(), "reward/shaped_mean": batch["scores"].mean().item(),
             "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
             "time/step_s": seconds, "throughput/tokens_per_s": (mask.sum().item() + batch["lengths"].sum().item()) / seconds,
-            "policy_version": batch.policy_version,
+            "policy_version": batch.policy_version, "batch/rows": len(batch),
         }
+        if "baseline_scores" in batch.tensors:
+            record["reward/baseline_mean"] = batch["baseline_scores"].mean().item()
         if "old_log_probs" in batch.tensors:  # rollout vs trainer log-probs of the same tokens
             diff = ((batch["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max().item()
             record["rollout/logp_max_abs_diff"] = diff
