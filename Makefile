@@ -6,7 +6,7 @@ venv:
 
 # Command one: the main job on this machine (CPU demo by default; extra args: ARGS="key=value ...").
 demo: venv
-	.venv/bin/megarl train-lm configs/lm_demo.yaml $(ARGS)
+	.venv/bin/megarl train configs/grpo_demo.yaml $(ARGS)
 
 # Command two: the test suite (multi-process Megatron on CPU included).
 test: venv
