@@ -219,6 +219,16 @@ class LoggingConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A reward model (``algorithm.reward_fn=model``): a backbone with a scalar head, frozen."""
+
+    hf_config: Optional[str] = None
+    """Its HF config.json; null = the actor's ``model.hf_config``."""
+    checkpoint: Optional[str] = None
+    """Megatron dist checkpoint of the reward model (backbone + scalar head), any layout."""
+
+
+@dataclass
 class MegarlConfig:
     """The whole tree."""
 
@@ -229,3 +239,4 @@ class MegarlConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

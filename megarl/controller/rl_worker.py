@@ -74,6 +74,13 @@ class RLWorker:
             critic_state = lm.build_train_state(cfg.model, optim, self.groups, steps, value_head=True)
             self.critic = Critic(MegatronEngine(critic_state, None), CriticLossConfig(clip_range=algo.clip_low,
                                                                                       agg_mode=algo.agg_mode))
+        self.reward_model = None
+        if algo.reward_fn == "model":  # colocated, in the actor's layout
+            from megarl.roles.reward_model import RewardModel
+
+            rm_cfg = dataclasses.replace(cfg.model, hf_config=cfg.reward_model.hf_config or cfg.model.hf_config)
+            rm_state = lm.build_frozen_state(rm_cfg, self.groups, cfg.reward_model.checkpoint, value_head=True)
+            self.reward_model = RewardModel(MegatronEngine(rm_state, None))
         r = cfg.parallel.rollout
         regrouping = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
         if r.engine != "native":
@@ -125,6 +132,10 @@ class RLWorker:
     def actor_update(self, batch: Batch) -> Dict[str, float]:
         tensors, lengths = self._inputs(batch)
         return self.actor.update(tensors, lengths, self.how)
+
+    def reward_model_compute_scores(self, batch: Batch) -> Batch:
+        tensors, lengths = self._inputs(batch)
+        return Batch({"scores": self.reward_model.compute_scores(tensors, lengths, self.how)})
 
     def critic_update(self, batch: Batch) -> Dict[str, float]:
         tensors, lengths = self._inputs(batch)

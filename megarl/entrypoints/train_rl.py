@@ -57,6 +57,9 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     if algo.name in ("grpo", "dapo", "rloo", "reinforce_pp_baseline") and algo.samples_per_prompt < 2:
         raise ConfigError(f"algorithm.samples_per_prompt={algo.samples_per_prompt}: {algo.name} compares "
                           f"samples of one prompt; use 2 or more")
+    if algo.reward_fn == "model" and not cfg.reward_model.checkpoint:
+        raise ConfigError("algorithm.reward_fn=model needs reward_model.checkpoint (a Megatron dist checkpoint "
+                          "of a backbone with a scalar head)")
     tokenizer = load_tokenizer(data.tokenizer, data.chat_template)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocab_size is "
@@ -98,6 +101,8 @@ def run(prepared: Prepared) -> List[dict]:
             rollout=Proxy(group, "rollout", spmd_verbs=("generate", "update_weights", "release_memory", "resume_memory")),
             reference=Proxy(group, "reference", dp_verbs=("compute_log_prob",)) if needs_reference(cfg.algorithm) else None,
             critic=Proxy(group, "critic", dp_verbs=("compute_values", "update")) if needs_critic(cfg.algorithm) else None)
+        if cfg.algorithm.reward_fn == "model":
+            prepared.scorer.model = Proxy(group, "reward_model", dp_verbs=("compute_scores",))
         log = RunLogger(cfg, cfg.trainer.train_steps)
         train = one_step_off.train if cfg.trainer.loop == "one_step_off" else loop.train
         tok = prepared.tokenizer

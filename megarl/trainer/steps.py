@@ -52,14 +52,21 @@ class PromptStream:
 
 
 class Scorer:
-    """Decode responses and score them with the configured reward function (safely)."""
+    """Decode responses and score them with the configured reward function (safely), or with
+    the reward-model role (``reward_fn=model``; set ``model`` to its proxy)."""
 
     def __init__(self, algo, tokenizer):
-        self.fn = resolve_reward_fn(algo.reward_fn)
+        self.model = None
+        self.fn = None if algo.reward_fn == "model" else resolve_reward_fn(algo.reward_fn)
         self.tokenizer, self.algo = tokenizer, algo
         self.failures = 0
 
-    def __call__(self, records: Sequence[PromptRecord], responses: Sequence[Response]) -> torch.Tensor:
+    def __call__(self, records: Sequence[PromptRecord], responses: Sequence[Response],
+                 prompt_ids: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+        if self.fn is None:
+            sampled = Sampled(list(records), list(prompt_ids), list(responses), torch.zeros(len(responses)),
+                              torch.zeros(len(responses)))
+            return self.model.compute_scores(make_batch(sampled, self.tokenizer.pad_token_id, -1))["scores"]
         samples = [(self.tokenizer.decode(r.token_ids), records[r.prompt_index].answer) for r in responses]
         report = score_all(self.fn, samples, self.algo.reward_timeout_s)
         self.failures += report.errors + report.timeouts
@@ -109,7 +116,7 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
         ids = [stream.token_ids(r) for r in records]
         sampling.seed = seed * 1000 + rounds
         responses = rollout.generate(ids, sampling)
-        raw = scorer(records, responses)
+        raw = scorer(records, responses, ids)
         lengths = torch.tensor([r.length for r in responses])
         shaped = raw + overlong_penalty(lengths, algo.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
         group = torch.tensor([r.prompt_index for r in responses])
@@ -131,7 +138,7 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
     if algo.name == "remax":  # the greedy response of each prompt is the baseline (Li et al. 2023)
         greedy = rollout.generate(sampled.prompt_ids, SamplingParams(temperature=0, max_new_tokens=algo.max_new_tokens,
                                                                      stop_token_ids=[eos_token_id]))
-        base = scorer(sampled.records, greedy)
+        base = scorer(sampled.records, greedy, sampled.prompt_ids)
         sampled.baseline = base[torch.tensor([r.prompt_index for r in responses])]
     return sampled
 

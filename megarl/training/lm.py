@@ -79,10 +79,16 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, groups=groups)
 
 
-def build_frozen_state(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[str] = None) -> TrainState:
-    """Model chunks for forward passes only (a reference policy): no DDP, no optimizer,
-    parameters frozen."""
-    chunks = build_model(model_cfg, groups, initialize=init_checkpoint is None)
+def build_frozen_state(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[str] = None,
+                       value_head: bool = False) -> TrainState:
+    """Model chunks for forward passes only (a reference policy, a reward model with
+    ``value_head``): no DDP, no optimizer, parameters frozen."""
+    args = megatron_args_from_hf(model_cfg.hf_config)
+    if value_head:
+        args = dataclasses.replace(args, tie_word_embeddings=False)
+    chunks = build_model(model_cfg, groups, args, initialize=init_checkpoint is None)
+    if value_head:
+        attach_value_head(chunks)
     if init_checkpoint:
         load_model(chunks, init_checkpoint)
     for chunk in chunks:

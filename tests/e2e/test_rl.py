@@ -105,3 +105,15 @@ def test_cli_reports_the_field_and_exits_2():
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", DEMO, "parallel.actor.tp=1", "data.prompts_per_step=3",
                            "algorithm.samples_per_prompt=3"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "data.prompts_per_step" in proc.stderr and "ray" not in proc.stderr.lower()
+
+
+def test_reward_model_role(tmp_path):
+    from tests.distributed.launch import torchrun
+
+    torchrun(1, "tests/distributed/reward_model_worker.py", "reference", str(tmp_path))
+    rows = history(tmp_path / "run", "algorithm.reward_fn=model", f"reward_model.checkpoint={tmp_path / 'rm'}",
+                   "reward_model.hf_config=configs/models/tiny-llama.json", "trainer.train_steps=2")
+    assert len(rows) == 2 and rows[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert rows[0]["reward/max"] != rows[0]["reward/min"]  # real scores from the scalar head
+    with pytest.raises(ConfigError, match="reward_model.checkpoint"):
+        prepare(load_config([DEMO], ["algorithm.reward_fn=model"]))
