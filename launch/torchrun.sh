@@ -10,7 +10,7 @@
 #   MASTER_ADDR     address of node 0 [127.0.0.1; loopback for single-node runs]
 #   MASTER_PORT     rendezvous port on node 0 [29500]
 #   MEGARL_MODULE   program to run [megarl.entrypoints.train_lm]
-#   DRY_RUN=1       print the torchrun command and exit
+#   DRY_RUN=1       print the torchrun command and every rank's layout coordinates; start nothing
 set -euo pipefail
 
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -36,7 +36,7 @@ cmd=(torchrun
 if [ "${DRY_RUN:-0}" = "1" ]; then
   printf '%q ' "${cmd[@]}"
   echo
-  exit 0
+  exec "${MEGARL_PYTHON:-python}" -m megarl.cli layout "$@" --world-size=$((nproc * nnodes))
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "${cmd[@]}"

@@ -2,6 +2,7 @@
 
 Subcommands:
   train      RL post-training (GRPO, PPO, DAPO, RLOO, REINFORCE++, ReMax) on Ray, colocated
+  report     draw a run's curves (RUN_DIR/metrics.jsonl) to RUN_DIR/report/*.png
   train-lm   tiny Megatron training on the built-in reverse-digits task (launches torchrun)
   config     print the composed, validated configuration as YAML
   convert    hf-to-mcore | mcore-to-hf checkpoint conversion (see megarl convert --help)
@@ -47,6 +48,16 @@ def _train(args: List[str]) -> int:
     return main(args)
 
 
+def _report(args: List[str]) -> int:
+    from megarl.trainer.report import report
+
+    if len(args) != 1:
+        raise ValueError("usage: megarl report RUN_DIR")
+    for path in report(args[0]):
+        print(path)
+    return 0
+
+
 def _config(args: List[str]) -> int:
     files, overrides = _split(args)
     print(to_yaml(load_config(files, overrides)), end="")
@@ -73,7 +84,7 @@ def _convert(args: List[str]) -> int:
     return convert_main(args)
 
 
-COMMANDS = {"train": _train, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
+COMMANDS = {"train": _train, "report": _report, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
 
 
 def main(argv=None) -> int:

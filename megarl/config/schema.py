@@ -200,6 +200,10 @@ class TrainerConfig:
     """Print metrics every this many steps."""
     run_dir: str = "runs/latest"
     """Where logs, metrics and checkpoints go."""
+    nnodes: int = 1
+    """Nodes of a Ray cluster run (world = nnodes * nproc_per_node)."""
+    ray_address: Optional[str] = None
+    """null = start a private Ray on this machine bound to loopback; ``auto`` or host:port = join a cluster."""
     loop: str = "sync"
     """``sync`` (on-policy) or ``one_step_off`` (rollout of step k+1 from the weights before update k)."""
 

@@ -14,25 +14,28 @@ import ray
 from megarl.controller.protocol import Batch
 
 
-def _free_port() -> int:
+def rendezvous_address(local: bool):
+    """(address, free port) on this node: loopback when the whole run is on one machine."""
+    address = "127.0.0.1" if local else ray.util.get_node_ip_address()
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.bind((address, 0))
+        return address, s.getsockname()[1]
 
 
 class WorkerGroup:
     """``world_size`` Ray actors of ``worker_cls`` forming one process group."""
 
     def __init__(self, worker_cls, world_size: int, config, cpus_per_worker: float = 1, gpus_per_worker: float = 0,
-                 env: Optional[Dict[str, str]] = None, master_addr: str = "127.0.0.1"):
-        port = _free_port()
+                 env: Optional[Dict[str, str]] = None):
         remote = ray.remote(worker_cls)
         env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self.workers = [
             remote.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
-                           runtime_env={"env_vars": env}).remote(rank, world_size, master_addr, port, config)
+                           runtime_env={"env_vars": env}).remote(rank, world_size, config)
             for rank in range(world_size)]
-        self.info: List[Dict[str, Any]] = self.call("setup")
+        # Rank 0's node hosts the torch.distributed rendezvous (loopback when all is local).
+        master_addr, port = ray.get(self.workers[0].rendezvous.remote())
+        self.info: List[Dict[str, Any]] = self.call("setup", master_addr, port)
 
     @property
     def dp(self) -> int:

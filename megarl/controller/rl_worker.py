@@ -41,12 +41,18 @@ def _unwrap(chunk):
 class RLWorker:
     """One rank of the colocated worker group."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config):
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        self.cfg = config
+    def __init__(self, rank: int, world_size: int, config):
+        self.rank, self.world_size, self.cfg = rank, world_size, config
 
-    def setup(self) -> Dict:
+    def rendezvous(self):
+        from megarl.controller.group import rendezvous_address
+
+        return rendezvous_address(local=self.cfg.trainer.nnodes == 1)
+
+    def setup(self, master_addr: str, master_port: int) -> Dict:
+        local_rank = self.rank % self.cfg.trainer.nproc_per_node
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         cfg, algo = self.cfg, self.cfg.algorithm
         init_distributed()
         layout = Layout.from_config(cfg.parallel.actor, torch.distributed.get_world_size())

@@ -33,9 +33,16 @@ class Prepared:
     tokenizer: Any
 
 
+def world_size(cfg: MegarlConfig) -> int:
+    return cfg.trainer.nnodes * cfg.trainer.nproc_per_node
+
+
 def prepare(cfg: MegarlConfig) -> Prepared:
     """Validate the whole configuration and load the data (no process started)."""
-    world = cfg.trainer.nproc_per_node
+    world = world_size(cfg)
+    if cfg.trainer.nnodes > 1 and not cfg.trainer.ray_address:
+        raise ConfigError(f"trainer.nnodes={cfg.trainer.nnodes} needs trainer.ray_address (a Ray cluster; "
+                          f"launch/slurm/train.sbatch starts one); a private Ray spans one machine")
     layout = Layout.from_config(cfg.parallel.actor, world)
     args = megatron_args_from_hf(cfg.model.hf_config)
     check_layout(args, layout, cfg.model)
@@ -90,11 +97,17 @@ def run(prepared: Prepared) -> List[dict]:
     from megarl.trainer import loop, one_step_off
     from megarl.trainer.logger import RunLogger
 
+    import torch
+
     cfg = prepared.cfg
-    world = cfg.trainer.nproc_per_node
-    ray.init(num_cpus=world, include_dashboard=False, _node_ip_address="127.0.0.1",
-             configure_logging=False, log_to_driver=False)
-    group = WorkerGroup(RLWorker, world, cfg)
+    world = world_size(cfg)
+    if cfg.trainer.ray_address:  # a cluster started by launch/slurm/train.sbatch or by hand
+        ray.init(address=cfg.trainer.ray_address, configure_logging=False, log_to_driver=False)
+    else:  # a private Ray on this machine, bound to loopback
+        ray.init(num_cpus=world, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 configure_logging=False, log_to_driver=False)
+    gpus = 1 if torch.cuda.is_available() else 0
+    group = WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus)
     try:
         roles = Roles(
             actor=Proxy(group, "actor", dp_verbs=("compute_log_prob", "update")),
@@ -115,11 +128,36 @@ def run(prepared: Prepared) -> List[dict]:
         ray.shutdown()
 
 
+def plan(prepared: Prepared) -> str:
+    """What a run would start: nodes, ranks, the actor and rollout layouts, micro-DP groups."""
+    cfg, layout = prepared.cfg, prepared.layout
+    args = megatron_args_from_hf(cfg.model.hf_config)
+    r = cfg.parallel.rollout
+    rg = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
+    lines = [f"nodes {cfg.trainer.nnodes} x {cfg.trainer.nproc_per_node} ranks = world {layout.world_size}; "
+             f"ray {cfg.trainer.ray_address or 'private, 127.0.0.1'}",
+             f"actor layout {layout}; rollout layout {rg.gen} ({r.engine}); micro-DP size {rg.micro_dp}",
+             f"algorithm {cfg.algorithm.name}; {cfg.data.prompts_per_step} prompts x "
+             f"{cfg.algorithm.samples_per_prompt} samples per step; loop {cfg.trainer.loop}"]
+    for rank in range(layout.world_size):
+        c, g = layout.coords(rank), rg.gen_coords(rank)
+        lines.append(f"rank {rank:4d} node {rank // cfg.trainer.nproc_per_node}: actor tp={c['tp']} pp={c['pp']} "
+                     f"dp={c['dp']} ep={c['ep']} | rollout tp={g['tp']} pp={g['pp']} dp={g['dp']} | "
+                     f"micro-DP group {list(rg.micro_dp_group(rank))}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    dry_run = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
     files = [a for a in argv if a.endswith((".yaml", ".yml"))]
     cfg = load_config(files, [a for a in argv if a not in files])
-    history = run(prepare(cfg))
+    prepared = prepare(cfg)
+    if dry_run:
+        print(plan(prepared))
+        return 0
+    history = run(prepared)
     if history:
         first, last = history[: max(1, len(history) // 10)], history[-max(1, len(history) // 10):]
         mean = lambda rows: sum(r["reward/mean"] for r in rows) / len(rows)

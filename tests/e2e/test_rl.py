@@ -117,3 +117,13 @@ def test_reward_model_role(tmp_path):
     assert rows[0]["reward/max"] != rows[0]["reward/min"]  # real scores from the scalar head
     with pytest.raises(ConfigError, match="reward_model.checkpoint"):
         prepare(load_config([DEMO], ["algorithm.reward_fn=model"]))
+
+
+def test_report_draws_the_run(grpo):
+    path, _ = grpo
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "report", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    names = {line.rsplit("/", 1)[-1] for line in proc.stdout.split()}
+    assert {"reward.png", "response_length.png", "policy.png", "timing.png", "throughput.png"} <= names
+    assert all((path / "report" / n).stat().st_size > 5000 for n in names)
