@@ -204,6 +204,12 @@ class TrainerConfig:
     """Nodes of a Ray cluster run (world = nnodes * nproc_per_node)."""
     ray_address: Optional[str] = None
     """null = start a private Ray on this machine bound to loopback; ``auto`` or host:port = join a cluster."""
+    save_interval: int = 0
+    """Checkpoint every this many steps (0 = never); the run resumes from the newest one."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept (oldest removed first)."""
+    resume: bool = True
+    """Continue from the newest usable checkpoint in run_dir/checkpoints when there is one."""
     loop: str = "sync"
     """``sync`` (on-policy) or ``one_step_off`` (rollout of step k+1 from the weights before update k)."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Dict, List, Sequence
 
 import torch
@@ -101,6 +102,30 @@ class RLWorker:
                 "collect": g.tp_rank == 0 and g.is_last_stage,
                 "micro_dp_group": list(regrouping.micro_dp_group(torch.distributed.get_rank())),
                 "gen_layout": str(regrouping.gen)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _trained(self):
+        states = {"actor": self.actor.engine.state}
+        if self.critic is not None:
+            states["critic"] = self.critic.engine.state
+        return states
+
+    def save_checkpoint(self, path: str) -> None:
+        from megarl.training.train_ckpt import save_train_state
+
+        for name, state in self._trained().items():
+            save_train_state(state, Path(path) / name)
+
+    def load_checkpoint(self, path: str) -> None:
+        from megarl.training.train_ckpt import load_train_state
+
+        for name, state in self._trained().items():
+            load_train_state(state, Path(path) / name)
+
+    def actor_weights_checksum(self) -> float:
+        from megarl.training.train_ckpt import weights_checksum
+
+        return weights_checksum(self.actor.engine.state)
 
     # ------------------------------------------------------------------ rollout
     def rollout_generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:

@@ -95,6 +95,8 @@ def run(prepared: Prepared) -> List[dict]:
     from megarl.controller.group import Proxy, WorkerGroup
     from megarl.controller.rl_worker import RLWorker, needs_critic, needs_reference
     from megarl.trainer import loop, one_step_off
+    from megarl.config import to_yaml
+    from megarl.trainer.checkpoint import Checkpoints
     from megarl.trainer.logger import RunLogger
 
     import torch
@@ -116,12 +118,32 @@ def run(prepared: Prepared) -> List[dict]:
             critic=Proxy(group, "critic", dp_verbs=("compute_values", "update")) if needs_critic(cfg.algorithm) else None)
         if cfg.algorithm.reward_fn == "model":
             prepared.scorer.model = Proxy(group, "reward_model", dp_verbs=("compute_scores",))
-        log = RunLogger(cfg, cfg.trainer.train_steps)
+        checkpoints = Checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
+        found = checkpoints.latest() if cfg.trainer.resume else None
+        done, run_id = 0, None
+        if found:
+            path, driver = found
+            group.call("load_checkpoint", str(path))
+            prepared.stream.load_state(driver["stream"])
+            prepared.scorer.failures = driver["reward_failures"]
+            done, run_id = driver["step"], driver.get("mlflow_run_id") or None
+            print(f"megarl: resuming after step {done} from {path}", flush=True)
+        log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, mlflow_run_id=run_id)
+
+        def after_step(step: int) -> None:
+            if cfg.trainer.save_interval and (step % cfg.trainer.save_interval == 0 or step == cfg.trainer.train_steps):
+                state = {"step": step, "stream": prepared.stream.state(), "reward_failures": prepared.scorer.failures,
+                         "mlflow_run_id": log.mlflow_run_id or ""}
+                checkpoints.save(step, lambda tmp: group.call("save_checkpoint", str(tmp)), state, to_yaml(cfg))
+
         train = one_step_off.train if cfg.trainer.loop == "one_step_off" else loop.train
         tok = prepared.tokenizer
-        train(cfg, roles, prepared.stream, prepared.scorer, log, tok.eos_token_id, tok.pad_token_id)
+        train(cfg, roles, prepared.stream, prepared.scorer, log, tok.eos_token_id, tok.pad_token_id,
+              start_step=done + 1, after_step=after_step)
+        final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
+        (log.run_dir / "final.json").write_text(json.dumps(final))
         png = log.close()
-        print(f"run directory {log.run_dir}: metrics.jsonl, mlflow.db, {png.name}", flush=True)
+        print(f"run directory {log.run_dir}: metrics.jsonl, mlflow.db, {png.name}, final.json", flush=True)
         return log.history
     finally:
         group.shutdown()

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -26,23 +26,34 @@ def _flat(prefix: str, obj) -> Dict[str, str]:
 
 
 class RunLogger:
-    def __init__(self, cfg, total_steps: int, start_step: int = 0):
+    def __init__(self, cfg, total_steps: int, start_step: int = 0, mlflow_run_id: Optional[str] = None):
+        """``start_step``: the last step already done (a resumed run keeps the metrics up to it)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.history: List[Dict[str, float]] = []
+        if self.metrics_path.is_file():  # steps past the checkpoint were lost with the crash
+            kept = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+            self.history = [r for r in kept if r["step"] <= start_step]
+            tmp = self.metrics_path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+            tmp.replace(self.metrics_path)
         self.timings: Dict[str, float] = {}
-        self.mlflow = None
+        self.mlflow = self.mlflow_run_id = None
         if cfg.logging.mlflow:
             import mlflow
 
             uri = cfg.logging.mlflow_tracking_uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
             mlflow.set_tracking_uri(uri)
             mlflow.set_experiment(cfg.logging.experiment)
-            mlflow.start_run(run_name=self.run_dir.name)
-            mlflow.log_params(_flat("", cfg))
+            if mlflow_run_id:
+                mlflow.start_run(run_id=mlflow_run_id)
+            else:
+                mlflow.start_run(run_name=self.run_dir.name)
+                mlflow.log_params(_flat("", cfg))
             self.mlflow = mlflow
+            self.mlflow_run_id = mlflow.active_run().info.run_id
         self.bar = None
         if cfg.logging.progress_bar:
             from tqdm import tqdm

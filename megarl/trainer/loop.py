@@ -10,10 +10,11 @@ from __future__ import annotations
 from megarl.trainer.steps import advantages, make_batch, sample_step
 
 
-def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int) -> None:
+def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int, start_step: int = 1,
+          after_step=None) -> None:
     algo, data = cfg.algorithm, cfg.data
-    roles.rollout.update_weights(0)
-    for step in range(1, cfg.trainer.train_steps + 1):
+    roles.rollout.update_weights(start_step - 1)
+    for step in range(start_step, cfg.trainer.train_steps + 1):
         with log.phase("generate_and_reward"):
             sampled = sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
                                   seed=cfg.trainer.seed + step, eos_token_id=eos_token_id)
@@ -38,3 +39,5 @@ def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int)
             roles.rollout.resume_memory()
             metrics |= roles.rollout.update_weights(step)
         log.step(step, batch, metrics)
+        if after_step:
+            after_step(step)  # checkpoint

@@ -3,7 +3,7 @@ so generation can run beside training (split placement); the trained batch is on
 version stale, and the measured staleness is logged.
 
 With colocated placement the two calls queue on the same workers (no overlap); the staleness,
-and so the algorithm, is the same.
+and so the algorithm, is the same. A resumed run draws its first batch afresh (staleness 0).
 """
 
 from __future__ import annotations
@@ -11,16 +11,17 @@ from __future__ import annotations
 from megarl.trainer.steps import advantages, make_batch, sample_step
 
 
-def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int) -> None:
+def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int, start_step: int = 1,
+          after_step=None) -> None:
     algo, data = cfg.algorithm, cfg.data
 
     def draw(step):
         return sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
                            seed=cfg.trainer.seed + step, eos_token_id=eos_token_id)
 
-    roles.rollout.update_weights(0)
-    pending, pending_version = draw(1), 0
-    for step in range(1, cfg.trainer.train_steps + 1):
+    roles.rollout.update_weights(start_step - 1)
+    pending, pending_version = draw(start_step), start_step - 1
+    for step in range(start_step, cfg.trainer.train_steps + 1):
         batch = make_batch(pending, pad_token_id, policy_version=pending_version)
         with log.phase("generate_and_reward"):
             if step < cfg.trainer.train_steps:  # drawn from version step-1, before this step's update
@@ -43,3 +44,5 @@ def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int)
         with log.phase("weight_sync"):
             metrics |= roles.rollout.update_weights(step)
         log.step(step, batch, metrics)
+        if after_step:
+            after_step(step)  # checkpoint

@@ -30,6 +30,15 @@ class PromptStream:
         self.max_prompt_tokens = max_prompt_tokens
         self.position = 0  # records handed out so far (a resumable data position)
 
+    def state(self) -> Dict:
+        """Where the stream is (for checkpoints)."""
+        return {"rng": self.rng.getstate(), "order": list(self.order), "position": self.position}
+
+    def load_state(self, state: Dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.order, self.position = list(state["order"]), state["position"]
+
     def next(self, count: int) -> List[PromptRecord]:
         out = []
         while len(out) < count:

@@ -1,0 +1,89 @@
+"""Run checkpoints: every role's training state (Megatron dist checkpoints written by the
+workers), the driver's state (step, data position) and the config snapshot.
+
+Atomic: a checkpoint is written into ``step_N.tmp``, listed in a manifest (file sizes), renamed
+to ``step_N``, and only then named by the ``latest`` pointer (itself replaced atomically). A
+directory still ending in ``.tmp`` is never used. On resume a checkpoint whose files do not
+match its manifest is reported and the one before it is used. The last ``keep`` stay.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file."""
+
+
+class Checkpoints:
+    def __init__(self, run_dir, keep: int = 2):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep = keep
+
+    def save(self, step: int, write_roles, driver_state: Dict, config_yaml: str) -> Path:
+        """``write_roles(tmp_dir)`` writes the workers' parts (collective)."""
+        final = self.root / f"step_{step:06d}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write_roles(tmp)
+        torch.save(driver_state, tmp / "driver.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=0))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = self.root / "latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, self.root / "latest")
+        for old in self.complete()[self.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def complete(self) -> List[Path]:
+        """Finished checkpoints, newest first (``.tmp`` leftovers excluded)."""
+        if not self.root.is_dir():
+            return []
+        return sorted((p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+                      key=lambda p: p.name, reverse=True)
+
+    @staticmethod
+    def verify(path: Path) -> None:
+        manifest = path / "manifest.json"
+        if not manifest.is_file():
+            raise CheckpointError(f"{path}: no manifest.json (not a complete megarl checkpoint)")
+        for name, size in json.loads(manifest.read_text()).items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{path}: {name} is missing")
+            if file.stat().st_size != size:
+                raise CheckpointError(f"{path}: {name} has {file.stat().st_size} bytes, the manifest says {size}")
+
+    def latest(self) -> Optional[Tuple[Path, Dict]]:
+        """The newest usable checkpoint and its driver state, or None; unusable ones are
+        reported (``latest`` first, then older ones)."""
+        candidates = self.complete()
+        pointer = self.root / "latest"
+        if pointer.is_file():
+            named = self.root / pointer.read_text().strip()
+            candidates = [named] + [c for c in candidates if c != named]
+        for path in candidates:
+            try:
+                if not path.is_dir():
+                    raise CheckpointError(f"{path}: named by 'latest' but missing")
+                self.verify(path)
+                return path, torch.load(path / "driver.pt", weights_only=True)
+            except (CheckpointError, RuntimeError, OSError) as err:
+                log.warning("checkpoint not usable, trying the previous one: %s", err)
+                print(f"megarl: checkpoint not usable, trying the previous one: {err}", flush=True)
+        return None
