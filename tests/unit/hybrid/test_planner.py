@@ -58,16 +58,15 @@ def test_bytes_equal_hybridflow_formula_per_rank(t, p, d, t_g, p_g):
         assert rank_traffic(model, rg, rank)["received"] == plan.received(rank)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("train,gen", [((2, 1, 2, 1), (1, 1, 1)), ((2, 2, 1, 1), (1, 2, 1)), ((1, 2, 2, 2), (1, 1, 1)),
-                                       ((2, 2, 2, 2), (2, 1, 2)), ((1, 4, 1, 1), (1, 2, 1))])
+PAIRS = [((2, 1, 2, 1), (1, 1, 1)), ((2, 2, 1, 1), (1, 2, 1)), ((1, 2, 2, 2), (1, 1, 1)), ((2, 2, 2, 2), (2, 1, 2)),
+         ((1, 4, 1, 1), (1, 2, 1))]
+
+
+@pytest.mark.parametrize("name,train,gen", [(n, t, g) for n in MODELS for t, g in PAIRS
+                                            if MODELS[n].num_experts or (t[3] == 1 and g[2] == 1)])
 def test_every_generation_element_arrives_once(name, train, gen):
     model = MODELS[name]
     t, p, d, e = train
-    if e > 1 and not model.num_experts:
-        pytest.skip("dense model")
-    if gen[2] > 1 and not model.num_experts:
-        gen = (gen[0], gen[1], 1)
     rg = regroup(Layout(tp=t, pp=p, dp=d, ep=e, etp=1 if e > 1 else None), *gen, model.num_experts)
     plan = plan_reshard(model, rg, "micro_dp", 1 << 10)
     for rank in range(rg.train.world_size):
@@ -88,13 +87,14 @@ def test_every_generation_element_arrives_once(name, train, gen):
         assert not covered, "ranges received for tensors outside the generation shard"
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("layout", [Layout(tp=2, dp=2), Layout(pp=2, dp=2), Layout(tp=2, pp=2, vpp=2), Layout(dp=4, ep=4, etp=1),
-                                    Layout(tp=2, dp=2, ep=2, etp=1), Layout(tp=2, dp=2, ep=2)])
+LAYOUTS = [Layout(tp=2, dp=2), Layout(pp=2, dp=2), Layout(tp=2, pp=2, vpp=2), Layout(dp=4, ep=4, etp=1),
+           Layout(tp=2, dp=2, ep=2, etp=1), Layout(tp=2, dp=2, ep=2)]
+
+
+@pytest.mark.parametrize("name,layout", [(n, lay) for n in MODELS for lay in LAYOUTS
+                                         if MODELS[n].num_experts or lay.ep == 1])
 def test_placement_covers_each_tensor_once_per_replica(name, layout):
     model = MODELS[name]
-    if layout.ep > 1 and not model.num_experts:
-        pytest.skip("dense model")
     placement = Placement(model, layout)
     held = defaultdict(int)
     for rank in range(layout.world_size):
