@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -52,7 +53,8 @@ def save_train_state(state: TrainState, path: Path) -> None:
     if state.optimizer is not None:
         sharded["optimizer"] = state.optimizer.sharded_state_dict(model, metadata=OPTIMIZER_FORMAT)
     dist_checkpointing.save(sharded, str(path))
-    local = {"rng": _rng_state(), "scheduler": state.scheduler.state_dict() if state.scheduler else None}
+    local = {"rng": _rng_state(), "scheduler": state.scheduler.state_dict() if state.scheduler else None,
+             "adam_step": _adam_step(state.optimizer) if state.optimizer is not None else None}
     torch.save(local, path / f"rank_{rank}.pt")
     torch.distributed.barrier()
 
@@ -69,6 +71,12 @@ def _materialize_adam_state(optimizer) -> None:
                     st["exp_avg"] = torch.zeros_like(param.data)
                     st["exp_avg_sq"] = torch.zeros_like(param.data)
                     st["step"] = torch.tensor(0.0)
+
+
+def _adam_step(optimizer) -> Optional[float]:
+    steps = {float(st["step"]) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+             for st in opt.optimizer.state.values() if "step" in st}
+    return steps.pop() if len(steps) == 1 else None
 
 
 def load_train_state(state: TrainState, path: Path) -> None:
@@ -92,10 +100,6 @@ def load_train_state(state: TrainState, path: Path) -> None:
             opt.optimizer.state.clear()  # Megatron re-creates it from the checkpoint
         with torch.no_grad():  # fp32 main parameters are views of the (leaf) model parameters
             state.optimizer.load_state_dict(loaded["optimizer"])
-        # TODO(exact resume): with torch Adam (no TE/apex) the restored optimizer state does not
-        # yet reproduce the uninterrupted run: weights, data and the first step after resume
-        # match bit for bit, the second update differs (Megatron shares one 'step' tensor across
-        # parameters on load; giving each its own did not close the gap either).
     rank_file = path / f"rank_{torch.distributed.get_rank()}.pt"
     if rank_file.is_file():
         local = torch.load(rank_file, weights_only=True)
@@ -103,6 +107,13 @@ def load_train_state(state: TrainState, path: Path) -> None:
             state.scheduler.load_state_dict(local["scheduler"])
             state.scheduler.step(increment=0)  # put the restored step's lr and wd on the param groups
         _set_rng_state(local["rng"])
+        if state.optimizer is not None and local.get("adam_step") is not None:
+            # Megatron 0.16 restores torch Adam's step (kept in each parameter's state when
+            # there is no TE/apex) from the loading template, and as one tensor shared by all
+            # parameters (Adam would then add 1 per parameter): each gets its own, saved value.
+            for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+                for param_state in opt.optimizer.state.values():
+                    param_state["step"] = torch.tensor(local["adam_step"], dtype=torch.float32)
 
 
 def weights_checksum(state: TrainState) -> float:
