@@ -2,6 +2,7 @@
 
 Subcommands:
   train      RL post-training (GRPO, PPO, DAPO, RLOO, REINFORCE++, ReMax) on Ray, colocated
+  export-hf  the actor of a run's newest checkpoint as an HF checkpoint: RUN_DIR OUT [--dtype D]
   report     draw a run's curves (RUN_DIR/metrics.jsonl) to RUN_DIR/report/*.png
   train-lm   tiny Megatron training on the built-in reverse-digits task (launches torchrun)
   config     print the composed, validated configuration as YAML
@@ -58,6 +59,18 @@ def _report(args: List[str]) -> int:
     return 0
 
 
+def _export_hf(args: List[str]) -> int:
+    from megarl.trainer.export import export_hf
+
+    dtype = next((a.split("=", 1)[1] for a in args if a.startswith("--dtype=")), "auto")
+    paths = [a for a in args if not a.startswith("--")]
+    if len(paths) != 2:
+        raise ValueError("usage: megarl export-hf RUN_DIR OUT [--dtype=auto|float32|bfloat16]")
+    source = export_hf(paths[0], paths[1], dtype)
+    print(f"{paths[1]}: HF checkpoint of the actor in {source}")
+    return 0
+
+
 def _config(args: List[str]) -> int:
     files, overrides = _split(args)
     print(to_yaml(load_config(files, overrides)), end="")
@@ -84,7 +97,7 @@ def _convert(args: List[str]) -> int:
     return convert_main(args)
 
 
-COMMANDS = {"train": _train, "report": _report, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
+COMMANDS = {"train": _train, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
 
 
 def main(argv=None) -> int:
@@ -94,7 +107,7 @@ def main(argv=None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (ConfigError, LayoutError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, LayoutError, ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -188,7 +188,9 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
     config = json.loads((config_dir / "config.json").read_text())
     args = megatron_args_from_hf(config)
     reader = dcp.FileSystemReader(str(ckpt_dir))
-    stored = {k: v for k, v in reader.read_metadata().state_dict_metadata.items() if hasattr(v, "size")}
+    # A training checkpoint also holds the optimizer's state ("optimizer.*"): not weights.
+    stored = {k: v for k, v in reader.read_metadata().state_dict_metadata.items()
+              if hasattr(v, "size") and not k.startswith("optimizer.")}
     embedding = stored.get("embedding.word_embeddings.weight")
     if embedding is None:
         raise ConversionError(f"{ckpt_dir} has no 'embedding.word_embeddings.weight'")

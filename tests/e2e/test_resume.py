@@ -55,3 +55,24 @@ def test_sigkill_and_resume_match_an_uninterrupted_run(tmp_path):
     final_a = json.loads((whole / "final.json").read_text())
     final_b = json.loads((killed / "final.json").read_text())
     assert final_a["actor_weights_checksum"] == final_b["actor_weights_checksum"]
+
+
+def test_export_hf_of_a_run(tmp_path):
+    import torch
+    import transformers
+
+    run_dir, out = tmp_path / "run", tmp_path / "hf"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", *ARGS[:1], "trainer.train_steps=2", "trainer.save_interval=2",
+           "logging.progress_bar=false", "data.prompts_per_step=4", "algorithm.samples_per_prompt=4",
+           f"trainer.run_dir={run_dir}"]
+    subprocess.run(cmd, cwd=ROOT, env=env(), check=True, capture_output=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "export-hf", str(run_dir), str(out)], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)  # every tensor named and shaped right
+    assert model.lm_head.weight.shape[0] == 23  # the vocabulary, padding stripped
+    logits = model(torch.tensor([[1, 5, 6, 7, 8, 13]])).logits
+    assert torch.isfinite(logits).all()
+    again = subprocess.run([sys.executable, "-m", "megarl.cli", "export-hf", str(run_dir), str(out)], cwd=ROOT,
+                           env=env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and "already exists" in again.stderr
