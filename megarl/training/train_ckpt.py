@@ -1,13 +1,29 @@
 """A model's full training state as a Megatron dist checkpoint: weights, (distributed) optimizer
-state, LR/WD scheduler and every rank's RNG states. Layout-independent weights and optimizer
-state (``fully_sharded_model_space``), so a run can resume with another layout.
+state, LR/WD scheduler and every rank's RNG states, plus ``layout.json`` (the layout and format
+it was written in).
+
+Two optimizer formats (``OPTIMIZER_FORMATS``):
+* ``reshardable`` (default): Megatron's model-space format. Every optimizer tensor (fp32 main
+  weight, exp_avg, exp_avg_sq) is stored per parameter under the parameter's global name and
+  offsets, so a run resumes at any tp/pp/dp/ep/etp/vpp. Saving gathers each parameter's state
+  over the data-parallel group.
+* ``dp_reshardable``: Megatron's bucket-space format. No gather at save, but the buckets depend
+  on tp/pp/ep: only dp may change on resume.
+
+Same layout → an exact resume (each rank gets its own RNG streams back). Another layout →
+weights, optimizer, scheduler and step are exact; RNG streams are those of the new layout's
+seeding (they are per rank and do not map across layouts).
 
 Collective over the world; the caller picks the directory (the run-level checkpoint manager
-writes into a temporary one and renames it when every part is in).
+writes into a temporary one and renames it when every part is in). With ``async_queue`` the
+tensors are written by a background process (Megatron's async save); the caller must finalize
+the queue before it treats the directory as complete.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 from pathlib import Path
 from typing import Optional
@@ -18,8 +34,18 @@ import torch
 from megarl.training.dist_ckpt import _unwrap, sharded_state_dict
 from megarl.training.lm import TrainState
 
+OPTIMIZER_FORMATS = {"reshardable": "fully_reshardable", "dp_reshardable": "dp_reshardable"}
+LAYOUT_FILE = "layout.json"
+# Layout fields that change the dp_reshardable buckets (dp alone does not).
+_BUCKET_FIELDS = ("tp", "pp", "ep", "etp", "cp", "vpp")
 
-OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+def _metadata(fmt: str) -> dict:
+    if fmt not in OPTIMIZER_FORMATS:
+        raise ValueError(f"optimizer checkpoint format '{fmt}' is not one of {sorted(OPTIMIZER_FORMATS)}")
+    # Keys without a per-optimizer prefix in model space: a dense and an expert optimizer
+    # (MoE) describe disjoint parameters, and the keys stay valid when ep changes.
+    return {"distrib_optim_sharding_type": OPTIMIZER_FORMATS[fmt], "chained_optim_avoid_prefix": True}
 
 
 def _rng_state() -> dict:
@@ -40,55 +66,110 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_train_state(state: TrainState, path: Path) -> None:
-    """Write ``state`` under ``path`` (created on rank 0; every rank must see it)."""
+def _optimizers(optimizer):
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def save_train_state(state: TrainState, path: Path, optimizer_format: str = "reshardable",
+                     async_queue=None) -> None:
+    """Write ``state`` under ``path`` (created on rank 0; every rank must see it).
+
+    ``async_queue``: a Megatron ``AsyncCallsQueue``; the tensor files are then written in the
+    background and are complete once the queue's calls are finalized."""
     from megatron.core import dist_checkpointing
 
+    metadata = _metadata(optimizer_format)
     rank = torch.distributed.get_rank()
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
+        layout = dataclasses.asdict(state.groups.layout)
+        (path / LAYOUT_FILE).write_text(json.dumps({"layout": layout, "optimizer_format": optimizer_format,
+                                                    "world_size": torch.distributed.get_world_size()}))
     torch.distributed.barrier()
     model = sharded_state_dict(state.model)
     sharded = {"model": model}
     if state.optimizer is not None:
-        sharded["optimizer"] = state.optimizer.sharded_state_dict(model, metadata=OPTIMIZER_FORMAT)
-    dist_checkpointing.save(sharded, str(path))
+        sharded["optimizer"] = state.optimizer.sharded_state_dict(model, metadata=metadata)
     local = {"rng": _rng_state(), "scheduler": state.scheduler.state_dict() if state.scheduler else None,
              "adam_step": _adam_step(state.optimizer) if state.optimizer is not None else None}
     torch.save(local, path / f"rank_{rank}.pt")
+    request = dist_checkpointing.save(sharded, str(path), async_sharded_save=async_queue is not None)
+    if async_queue is not None:
+        async_queue.schedule_async_request(request)
     torch.distributed.barrier()
 
 
 def _materialize_adam_state(optimizer) -> None:
     """Give a fresh torch Adam its per-parameter state (moments and step) so that Megatron can
     describe it for loading; without TE/apex it reads the step from that state."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
             for param in group["params"]:
                 st = inner.state[param]
-                if not st:
-                    st["exp_avg"] = torch.zeros_like(param.data)
-                    st["exp_avg_sq"] = torch.zeros_like(param.data)
-                    st["step"] = torch.tensor(0.0)
+                st.setdefault("exp_avg", torch.zeros_like(param.data))
+                st.setdefault("exp_avg_sq", torch.zeros_like(param.data))
+                st.setdefault("step", torch.tensor(0.0))
 
 
 def _adam_step(optimizer) -> Optional[float]:
-    steps = {float(st["step"]) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
-             for st in opt.optimizer.state.values() if "step" in st}
+    steps = {float(st["step"]) for opt in _optimizers(optimizer) for st in opt.optimizer.state.values() if "step" in st}
     return steps.pop() if len(steps) == 1 else None
 
 
-def load_train_state(state: TrainState, path: Path) -> None:
-    """Restore ``state`` from :func:`save_train_state` output (any layout for weights and
-    optimizer; RNG and scheduler per rank, so the same world size for an exact resume)."""
-    from megatron.core import dist_checkpointing
+@torch.no_grad()
+def _load_model_space_param_state(opt, param_state: dict) -> None:
+    """Copy model-space optimizer tensors (whole TP-local parameters) into this DP rank's range
+    of each parameter. Megatron 0.16's own loader for this format copies every key of the
+    optimizer's per-parameter state, and torch Adam's 'step' is not among the saved tensors
+    (KeyError); the iteration order is the one its save uses (``buffer.param_index_map``)."""
+    from itertools import chain
 
+    param_idx = -1
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        ranges = dict(chain.from_iterable(m["param_map"].items() for per_bucket in gbuf_range_maps.values()
+                                          for m in per_bucket))
+        for model_param in opt.buffers[gbuf_idx].param_index_map:
+            param_idx += 1
+            if model_param not in ranges:
+                continue
+            local = ranges[model_param]["param"]
+            dst = opt._get_main_param_and_optimizer_states(model_param)
+            for key, value in param_state[param_idx].items():
+                if key == "step":
+                    continue
+                dst["param" if key == "fp32_param" else key].copy_(value.flatten()[local.start:local.end])
+
+
+def _saved_layout(path: Path) -> dict:
+    file = path / LAYOUT_FILE
+    if not file.is_file():  # written before layout.json existed: dp_reshardable, same layout
+        return {"layout": None, "optimizer_format": "dp_reshardable"}
+    return json.loads(file.read_text())
+
+
+def load_train_state(state: TrainState, path: Path) -> bool:
+    """Restore ``state`` from :func:`save_train_state` output. Returns True when the layout is
+    the saved one (an exact resume, RNG included), False after a re-layout."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    saved = _saved_layout(path)
+    fmt = saved["optimizer_format"]
+    layout = dataclasses.asdict(state.groups.layout)
+    same_layout = saved["layout"] == layout
+    if state.optimizer is not None and fmt == "dp_reshardable" and saved["layout"] is not None:
+        changed = [f"{k}={saved['layout'][k]}→{layout[k]}" for k in _BUCKET_FIELDS if saved["layout"][k] != layout[k]]
+        if changed:
+            raise ValueError(f"{path}: the optimizer state was saved in the dp_reshardable format, which only "
+                             f"allows dp to change, but {', '.join(changed)}; resume with the saved layout "
+                             f"(then save with trainer.checkpoint_format=reshardable to change it)")
     model = sharded_state_dict(state.model)
     sharded = {"model": model}
+    model_space = fmt == "reshardable"
     if state.optimizer is not None:
         _materialize_adam_state(state.optimizer)
-        sharded["optimizer"] = state.optimizer.sharded_state_dict(model, is_loading=True, metadata=OPTIMIZER_FORMAT)
+        sharded["optimizer"] = state.optimizer.sharded_state_dict(model, is_loading=True, metadata=_metadata(fmt))
     loaded = dist_checkpointing.load(sharded, str(path))
     chunks = state.model
     per_chunk = [loaded["model"]] if len(chunks) == 1 else [loaded["model"][f"model{i}"] for i in range(len(chunks))]
@@ -96,33 +177,58 @@ def load_train_state(state: TrainState, path: Path) -> None:
         module = _unwrap(chunk)
         module.load_state_dict({k: v for k, v in weights.items() if k in module.state_dict()}, strict=False)
     if state.optimizer is not None:
-        for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
-            opt.optimizer.state.clear()  # Megatron re-creates it from the checkpoint
-        with torch.no_grad():  # fp32 main parameters are views of the (leaf) model parameters
-            state.optimizer.load_state_dict(loaded["optimizer"])
+        opts = _optimizers(state.optimizer)
+        parts = [loaded["optimizer"]] if len(opts) == 1 else [loaded["optimizer"][i] for i in range(len(opts))]
+        if model_space and all(isinstance(opt, DistributedOptimizer) for opt in opts):
+            # Only the per-parameter tensors are taken: the number of chained optimizers can
+            # change with the layout (MoE: an expert optimizer exists only where expert and
+            # dense data-parallel groups differ), so the saved param-group lists need not
+            # match; lr and wd come from the restored scheduler, betas and eps from the config.
+            for opt, part in zip(opts, parts):
+                _load_model_space_param_state(opt, part["param_state"])
+        else:
+            for opt in opts:
+                opt.optimizer.state.clear()  # Megatron re-creates it from the checkpoint
+            with torch.no_grad():  # fp32 main parameters are views of the (leaf) model parameters
+                state.optimizer.load_state_dict(loaded["optimizer"])
     rank_file = path / f"rank_{torch.distributed.get_rank()}.pt"
-    if rank_file.is_file():
-        local = torch.load(rank_file, weights_only=True)
-        if state.scheduler is not None and local["scheduler"] is not None:
-            state.scheduler.load_state_dict(local["scheduler"])
-            state.scheduler.step(increment=0)  # put the restored step's lr and wd on the param groups
+    # Scheduler and Adam step are the same on every rank: rank 0's file serves a new layout.
+    local = torch.load(rank_file if same_layout else path / "rank_0.pt", weights_only=True)
+    if state.scheduler is not None and local["scheduler"] is not None:
+        state.scheduler.load_state_dict(local["scheduler"])
+        state.scheduler.step(increment=0)  # put the restored step's lr and wd on the param groups
+    if same_layout:
         _set_rng_state(local["rng"])
-        if state.optimizer is not None and local.get("adam_step") is not None:
-            # Megatron 0.16 restores torch Adam's step (kept in each parameter's state when
-            # there is no TE/apex) from the loading template, and as one tensor shared by all
-            # parameters (Adam would then add 1 per parameter): each gets its own, saved value.
-            for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
-                for param_state in opt.optimizer.state.values():
-                    param_state["step"] = torch.tensor(local["adam_step"], dtype=torch.float32)
+    if state.optimizer is not None and local.get("adam_step") is not None:
+        # Megatron 0.16 restores torch Adam's step (kept in each parameter's state when there
+        # is no TE/apex) from the loading template, and as one tensor shared by all parameters
+        # (Adam would then add 1 per parameter): each gets its own, saved value.
+        for opt in _optimizers(state.optimizer):
+            for param_state in opt.optimizer.state.values():
+                param_state["step"] = torch.tensor(local["adam_step"], dtype=torch.float32)
+    return same_layout
 
 
 def weights_checksum(state: TrainState) -> float:
-    """Sum of squares of this model replica's weights in float64 (shards summed over the
-    model-parallel group): equal weights in one layout give equal checksums."""
+    """Sum of squares of the model's weights in float64, each distinct weight counted once:
+    the same weights give the same number in any layout (up to summation order). Collective
+    over the world.
+
+    A local tensor's sum is divided by its number of copies among the ranks of its pipeline
+    stage: dp*cp*tp over its distinct shards (tp for TP-split tensors, 1 for replicated ones;
+    experts: ep, times etp if split). The last stage's copy of tied embeddings is skipped."""
+    layout = state.groups.layout
+    stage_ranks = layout.tp * layout.cp * layout.dp
     total = torch.zeros(1, dtype=torch.float64)
     for chunk in state.model:
         for param in _unwrap(chunk).parameters():
-            total += param.detach().double().pow(2).sum()
-    groups = state.groups
-    torch.distributed.all_reduce(total, group=groups.pg.mp)  # model-parallel ranks hold different shards
+            if getattr(param, "shared", False):  # duplicate of the first stage's embedding
+                continue
+            split = getattr(param, "tensor_model_parallel", False)
+            if getattr(param, "allreduce", True):  # dense
+                shards = layout.tp if split else 1
+            else:  # an expert: distinct per ep rank
+                shards = layout.ep * (layout.etp if split else 1)
+            total += param.detach().double().pow(2).sum() * shards / stage_ranks
+    torch.distributed.all_reduce(total)
     return float(total.item())

@@ -1,0 +1,146 @@
+"""Worker for test_train_ckpt.py (4 ranks): a training state saved in one layout resumes in
+another. Layout A trains 2 steps, saves, trains 2 more (the uninterrupted run); layout B is built
+from another seed, loads the checkpoint and trains the same 2 steps. Also a control whose
+optimizer moments are zeroed after the load (it must drift off), and the dp_reshardable format's
+refusal of a tp change. Prints RESULT lines on rank 0."""
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import ModelConfig, OptimizerConfig
+from megarl.parallel import Layout, build_groups
+from megarl.runtime import init_distributed, set_seed
+from megarl.training import lm
+from megarl.training.tasks import reverse_digits_batch
+from megarl.training.train_ckpt import load_train_state, save_train_state, weights_checksum
+
+STEPS = 4  # 2 before the checkpoint, 2 after
+CASES = [  # (model, layout A, layout B, distributed optimizer)
+    ("configs/models/tiny-llama.json", Layout(tp=2, pp=2, dp=1), Layout(tp=1, pp=1, dp=4), True),
+    ("configs/models/tiny-llama.json", Layout(tp=1, pp=1, dp=4), Layout(tp=1, pp=2, dp=2, vpp=2), True),
+    ("configs/models/tiny-llama.json", Layout(tp=2, pp=1, dp=2), Layout(tp=1, pp=2, dp=2), False),
+    ("configs/models/tiny-qwen3-moe.json", Layout(tp=1, dp=4, ep=2, etp=1), Layout(tp=2, pp=2, dp=1, ep=1), True),
+]
+
+
+def build(model, layout, seed, distributed):
+    groups = build_groups(layout)
+    set_seed(seed, groups)
+    optim = OptimizerConfig(lr=3e-3, lr_warmup_steps=2, lr_decay_style="linear", use_distributed_optimizer=distributed)
+    return lm.build_train_state(ModelConfig(hf_config=model), optim, groups, 8)
+
+
+def train(state, steps):
+    batch = lambda step: lm.dp_shard(reverse_digits_batch(step, 8, 4, seed=3), state.groups)
+    return [lm.train_step(state, batch(step), 2)["loss"] for step in steps]
+
+
+def zero_moments(state):
+    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+        for values in opt.optimizer.state.values():
+            values["exp_avg"].zero_()
+            values["exp_avg_sq"].zero_()
+
+
+def shared_dir():
+    name = [tempfile.mkdtemp(prefix="megarl-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def remove(path):
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path.parent)
+
+
+def relayout_case(model, layout_a, layout_b, distributed, fmt="reshardable"):
+    path = shared_dir() / "state"
+    state = build(model, layout_a, seed=11, distributed=distributed)
+    before = train(state, range(0, 2))
+    save_train_state(state, path, optimizer_format=fmt)
+    checksums = [weights_checksum(state)]
+    reference = train(state, range(2, STEPS))
+    lr_a = state.optimizer.param_groups[0]["lr"]
+    state.groups.destroy()
+
+    runs = {}
+    for variant in ("resumed", "moments_zeroed"):
+        state = build(model, layout_b, seed=99, distributed=distributed)  # other weights until loaded
+        exact = load_train_state(state, path)
+        checksums.append(weights_checksum(state))
+        if variant == "moments_zeroed":
+            zero_moments(state)
+        runs[variant] = train(state, range(2, STEPS))
+        lr_b = state.optimizer.param_groups[0]["lr"]
+        state.groups.destroy()
+    remove(path)
+    return {"model": Path(model).stem, "a": str(layout_a), "b": str(layout_b), "distributed": distributed,
+            "before": before, "reference": reference, "exact_layout": exact, "lr": [lr_a, lr_b], "checksums": checksums, **runs}
+
+
+def refusal_case():
+    model = "configs/models/tiny-llama.json"
+    path = shared_dir() / "state"
+    state = build(model, Layout(tp=2, dp=2), seed=11, distributed=True)
+    train(state, range(0, 2))
+    save_train_state(state, path, optimizer_format="dp_reshardable")
+    reference = train(state, range(2, STEPS))
+    state.groups.destroy()
+    state = build(model, Layout(tp=1, dp=4), seed=99, distributed=True)
+    try:
+        load_train_state(state, path)
+        error = None
+    except ValueError as err:
+        error = str(err)
+    state.groups.destroy()
+    state = build(model, Layout(tp=2, dp=2), seed=99, distributed=True)  # the same layout resumes exactly
+    exact = load_train_state(state, path)
+    resumed = train(state, range(2, STEPS))
+    state.groups.destroy()
+    remove(path)
+    return {"error": error, "exact_layout": exact, "reference": reference, "resumed": resumed}
+
+
+def async_case():
+    """Megatron's async save: training goes on (changing the weights in place) while a
+    background process writes; the checkpoint holds the weights of the moment of the save."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    model, layout = "configs/models/tiny-llama.json", Layout(tp=2, dp=2)
+    path = shared_dir() / "state"
+    queue = AsyncCallsQueue()
+    state = build(model, layout, seed=11, distributed=True)
+    train(state, range(0, 2))
+    save_train_state(state, path, async_queue=queue)
+    pending_after_save = queue.get_num_unfinalized_calls()
+    reference = train(state, range(2, STEPS))  # overlaps the write
+    finalized = queue.maybe_finalize_async_calls(blocking=True)
+    state.groups.destroy()
+    state = build(model, layout, seed=99, distributed=True)
+    exact = load_train_state(state, path)
+    resumed = train(state, range(2, STEPS))
+    state.groups.destroy()
+    remove(path)
+    return {"pending_after_save": pending_after_save, "finalized": finalized, "exact_layout": exact,
+            "reference": reference, "resumed": resumed}
+
+
+if __name__ == "__main__":
+    init_distributed()
+    which = sys.argv[1]
+    if which == "relayout":
+        results = [relayout_case(*case) for case in CASES]
+    elif which == "async":
+        results = [async_case()]
+    else:
+        results = [refusal_case()]
+    if dist.get_rank() == 0:
+        for r in results:
+            print("RESULT " + json.dumps(r), flush=True)
