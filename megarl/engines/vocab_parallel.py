@@ -42,6 +42,9 @@ class _LogProbEntropy(torch.autograd.Function):
         probs = exp / sum_exp.unsqueeze(-1)  # [n, real]
         ctx.save_for_backward(probs, local, inside, entropy, log_z)
         ctx.shape = logits.shape
+        # An output the loss does not use (the entropy at entropy_coef 0) gets None, not zeros,
+        # so the backward skips its [n, v_local] term.
+        ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
@@ -49,11 +52,15 @@ class _LogProbEntropy(torch.autograd.Function):
         probs, local, inside, entropy, log_z = ctx.saved_tensors
         real = probs.shape[-1]
         grad = torch.zeros(ctx.shape, dtype=probs.dtype, device=probs.device)
-        log_p = torch.log(probs.clamp_min(torch.finfo(probs.dtype).tiny))
-        g = -probs * grad_logp.unsqueeze(-1) - probs * (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
-        rows = torch.nonzero(inside).squeeze(-1)
-        g[rows, local[rows]] += grad_logp[rows]
-        grad[:, :real] = g
+        g = grad[:, :real]  # a view: the real vocabulary columns
+        if grad_logp is not None:
+            g -= probs * grad_logp.unsqueeze(-1)
+        if grad_entropy is not None:
+            log_p = torch.log(probs.clamp_min(torch.finfo(probs.dtype).tiny))
+            g -= probs * (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
+        if grad_logp is not None:
+            rows = torch.nonzero(inside).squeeze(-1)
+            g[rows, local[rows]] += grad_logp[rows]
         return grad, None, None, None, None
 
 

@@ -66,10 +66,12 @@ class Actor:
             kl = kl_loss(logp, t["ref_log_probs"], mask, cfg.kl_estimator, cfg.agg_mode, **norm)
             loss = loss + cfg.kl_coef * kl
             metrics["kl"] = kl.detach() / count.clamp(min=1)
+        # Logged at any coefficient (the engine computes it with the log-probs); detached at 0 so
+        # the backward skips its term.
+        entropy_term = entropy_bonus(entropy if cfg.entropy_coef else entropy.detach(), mask, cfg.agg_mode, **norm)
         if cfg.entropy_coef:
-            entropy_term = entropy_bonus(entropy, mask, cfg.agg_mode, **norm)
             loss = loss - cfg.entropy_coef * entropy_term
-            metrics["entropy"] = entropy_term.detach() / count.clamp(min=1)
+        metrics["entropy"] = entropy_term.detach() / count.clamp(min=1)
         # metrics are micro-batch means; weight them by the count so the engine can average
         return loss, count, {k: v * count for k, v in metrics.items()}
 

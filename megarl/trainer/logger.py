@@ -1,6 +1,6 @@
-"""What a run shows and keeps: a console progress bar, per-phase timings, metrics to MLflow (a
-sqlite store in the run directory unless a tracking URI is set) and to ``metrics.jsonl``, and a
-reward-curve PNG at the end."""
+"""What a run shows and keeps: a console progress bar, per-phase timings, model TFLOP/s and MFU,
+metrics to MLflow (a sqlite store in the run directory unless a tracking URI is set), to
+``metrics.jsonl`` and optionally to TensorBoard, and a reward-curve PNG at the end."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from megarl.controller.protocol import Batch
+from megarl.models.flops import forward_flops
+from megarl.models.hf_config import megatron_args_from_hf
+from megarl.runtime import peak_rss_gb
 
 
 def _flat(prefix: str, obj) -> Dict[str, str]:
@@ -40,6 +43,9 @@ class RunLogger:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
             tmp.replace(self.metrics_path)
         self.timings: Dict[str, float] = {}
+        self.tensorboard = None  # before MLflow: a missing package fails before a run is opened
+        if cfg.logging.tensorboard:
+            self.tensorboard = _tensorboard_writer(self.run_dir / "tensorboard", start_step)
         self.mlflow = self.mlflow_run_id = None
         if cfg.logging.mlflow:
             import mlflow
@@ -54,6 +60,12 @@ class RunLogger:
                 mlflow.log_params(_flat("", cfg))
             self.mlflow = mlflow
             self.mlflow_run_id = mlflow.active_run().info.run_id
+        self.world_size = cfg.trainer.nnodes * cfg.trainer.nproc_per_node
+        self.flops = forward_flops(megatron_args_from_hf(cfg.model.hf_config))
+        self.reward_model_flops = None
+        if cfg.algorithm.reward_fn == "model":
+            rm_config = cfg.reward_model.hf_config or cfg.model.hf_config
+            self.reward_model_flops = forward_flops(megatron_args_from_hf(rm_config))
         self.bar = None
         if cfg.logging.progress_bar:
             from tqdm import tqdm
@@ -85,21 +97,44 @@ class RunLogger:
             record["rollout/logp_max_abs_diff"] = diff
         record.update({f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()})
         record.update(self.timings)
-        record["memory/peak_rss_gb"] = _peak_rss_gb()
+        record["memory/driver_peak_rss_gb"] = peak_rss_gb()
+        record["perf/model_tflops_per_s"] = self._model_flops(batch) / seconds / self.world_size / 1e12
+        if "perf/gpu_peak_tflops" in record:  # a worker knows its GPU's peak
+            record["perf/mfu"] = record["perf/model_tflops_per_s"] / record["perf/gpu_peak_tflops"]
         self.timings = {}
         self.history.append(record)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.mlflow:
             self.mlflow.log_metrics({k.replace("/", "."): float(v) for k, v in record.items() if k != "step"}, step=step)
+        if self.tensorboard:
+            for key, value in record.items():
+                if key != "step":
+                    self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
         if self.bar:
             self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", step_s=f"{seconds:.1f}")
             self.bar.update(1)
         self.step_start = time.perf_counter()
         return record
 
+    def _model_flops(self, batch: Batch) -> float:
+        """Model FLOPs of the step (megarl.models.flops): a forward pass over the rows for
+        generation and for each log-prob or value pass, forward + backward (3x) for each update.
+        Rows generated but not trained on (DAPO's dropped groups, ReMax's greedy baselines) are
+        left out; the one-step-off loop generates the next batch, counted as this one."""
+        lengths = batch["lengths"].tolist()  # tokens through the model per row
+        actor = self.flops.forward(lengths)
+        total = actor * (1 + 3)  # generation, update
+        total += actor * sum(key in batch.tensors for key in ("old_log_probs", "ref_log_probs"))
+        if "values" in batch.tensors:  # the critic: values, then its update
+            total += self.flops.forward(lengths, value_head=True) * (1 + 3)
+        if self.reward_model_flops:
+            total += self.reward_model_flops.forward(lengths, value_head=True)
+        return total
+
     def close(self) -> Path:
-        """Write the reward curve; end the MLflow run."""
+        """Write the reward curve; end the MLflow run and close the TensorBoard files."""
         png = self.run_dir / "reward_curve.png"
         if self.history:
             import matplotlib
@@ -125,12 +160,19 @@ class RunLogger:
                 self.mlflow.log_artifact(str(png))
         if self.mlflow:
             self.mlflow.end_run()
+        if self.tensorboard:
+            self.tensorboard.close()
         if self.bar:
             self.bar.close()
         return png
 
 
-def _peak_rss_gb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+def _tensorboard_writer(log_dir: Path, start_step: int):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ImportError("logging.tensorboard=true needs the tensorboard package: "
+                          "pip install 'megarl[tensorboard]'") from err
+    # Appends to a resumed run's files; events past its checkpoint, lost like metrics.jsonl's
+    # lines, are purged.
+    return SummaryWriter(str(log_dir), purge_step=start_step + 1)

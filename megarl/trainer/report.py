@@ -11,8 +11,13 @@ PANELS = {  # file -> [(metric, label)]
     "response_length.png": [("response/length_mean", "mean"), ("response/length_max", "max")],
     "policy.png": [("actor/loss", "loss"), ("actor/approx_kl", "approx KL"), ("actor/clip_frac", "clip fraction"),
                    ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"), ("actor/grad_norm", "grad norm")],
-    "throughput.png": [("throughput/tokens_per_s", "tokens/s")],
+    "throughput.png": [("throughput/tokens_per_s", "tokens/s"), ("perf/model_tflops_per_s", "model TFLOP/s per rank"),
+                       ("perf/mfu", "MFU")],
+    "memory.png": [("memory/driver_peak_rss_gb", "driver peak RSS (GB)"),
+                   ("memory/worker_peak_rss_gb", "worker peak RSS (GB, max over ranks)"),
+                   ("memory/worker_peak_gpu_gb", "worker peak GPU memory (GB, max over ranks)")],
 }
+STACKED = ("policy.png", "throughput.png")  # one axis per series: their scales differ
 
 
 def load_metrics(run_dir: Path) -> List[Dict[str, float]]:
@@ -45,10 +50,11 @@ def report(run_dir) -> List[Path]:
         present = [(key, label) for key, label in series if any(key in r for r in rows)]
         if not present:
             continue
-        fig, axes = plt.subplots(len(present) if name == "policy.png" else 1, 1, squeeze=False,
-                                 figsize=(7, 2.2 * len(present) if name == "policy.png" else 3.5))
+        stacked = name in STACKED
+        fig, axes = plt.subplots(len(present) if stacked else 1, 1, squeeze=False,
+                                 figsize=(7, 2.2 * len(present) if stacked else 3.5))
         for i, (key, label) in enumerate(present):
-            ax = axes[i if name == "policy.png" else 0][0]
+            ax = axes[i if stacked else 0][0]
             ax.plot(steps, [r.get(key, float("nan")) for r in rows], label=label)
             ax.set_xlabel("step")
             ax.legend(loc="best", fontsize="small")

@@ -54,6 +54,9 @@ def test_grpo_run_artifacts(grpo):
     assert (path / "mlflow.db").is_file()
     assert len((path / "metrics.jsonl").read_text().splitlines()) == 60
     assert all(r["batch/rows"] == 128 and r["time/weight_sync_s"] > 0 for r in rows)
+    # observability: entropy at entropy_coef 0, memory peaks over ranks, model FLOP/s (no MFU on CPU)
+    assert all(r["actor/entropy"] > 0 and r["perf/model_tflops_per_s"] > 0 and "perf/mfu" not in r for r in rows)
+    assert all(r["memory/worker_peak_rss_gb"] > 0 and r["memory/driver_peak_rss_gb"] > 0 for r in rows)
 
 
 def test_ppo_with_critic(tmp_path):
@@ -125,5 +128,5 @@ def test_report_draws_the_run(grpo):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     names = {line.rsplit("/", 1)[-1] for line in proc.stdout.split()}
-    assert {"reward.png", "response_length.png", "policy.png", "timing.png", "throughput.png"} <= names
+    assert {"reward.png", "response_length.png", "policy.png", "timing.png", "throughput.png", "memory.png"} <= names
     assert all((path / "report" / n).stat().st_size > 5000 for n in names)

@@ -1,0 +1,75 @@
+"""The run logger without workers: model FLOPs and MFU of a step, TensorBoard scalars that read
+back (a resumed run drops the steps past its checkpoint), the error without the package."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from megarl.config import MegarlConfig
+from megarl.controller.protocol import Batch
+from megarl.models.flops import forward_flops
+from megarl.models.hf_config import megatron_args_from_hf
+from megarl.trainer.logger import RunLogger
+
+
+def config(run_dir, tensorboard=True) -> MegarlConfig:
+    cfg = MegarlConfig()
+    cfg.trainer.run_dir = str(run_dir)
+    cfg.logging.mlflow = cfg.logging.progress_bar = False
+    cfg.logging.tensorboard = tensorboard
+    return cfg
+
+
+def batch(reward: float) -> Batch:
+    mask = torch.tensor([[0.0, 1, 1, 0], [0, 1, 1, 1]])
+    logp = torch.full((2, 4), -0.5)
+    return Batch({"loss_mask": mask, "lengths": torch.tensor([3, 4]), "response_lengths": torch.tensor([2, 3]),
+                  "raw_scores": torch.tensor([reward, reward]), "scores": torch.tensor([reward, reward]),
+                  "old_log_probs": logp, "rollout_log_probs": logp}, policy_version=0)
+
+
+def run_steps(log: RunLogger, rewards) -> list:
+    return [log.step(step, batch(reward), {"loss": 0.1, "perf/gpu_peak_tflops": 100.0})
+            for step, reward in rewards.items()]
+
+
+def scalars(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def test_model_flops_and_mfu(tmp_path):
+    log = RunLogger(config(tmp_path, tensorboard=False), total_steps=1)
+    record = run_steps(log, {1: 0.5})[0]
+    log.close()
+    # generation, old log-probs and the update (3x) of the actor over rows of 3 and 4 tokens
+    flops = forward_flops(megatron_args_from_hf(log.cfg.model.hf_config))
+    assert log._model_flops(batch(0.5)) == 5 * flops.forward([3, 4])
+    assert record["perf/model_tflops_per_s"] > 0
+    assert record["perf/mfu"] == pytest.approx(record["perf/model_tflops_per_s"] / 100.0)
+    assert record["memory/driver_peak_rss_gb"] > 0
+
+
+def test_tensorboard_scalars_and_resume(tmp_path):
+    log = RunLogger(config(tmp_path), total_steps=4)
+    run_steps(log, {1: 0.1, 2: 0.2, 3: 0.3})
+    log.close()
+    assert scalars(tmp_path, "reward/mean") == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3})
+    # resumed from a checkpoint after step 2: step 3 is logged again, the first one is purged
+    log = RunLogger(config(tmp_path), total_steps=4, start_step=2)
+    run_steps(log, {3: 0.7, 4: 0.8})
+    log.close()
+    assert scalars(tmp_path, "reward/mean") == pytest.approx({1: 0.1, 2: 0.2, 3: 0.7, 4: 0.8})
+    assert set(scalars(tmp_path, "perf/mfu")) == {1, 2, 3, 4}
+
+
+def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'megarl\[tensorboard\]'"):
+        RunLogger(config(tmp_path), total_steps=1)
