@@ -210,6 +210,13 @@ class TrainerConfig:
     """Checkpoints kept (oldest removed first)."""
     resume: bool = True
     """Continue from the newest usable checkpoint in run_dir/checkpoints when there is one."""
+    checkpoint_format: str = "reshardable"
+    """Optimizer state in checkpoints: ``reshardable`` (per parameter under global names: resume at any
+    tp/pp/dp/ep/vpp) or ``dp_reshardable`` (Megatron's bucket space: no data-parallel gather at save;
+    resume may change dp only)."""
+    async_save: bool = False
+    """Write checkpoint tensors from a background process while training goes on (Megatron's async
+    save); the checkpoint becomes ``latest`` once every rank has finished writing."""
     loop: str = "sync"
     """``sync`` (on-policy) or ``one_step_off`` (rollout of step k+1 from the weights before update k)."""
 
@@ -226,6 +233,10 @@ class LoggingConfig:
     """MLflow experiment name."""
     progress_bar: bool = True
     """Show a console progress bar."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run_dir>/tensorboard (extra ``tensorboard``)."""
+    gpu_peak_tflops: Optional[float] = None
+    """Per-GPU dense bf16 peak TFLOP/s for MFU; null = by GPU name (A100 312, H100/H200 989, B200 2250), none on CPU."""
 
 
 @dataclass

@@ -15,13 +15,14 @@ import torch
 from megarl.controller.protocol import Batch
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
 from megarl.hybrid import regroup
+from megarl.models.flops import gpu_peak_tflops
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
 from megarl.roles.actor import Actor, ActorLossConfig
 from megarl.roles.critic import Critic, CriticLossConfig
 from megarl.roles.reference import Reference
 from megarl.rollout import Response, SamplingParams
-from megarl.runtime import init_distributed, set_seed
+from megarl.runtime import init_distributed, peak_gpu_gb, peak_rss_gb, set_seed
 from megarl.training import lm
 
 CRITIC_ALGORITHMS = ("ppo",)
@@ -56,6 +57,8 @@ class RLWorker:
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         cfg, algo = self.cfg, self.cfg.algorithm
         init_distributed()
+        self.peak_tflops = gpu_peak_tflops(cfg.logging.gpu_peak_tflops,
+                                           torch.cuda.get_device_name() if torch.cuda.is_available() else None)
         layout = Layout.from_config(cfg.parallel.actor, torch.distributed.get_world_size())
         self.groups = build_groups(layout)
         set_seed(cfg.trainer.seed, self.groups)
@@ -111,16 +114,34 @@ class RLWorker:
         return states
 
     def save_checkpoint(self, path: str) -> None:
+        """Write the trained roles under ``path``; with ``trainer.async_save`` the tensors are
+        still being written when this returns (see :meth:`finish_checkpoint`)."""
         from megarl.training.train_ckpt import save_train_state
 
-        for name, state in self._trained().items():
-            save_train_state(state, Path(path) / name)
+        t = self.cfg.trainer
+        if t.async_save and getattr(self, "save_queue", None) is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    def load_checkpoint(self, path: str) -> None:
+            self.save_queue = AsyncCallsQueue()
+        for name, state in self._trained().items():
+            save_train_state(state, Path(path) / name, t.checkpoint_format,
+                             async_queue=self.save_queue if t.async_save else None)
+
+    def finish_checkpoint(self, blocking: bool) -> bool:
+        """Finalize background checkpoint writes that are done on every rank (all ranks agree);
+        True when none is left. Collective."""
+        queue = getattr(self, "save_queue", None)
+        if queue is None:
+            return True
+        queue.maybe_finalize_async_calls(blocking=blocking)
+        return queue.get_num_unfinalized_calls() == 0
+
+    def load_checkpoint(self, path: str) -> bool:
+        """Restore the trained roles; True when the checkpoint's layout is this one (RNG
+        streams restored too), False after a re-layout."""
         from megarl.training.train_ckpt import load_train_state
 
-        for name, state in self._trained().items():
-            load_train_state(state, Path(path) / name)
+        return all([load_train_state(state, Path(path) / name) for name, state in self._trained().items()])
 
     def actor_weights_checksum(self) -> float:
         from megarl.training.train_ckpt import weights_checksum
@@ -162,7 +183,23 @@ class RLWorker:
 
     def actor_update(self, batch: Batch) -> Dict[str, float]:
         tensors, lengths = self._inputs(batch)
-        return self.actor.update(tensors, lengths, self.how)
+        metrics = self.actor.update(tensors, lengths, self.how)
+        # The driver hears from one rank and may have no GPU: the memory peaks of all ranks and
+        # this GPU's peak FLOP/s (the MFU denominator) travel with the update's metrics.
+        metrics.update(self._peak_memory())
+        if self.peak_tflops is not None:
+            metrics["perf/gpu_peak_tflops"] = self.peak_tflops
+        return metrics
+
+    def _peak_memory(self) -> Dict[str, float]:
+        """Peak host RSS (and GPU memory) of the run so far, the max over all ranks."""
+        cuda = torch.cuda.is_available()
+        peaks = torch.tensor([peak_rss_gb(), peak_gpu_gb() if cuda else 0.0], device="cuda" if cuda else "cpu")
+        torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+        out = {"memory/worker_peak_rss_gb": peaks[0].item()}
+        if cuda:
+            out["memory/worker_peak_gpu_gb"] = peaks[1].item()
+        return out
 
     def reward_model_compute_scores(self, batch: Batch) -> Batch:
         tensors, lengths = self._inputs(batch)

@@ -7,6 +7,7 @@ datasets and their keys, the reward function, the tokenizer against the model.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from megarl.models.builder import check_layout
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
 from megarl.trainer.steps import ESTIMATOR, PromptStream, Scorer
+from megarl.training.train_ckpt import OPTIMIZER_FORMATS
 
 LOOPS = ("sync", "one_step_off")
 
@@ -54,6 +56,11 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     algo, data = cfg.algorithm, cfg.data
     if algo.name not in ESTIMATOR:
         raise ConfigError(f"algorithm.name='{algo.name}' must be one of {sorted(ESTIMATOR)}")
+    if cfg.trainer.checkpoint_format not in OPTIMIZER_FORMATS:
+        raise ConfigError(f"trainer.checkpoint_format='{cfg.trainer.checkpoint_format}' must be one of "
+                          f"{sorted(OPTIMIZER_FORMATS)}")
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install 'megarl[tensorboard]'")
     if cfg.trainer.loop not in LOOPS:
         raise ConfigError(f"trainer.loop='{cfg.trainer.loop}' must be one of {LOOPS}")
     rows = data.prompts_per_step * algo.samples_per_prompt
@@ -123,23 +130,36 @@ def run(prepared: Prepared) -> List[dict]:
         done, run_id = 0, None
         if found:
             path, driver = found
-            group.call("load_checkpoint", str(path))
+            same_layout = all(group.call("load_checkpoint", str(path)))
             prepared.stream.load_state(driver["stream"])
             prepared.scorer.failures = driver["reward_failures"]
             done, run_id = driver["step"], driver.get("mlflow_run_id") or None
-            print(f"megarl: resuming after step {done} from {path}", flush=True)
+            relayout = "" if same_layout else " into another layout (weights, optimizer and schedule exact; RNG reseeded)"
+            print(f"megarl: resuming after step {done} from {path}{relayout}", flush=True)
         log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, mlflow_run_id=run_id)
+        in_flight = []  # async checkpoints whose tensors are still being written
+
+        def finish_checkpoints(blocking: bool) -> None:
+            if in_flight and all(group.call("finish_checkpoint", blocking)):
+                checkpoints.commit(in_flight.pop())
 
         def after_step(step: int) -> None:
+            finish_checkpoints(blocking=False)
             if cfg.trainer.save_interval and (step % cfg.trainer.save_interval == 0 or step == cfg.trainer.train_steps):
+                finish_checkpoints(blocking=True)  # one background write at a time
                 state = {"step": step, "stream": prepared.stream.state(), "reward_failures": prepared.scorer.failures,
                          "mlflow_run_id": log.mlflow_run_id or ""}
-                checkpoints.save(step, lambda tmp: group.call("save_checkpoint", str(tmp)), state, to_yaml(cfg))
+                tmp = checkpoints.begin(step, lambda tmp: group.call("save_checkpoint", str(tmp)), state, to_yaml(cfg))
+                if cfg.trainer.async_save:
+                    in_flight.append(tmp)
+                else:
+                    checkpoints.commit(tmp)
 
         train = one_step_off.train if cfg.trainer.loop == "one_step_off" else loop.train
         tok = prepared.tokenizer
         train(cfg, roles, prepared.stream, prepared.scorer, log, tok.eos_token_id, tok.pad_token_id,
               start_step=done + 1, after_step=after_step)
+        finish_checkpoints(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
         (log.run_dir / "final.json").write_text(json.dumps(final))
         png = log.close()

@@ -32,13 +32,21 @@ class Checkpoints:
 
     def save(self, step: int, write_roles, driver_state: Dict, config_yaml: str) -> Path:
         """``write_roles(tmp_dir)`` writes the workers' parts (collective)."""
-        final = self.root / f"step_{step:06d}"
-        tmp = final.with_name(final.name + ".tmp")
+        return self.commit(self.begin(step, write_roles, driver_state, config_yaml))
+
+    def begin(self, step: int, write_roles, driver_state: Dict, config_yaml: str) -> Path:
+        """Write into ``step_N.tmp``; the workers' parts may still be in flight (async save)."""
+        tmp = self.root / f"step_{step:06d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         write_roles(tmp)
         torch.save(driver_state, tmp / "driver.pt")
         (tmp / "config.yaml").write_text(config_yaml)
+        return tmp
+
+    def commit(self, tmp: Path) -> Path:
+        """Once every part of ``tmp`` is on disk: manifest, rename, ``latest``, keep-k."""
+        final = tmp.with_name(tmp.name[: -len(".tmp")])
         manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=0))
         shutil.rmtree(final, ignore_errors=True)

@@ -63,3 +63,14 @@ def test_driver_state_loads_with_weights_only(tmp_path):
     ck.save(1, write_roles, {"step": 1, "stream": {"rng": rng.getstate(), "order": [3, 1], "position": 5}}, "")
     driver = torch.load(tmp_path / "checkpoints" / "step_000001" / "driver.pt", weights_only=True)
     assert driver["stream"]["order"] == [3, 1]
+
+
+def test_begun_checkpoint_counts_only_once_committed(tmp_path):
+    """An async save: the workers' files are still being written between begin and commit."""
+    ck = Checkpoints(tmp_path)
+    save(ck, 2)
+    tmp = ck.begin(4, write_roles, {"step": 4, "stream": {"position": 4}}, "trainer: {}\n")
+    assert tmp.name == "step_000004.tmp" and ck.latest()[1]["step"] == 2
+    (tmp / "actor" / "late.bin").write_bytes(b"y" * 7)  # finished after begin returned
+    path = ck.commit(tmp)
+    assert ck.latest()[0] == path and json.loads((path / "manifest.json").read_text())["actor/late.bin"] == 7
