@@ -139,7 +139,7 @@ def cost_model(out_dir: Path) -> None:
 def cpu_breakdown() -> None:
     env = dict(os.environ, PYTHONWARNINGS="ignore", RAY_AUTH_MODE="disabled")
     print("Measured on this machine (GRPO demo, 16 prompts x 8 samples, mean of steps 2-6):")
-    print(f"{'world':>5s} {'layout':>14s} " + " ".join(f"{p:>13s}" for p in ("generate+rew", "old_logprob",
+    print(f"{'world':>5s} {'layout':>14s} " + " ".join(f"{p:>13s}" for p in ("generate", "reward", "old_logprob",
                                                                          "update", "weight_sync", "step")))
     for world, tp in ((2, 2), (4, 2)):
         with tempfile.TemporaryDirectory() as run:
@@ -149,7 +149,7 @@ def cpu_breakdown() -> None:
             subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
             rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()][1:]
         mean = lambda k: sum(r[k] for r in rows) / len(rows)
-        keys = ("time/generate_and_reward_s", "time/old_log_prob_s", "time/actor_update_s", "time/weight_sync_s",
+        keys = ("time/generate_s", "time/reward_s", "time/old_log_prob_s", "time/actor_update_s", "time/weight_sync_s",
                 "time/step_s")
         print(f"{world:5d} {f'tp={tp} dp={world // tp}':>14s} " + " ".join(f"{mean(k):13.3f}" for k in keys))
 

@@ -15,9 +15,8 @@ def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int,
     algo, data = cfg.algorithm, cfg.data
     roles.rollout.update_weights(start_step - 1)
     for step in range(start_step, cfg.trainer.train_steps + 1):
-        with log.phase("generate_and_reward"):
-            sampled = sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
-                                  seed=cfg.trainer.seed + step, eos_token_id=eos_token_id)
+        sampled = sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
+                              seed=cfg.trainer.seed + step, eos_token_id=eos_token_id, phase=log.phase)
         roles.rollout.release_memory()  # the training roles get the device (hybrid engine)
         batch = make_batch(sampled, pad_token_id, policy_version=step - 1)
         with log.phase("old_log_prob"):

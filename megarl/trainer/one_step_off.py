@@ -17,15 +17,14 @@ def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int,
 
     def draw(step):
         return sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
-                           seed=cfg.trainer.seed + step, eos_token_id=eos_token_id)
+                           seed=cfg.trainer.seed + step, eos_token_id=eos_token_id, phase=log.phase)
 
     roles.rollout.update_weights(start_step - 1)
     pending, pending_version = draw(start_step), start_step - 1
     for step in range(start_step, cfg.trainer.train_steps + 1):
         batch = make_batch(pending, pad_token_id, policy_version=pending_version)
-        with log.phase("generate_and_reward"):
-            if step < cfg.trainer.train_steps:  # drawn from version step-1, before this step's update
-                pending, pending_version = draw(step + 1), step - 1
+        if step < cfg.trainer.train_steps:  # drawn from version step-1, before this step's update
+            pending, pending_version = draw(step + 1), step - 1
         with log.phase("old_log_prob"):
             batch |= roles.actor.compute_log_prob(batch)
         if roles.reference:

@@ -3,6 +3,8 @@ overlong shaping, ReMax's greedy baseline), the training batch, advantages."""
 
 from __future__ import annotations
 
+import contextlib
+
 import random
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -111,9 +113,14 @@ class Sampled:
     dropped_groups: int = 0
 
 
+def _untimed(name: str):
+    return contextlib.nullcontext()
+
+
 def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per_step: int, seed: int,
-                eos_token_id: int) -> Sampled:
-    """Generate and score ``prompts_per_step`` groups (refilling dropped groups under dynamic sampling)."""
+                eos_token_id: int, phase=_untimed) -> Sampled:
+    """Generate and score ``prompts_per_step`` groups (refilling dropped groups under dynamic
+    sampling). ``phase(name)``: a context manager that times the ``generate`` and ``reward`` parts."""
     sampling = SamplingParams(temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k,
                               n=algo.samples_per_prompt, max_new_tokens=algo.max_new_tokens,
                               stop_token_ids=[eos_token_id], seed=seed)
@@ -124,8 +131,10 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
         records = stream.next(prompts_per_step - len(kept))
         ids = [stream.token_ids(r) for r in records]
         sampling.seed = seed * 1000 + rounds
-        responses = rollout.generate(ids, sampling)
-        raw = scorer(records, responses, ids)
+        with phase("generate"):
+            responses = rollout.generate(ids, sampling)
+        with phase("reward"):
+            raw = scorer(records, responses, ids)
         lengths = torch.tensor([r.length for r in responses])
         shaped = raw + overlong_penalty(lengths, algo.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
         group = torch.tensor([r.prompt_index for r in responses])
@@ -145,9 +154,11 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
                       torch.cat([k[3] for k in kept]), torch.cat([k[4] for k in kept]), rounds=rounds,
                       dropped_groups=dropped)
     if algo.name == "remax":  # the greedy response of each prompt is the baseline (Li et al. 2023)
-        greedy = rollout.generate(sampled.prompt_ids, SamplingParams(temperature=0, max_new_tokens=algo.max_new_tokens,
-                                                                     stop_token_ids=[eos_token_id]))
-        base = scorer(sampled.records, greedy, sampled.prompt_ids)
+        with phase("generate"):
+            greedy = rollout.generate(sampled.prompt_ids, SamplingParams(
+                temperature=0, max_new_tokens=algo.max_new_tokens, stop_token_ids=[eos_token_id]))
+        with phase("reward"):
+            base = scorer(sampled.records, greedy, sampled.prompt_ids)
         sampled.baseline = base[torch.tensor([r.prompt_index for r in responses])]
     return sampled
 

@@ -53,7 +53,8 @@ def test_grpo_run_artifacts(grpo):
     assert (path / "reward_curve.png").stat().st_size > 1000
     assert (path / "mlflow.db").is_file()
     assert len((path / "metrics.jsonl").read_text().splitlines()) == 60
-    assert all(r["batch/rows"] == 128 and r["time/weight_sync_s"] > 0 for r in rows)
+    assert all(r["batch/rows"] == 128 and r["time/weight_sync_s"] > 0 and r["time/generate_s"] > 0
+               and r["time/reward_s"] > 0 for r in rows)
     # observability: entropy at entropy_coef 0, memory peaks over ranks, model FLOP/s (no MFU on CPU)
     assert all(r["actor/entropy"] > 0 and r["perf/model_tflops_per_s"] > 0 and "perf/mfu" not in r for r in rows)
     assert all(r["memory/worker_peak_rss_gb"] > 0 and r["memory/driver_peak_rss_gb"] > 0 for r in rows)
