@@ -36,10 +36,6 @@ def needs_critic(algo) -> bool:
     return algo.name in CRITIC_ALGORITHMS
 
 
-def _unwrap(chunk):
-    return getattr(chunk, "module", chunk)
-
-
 class RLWorker:
     """One rank of the colocated worker group."""
 
@@ -73,15 +69,13 @@ class RLWorker:
         self.reference = None
         if needs_reference(algo):  # a frozen copy of the initial policy, same layout
             ref_state = lm.build_frozen_state(cfg.model, self.groups)
-            for ref, act in zip(ref_state.model, state.model):
-                actor_params = dict(_unwrap(act).named_parameters())
-                for name, param in _unwrap(ref).named_parameters():
-                    param.data.copy_(actor_params[name].data)
+            lm.copy_weights(state, ref_state)
             self.reference = Reference(MegatronEngine(ref_state, args.vocab_size), algo.temperature)
         self.critic = None
         if needs_critic(algo):
             optim = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr or cfg.optimizer.lr)
             critic_state = lm.build_train_state(cfg.model, optim, self.groups, steps, value_head=True)
+            lm.copy_weights(state, critic_state)  # the actor's backbone; a new value head
             self.critic = Critic(MegatronEngine(critic_state, None), CriticLossConfig(clip_range=algo.clip_low,
                                                                                       agg_mode=algo.agg_mode))
         self.reward_model = None

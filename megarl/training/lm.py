@@ -96,6 +96,23 @@ def build_frozen_state(model_cfg, groups: ParallelGroups, init_checkpoint: Optio
     return TrainState(model=chunks, optimizer=None, scheduler=None, groups=groups)
 
 
+def copy_weights(src: TrainState, dst: TrainState) -> List[str]:
+    """Copy ``src``'s weights into ``dst`` (the same layout) wherever a name and shape match, and
+    refresh ``dst``'s optimizer copies (fp32 main weights). A reference policy takes everything;
+    a critic takes the actor's backbone and keeps its new value head. Returns the names copied."""
+    copied = []
+    with torch.no_grad():
+        for s_chunk, d_chunk in zip(src.model, dst.model):
+            theirs = dict(getattr(s_chunk, "module", s_chunk).named_parameters())
+            for name, param in getattr(d_chunk, "module", d_chunk).named_parameters():
+                if name in theirs and theirs[name].shape == param.shape:
+                    param.copy_(theirs[name])
+                    copied.append(name)
+    if dst.optimizer is not None:
+        dst.optimizer.reload_model_params()
+    return copied
+
+
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     # output_tensor: per-token cross entropy [b, s] from the vocab-parallel head.
     loss_sum = (output_tensor.float() * loss_mask).sum()
