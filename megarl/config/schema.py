@@ -73,8 +73,11 @@ class LayoutsConfig:
     """One parallel layout per model role."""
 
     actor: ParallelConfig = field(default_factory=ParallelConfig)
+    """The actor's training layout (``megarl train-lm``: the model's)."""
     critic: ParallelConfig = field(default_factory=ParallelConfig)
+    """The critic's; colocated placement (``megarl train``) runs it in the actor's layout and warns if this differs."""
     reference: ParallelConfig = field(default_factory=ParallelConfig)
+    """The reference policy's; colocated placement runs it in the actor's layout and warns if this differs."""
     rollout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
 
 

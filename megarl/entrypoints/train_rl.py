@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from megarl.config import ConfigError, MegarlConfig, load_config
+from megarl.config import ConfigError, MegarlConfig, ParallelConfig, load_config
 from megarl.data.datasets import load_records, reverse_digits_records
 from megarl.data.tokenizer import load_tokenizer
 from megarl.hybrid import regroup
@@ -53,6 +53,10 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
     except ValueError as err:
         raise ConfigError(f"parallel.rollout: {err}") from None
+    for role in ("critic", "reference"):  # colocated placement: one layout for all trained roles
+        if getattr(cfg.parallel, role) not in (ParallelConfig(), cfg.parallel.actor):
+            print(f"megarl: warning: parallel.{role} is ignored; colocated roles use parallel.actor's layout "
+                  f"{layout}", file=sys.stderr, flush=True)
     algo, data = cfg.algorithm, cfg.data
     if algo.name not in ESTIMATOR:
         raise ConfigError(f"algorithm.name='{algo.name}' must be one of {sorted(ESTIMATOR)}")

@@ -96,6 +96,7 @@ def test_one_step_off_staleness(tmp_path):
     (["parallel.actor.tp=3"], LayoutError, "world size 2 is not divisible by tp"),
     (["data.train_files=[tests/e2e/data/prompts.jsonl]", "data.prompt_key=question"], DataError, "data.prompt_key"),
     (["algorithm.name=sac"], ConfigError, "algorithm.name"),
+    (["trainer.checkpoint_format=zip"], ConfigError, "trainer.checkpoint_format"),
 ])
 def test_invalid_configs_fail_before_workers(overrides, error, field):
     cfg = load_config([DEMO], overrides)
@@ -103,6 +104,13 @@ def test_invalid_configs_fail_before_workers(overrides, error, field):
     with pytest.raises(error, match=field.replace(".", r"\.").replace("*", r"\*")):
         prepare(cfg)
     assert time.perf_counter() - start < 5
+
+
+def test_layouts_of_colocated_roles_are_warned_about(capsys):
+    prepare(load_config([DEMO], ["parallel.critic.tp=1", "parallel.critic.dp=2"]))
+    assert "parallel.critic is ignored" in capsys.readouterr().err
+    prepare(load_config([DEMO], ["parallel.critic.tp=2"]))  # the actor's: nothing to say
+    assert "ignored" not in capsys.readouterr().err
 
 
 def test_cli_reports_the_field_and_exits_2():
