@@ -28,7 +28,6 @@ MODES = ("dp_reshardable", "reshardable", "reshardable+async")
 
 
 def worker(args) -> None:
-    import torch
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 

@@ -10,7 +10,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megarl.config import ModelConfig, OptimizerConfig
