@@ -23,11 +23,18 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 SHARDED_METADATA = {"non_homogeneous_layers": True}
 
 
-def sharded_state_dict(chunks: List[torch.nn.Module]) -> Dict:
+LAYER_KEYS = ("per_layer", "default")
+
+
+def sharded_state_dict(chunks: List[torch.nn.Module], layer_keys: str = "per_layer") -> Dict:
     """The sharded state dict of this rank's model chunks: one chunk's dict, or ``model0``,
     ``model1``, ... for virtual pipeline stages (their local names repeat; the tensors'
-    checkpoint keys are global either way)."""
-    dicts = [_unwrap(chunk).sharded_state_dict(metadata=dict(SHARDED_METADATA)) for chunk in chunks]
+    checkpoint keys are global either way). ``layer_keys``: ``per_layer`` names every layer
+    (``decoder.layers.3.…``); ``default`` is megatron-core's own default (homogeneous layers
+    stacked under one key with a leading layer axis)."""
+    assert layer_keys in LAYER_KEYS, layer_keys
+    metadata = SHARDED_METADATA if layer_keys == "per_layer" else {}
+    dicts = [_unwrap(chunk).sharded_state_dict(metadata=dict(metadata)) for chunk in chunks]
     return dicts[0] if len(dicts) == 1 else {f"model{i}": d for i, d in enumerate(dicts)}
 
 
