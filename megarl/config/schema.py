@@ -238,6 +238,9 @@ class LoggingConfig:
     """Show a console progress bar."""
     tensorboard: bool = False
     """Also write TensorBoard event files to <run_dir>/tensorboard (extra ``tensorboard``)."""
+    rollout_dump_interval: int = 0
+    """Write every N-th step's samples (token ids and text of prompt and response, rewards, the
+    rollout's and the trainer's per-token log-probs) to <run_dir>/rollouts/step_<N>.jsonl; 0 = never."""
     gpu_peak_tflops: Optional[float] = None
     """Per-GPU dense bf16 peak TFLOP/s for MFU; null = by GPU name (A100 312, H100/H200 989, B200 2250), none on CPU."""
 

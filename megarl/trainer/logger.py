@@ -9,7 +9,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -28,10 +28,34 @@ def _flat(prefix: str, obj) -> Dict[str, str]:
     return out
 
 
+def rollout_rows(batch: Batch, decode: Optional[Callable[[List[int]], str]] = None) -> List[Dict]:
+    """One record per sample of a step's batch: prompt and response token ids (and text with
+    ``decode``), rewards, and the rollout's and the trainer's log-probs of each response token."""
+    rows = []
+    mask = batch["loss_mask"].bool()
+    for i in range(len(batch)):
+        positions = mask[i].nonzero().flatten()  # positions predicting response tokens
+        start = int(positions[0]) + 1 if len(positions) else int(batch["lengths"][i]) + 1
+        seq = torch.cat([batch["tokens"][i, :1], batch["labels"][i, : int(batch["lengths"][i])]]).tolist()
+        row = {"prompt_index": int(batch["index"][i]), "prompt_ids": seq[:start], "response_ids": seq[start:],
+               "reward": float(batch["raw_scores"][i]), "shaped_reward": float(batch["scores"][i]),
+               "rollout_log_probs": batch["rollout_log_probs"][i, positions].tolist()}
+        for key in ("old_log_probs", "ref_log_probs", "values", "advantages"):
+            if key in batch.tensors:
+                row[key] = batch[key][i, positions].tolist()
+        if decode is not None:
+            row["prompt"], row["response"] = decode(row["prompt_ids"]), decode(row["response_ids"])
+        rows.append(row)
+    return rows
+
+
 class RunLogger:
-    def __init__(self, cfg, total_steps: int, start_step: int = 0, mlflow_run_id: Optional[str] = None):
-        """``start_step``: the last step already done (a resumed run keeps the metrics up to it)."""
+    def __init__(self, cfg, total_steps: int, start_step: int = 0, mlflow_run_id: Optional[str] = None,
+                 decode: Optional[Callable[[List[int]], str]] = None):
+        """``start_step``: the last step already done (a resumed run keeps the metrics up to it).
+        ``decode``: token ids -> text, for the samples written by ``logging.rollout_dump_interval``."""
         self.cfg = cfg
+        self.decode = decode
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -102,6 +126,9 @@ class RunLogger:
         if "perf/gpu_peak_tflops" in record:  # a worker knows its GPU's peak
             record["perf/mfu"] = record["perf/model_tflops_per_s"] / record["perf/gpu_peak_tflops"]
         self.timings = {}
+        interval = self.cfg.logging.rollout_dump_interval
+        if interval and step % interval == 0:
+            self._dump_rollouts(step, batch)
         self.history.append(record)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -117,6 +144,13 @@ class RunLogger:
             self.bar.update(1)
         self.step_start = time.perf_counter()
         return record
+
+    def _dump_rollouts(self, step: int, batch: Batch) -> None:
+        folder = self.run_dir / "rollouts"
+        folder.mkdir(exist_ok=True)
+        tmp = folder / f"step_{step}.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rollout_rows(batch, self.decode)))
+        tmp.replace(folder / f"step_{step}.jsonl")
 
     def _model_flops(self, batch: Batch) -> float:
         """Model FLOPs of the step (megarl.models.flops): a forward pass over the rows for

@@ -73,3 +73,30 @@ def test_tensorboard_missing_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     with pytest.raises(ImportError, match=r"pip install 'megarl\[tensorboard\]'"):
         RunLogger(config(tmp_path), total_steps=1)
+
+
+def test_rollout_dump_rows(tmp_path):
+    from megarl.rollout import Response
+    from megarl.trainer.steps import Sampled, make_batch
+
+    responses = [Response(0, 0, [7, 8, 2], [-0.1, -0.2, -0.3], "stop"), Response(1, 0, [9], [-0.4], "length")]
+    sampled = Sampled(records=[None, None], prompt_ids=[[1, 5], [1, 5, 6, 6]], responses=responses,
+                      scores=torch.tensor([1.0, 0.25]), raw_scores=torch.tensor([1.0, 0.5]))
+    b = make_batch(sampled, pad_id=0, policy_version=0)
+    b.tensors["old_log_probs"] = b["rollout_log_probs"] * 2
+    cfg = config(tmp_path, tensorboard=False)
+    cfg.logging.rollout_dump_interval = 2
+    log = RunLogger(cfg, total_steps=2, decode=lambda ids: ",".join(map(str, ids)))
+    log.step(1, b, {})
+    log.step(2, b, {})
+    log.close()
+    assert not (tmp_path / "rollouts" / "step_1.jsonl").exists()
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "rollouts" / "step_2.jsonl").read_text().splitlines()]
+    assert [r["prompt_ids"] for r in rows] == [[1, 5], [1, 5, 6, 6]]
+    assert [r["response_ids"] for r in rows] == [[7, 8, 2], [9]]
+    assert rows[0]["rollout_log_probs"] == pytest.approx([-0.1, -0.2, -0.3])
+    assert rows[0]["old_log_probs"] == pytest.approx([-0.2, -0.4, -0.6])
+    assert (rows[1]["reward"], rows[1]["shaped_reward"], rows[1]["response"]) == (0.5, 0.25, "9")
+    assert not list((tmp_path / "rollouts").glob("*.tmp"))
