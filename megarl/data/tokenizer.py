@@ -1,8 +1,11 @@
 """Tokenizers: a built-in character tokenizer for the demo (no hub), or an HF tokenizer with
-its chat template."""
+its chat template, pad id and every EOS id of the model's generation config."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 
@@ -16,6 +19,7 @@ class DigitTokenizer:
         self.vocab = list(self.SPECIALS) + list(self.CHARS)
         self.ids = {c: i for i, c in enumerate(self.vocab)}
         self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
+        self.eos_token_ids = [self.eos_token_id]
 
     @property
     def vocab_size(self) -> int:
@@ -34,24 +38,61 @@ class DigitTokenizer:
         return [self.bos_token_id] + self.encode(prompt if isinstance(prompt, str) else prompt[-1]["content"])
 
 
+def generation_eos_ids(directory: Path) -> List[int]:
+    """``eos_token_id`` of ``directory/generation_config.json`` (an int or a list), [] if none."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ValueError(f"{path} is not a JSON object: {err}") from None
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{path}: eos_token_id={value!r} must be an int or a list of ints")
+    return ids
+
+
 class HFTokenizer:
-    """An HF tokenizer; chat-formatted prompts (a list of messages) go through its chat template."""
+    """An HF tokenizer. Prompts given as chat messages (a list of {role, content}) go through its
+    chat template, a plain string as one user message; without a template (or with
+    ``chat_template=False``) text is encoded plainly, with whatever special tokens (BOS) the
+    tokenizer's post-processor adds, chat messages joined by newlines.
+
+    ``eos_token_ids``: the tokenizer's eos plus every ``eos_token_id`` of the directory's
+    generation_config.json (Qwen-style models end a turn with <|im_end|> and a document with
+    <|endoftext|>; generation stops on any). ``pad_token_id``: the tokenizer's pad token, else its
+    first EOS id (pads only fill the right end of a batch, behind the loss mask).
+    """
 
     def __init__(self, path: str, chat_template: bool = True):
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(path)
         self.chat_template = chat_template and self.tok.chat_template is not None
-        self.eos_token_id = self.tok.eos_token_id
+        eos = [] if self.tok.eos_token_id is None else [self.tok.eos_token_id]
+        directory = Path(path)
+        from_generation = generation_eos_ids(directory) if directory.is_dir() else []
+        self.eos_token_ids = list(dict.fromkeys(eos + from_generation))
+        if not self.eos_token_ids:
+            raise ValueError(f"tokenizer {path} has no eos token and no generation_config.json eos_token_id: "
+                             f"generation could not stop")
+        self.eos_token_id = self.eos_token_ids[0]
         self.pad_token_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_token_id
         self.vocab_size = len(self.tok)
 
     def prompt_ids(self, prompt) -> List[int]:
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
         if self.chat_template:
-            return list(self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
-        return self.tok.encode("\n".join(m["content"] for m in prompt))
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            # return_dict=False: transformers 5 returns a BatchEncoding by default (transformers 4
+            # a list); both accept the argument. The template holds its own special tokens.
+            ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+            if isinstance(ids, Mapping):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        return self.tok.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -7,16 +7,18 @@ process group.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from megarl.trainer.steps import advantages, make_batch, sample_step
 
 
-def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int, start_step: int = 1,
+def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
           after_step=None) -> None:
     algo, data = cfg.algorithm, cfg.data
     roles.rollout.update_weights(start_step - 1)
     for step in range(start_step, cfg.trainer.train_steps + 1):
         sampled = sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
-                              seed=cfg.trainer.seed + step, eos_token_id=eos_token_id, phase=log.phase)
+                              seed=cfg.trainer.seed + step, eos_token_ids=eos_token_ids, phase=log.phase)
         roles.rollout.release_memory()  # the training roles get the device (hybrid engine)
         batch = make_batch(sampled, pad_token_id, policy_version=step - 1)
         with log.phase("old_log_prob"):

@@ -8,16 +8,18 @@ and so the algorithm, is the same. A resumed run draws its first batch afresh (s
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from megarl.trainer.steps import advantages, make_batch, sample_step
 
 
-def train(cfg, roles, stream, scorer, log, eos_token_id: int, pad_token_id: int, start_step: int = 1,
+def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
           after_step=None) -> None:
     algo, data = cfg.algorithm, cfg.data
 
     def draw(step):
         return sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
-                           seed=cfg.trainer.seed + step, eos_token_id=eos_token_id, phase=log.phase)
+                           seed=cfg.trainer.seed + step, eos_token_ids=eos_token_ids, phase=log.phase)
 
     roles.rollout.update_weights(start_step - 1)
     pending, pending_version = draw(start_step), start_step - 1

@@ -118,12 +118,13 @@ def _untimed(name: str):
 
 
 def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per_step: int, seed: int,
-                eos_token_id: int, phase=_untimed) -> Sampled:
+                eos_token_ids: Sequence[int], phase=_untimed) -> Sampled:
     """Generate and score ``prompts_per_step`` groups (refilling dropped groups under dynamic
-    sampling). ``phase(name)``: a context manager that times the ``generate`` and ``reward`` parts."""
+    sampling); a response ends at any of ``eos_token_ids``. ``phase(name)``: a context manager
+    that times the ``generate`` and ``reward`` parts."""
     sampling = SamplingParams(temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k,
                               n=algo.samples_per_prompt, max_new_tokens=algo.max_new_tokens,
-                              stop_token_ids=[eos_token_id], seed=seed)
+                              stop_token_ids=list(eos_token_ids), seed=seed)
     kept: List[tuple] = []  # (record, ids, responses of the group, shaped scores, raw scores)
     spare: List[tuple] = []
     rounds = 0
@@ -156,7 +157,7 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
     if algo.name == "remax":  # the greedy response of each prompt is the baseline (Li et al. 2023)
         with phase("generate"):
             greedy = rollout.generate(sampled.prompt_ids, SamplingParams(
-                temperature=0, max_new_tokens=algo.max_new_tokens, stop_token_ids=[eos_token_id]))
+                temperature=0, max_new_tokens=algo.max_new_tokens, stop_token_ids=list(eos_token_ids)))
         with phase("reward"):
             base = scorer(sampled.records, greedy, sampled.prompt_ids)
         sampled.baseline = base[torch.tensor([r.prompt_index for r in responses])]

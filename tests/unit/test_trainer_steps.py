@@ -47,7 +47,7 @@ def algo(**kw):
 def test_dynamic_sampling_refills_the_step():
     a = algo(name="dapo", dynamic_sampling=True, max_sampling_rounds=6)
     rollout = ScriptedRollout()
-    sampled = sample_step(rollout, stream(), Scorer(a, TOK), a, prompts_per_step=8, seed=0, eos_token_id=2)
+    sampled = sample_step(rollout, stream(), Scorer(a, TOK), a, prompts_per_step=8, seed=0, eos_token_ids=[2])
     assert len(sampled.records) == 8 and len(sampled.responses) == 32  # the configured size
     assert sampled.rounds > 1 and sampled.dropped_groups > 0
     index = torch.tensor([r.prompt_index for r in sampled.responses])
@@ -56,14 +56,14 @@ def test_dynamic_sampling_refills_the_step():
 
 def test_without_dynamic_sampling_one_round():
     a = algo(name="grpo")
-    sampled = sample_step(ScriptedRollout(), stream(), Scorer(a, TOK), a, prompts_per_step=8, seed=0, eos_token_id=2)
+    sampled = sample_step(ScriptedRollout(), stream(), Scorer(a, TOK), a, prompts_per_step=8, seed=0, eos_token_ids=[2])
     assert sampled.rounds == 1 and len(sampled.responses) == 32
 
 
 def test_remax_greedy_baseline():
     a = algo(name="remax")
     rollout = ScriptedRollout()
-    sampled = sample_step(rollout, stream(), Scorer(a, TOK), a, prompts_per_step=4, seed=0, eos_token_id=2)
+    sampled = sample_step(rollout, stream(), Scorer(a, TOK), a, prompts_per_step=4, seed=0, eos_token_ids=[2])
     assert rollout.calls[-1].greedy and rollout.calls[-1].n == 1
     assert torch.equal(sampled.baseline, torch.ones(16))  # the scripted greedy answer is right
     batch = make_batch(sampled, TOK.pad_token_id, 0)
@@ -75,7 +75,7 @@ def test_remax_greedy_baseline():
 
 def test_batch_layout():
     a = algo(name="grpo")
-    sampled = sample_step(ScriptedRollout(), stream(), Scorer(a, TOK), a, prompts_per_step=2, seed=0, eos_token_id=2)
+    sampled = sample_step(ScriptedRollout(), stream(), Scorer(a, TOK), a, prompts_per_step=2, seed=0, eos_token_ids=[2])
     batch = make_batch(sampled, TOK.pad_token_id, 3)
     assert batch.policy_version == 3 and batch["tokens"].shape[1] % 8 == 0
     r = sampled.responses[0]
@@ -96,7 +96,7 @@ def test_overlong_penalty():
 def test_advantages_are_zero_off_the_response(name):
     a = algo(name=name)
     odd = stream(step=2)  # every group has right and wrong samples
-    sampled = sample_step(ScriptedRollout(), odd, Scorer(a, TOK), a, prompts_per_step=4, seed=0, eos_token_id=2)
+    sampled = sample_step(ScriptedRollout(), odd, Scorer(a, TOK), a, prompts_per_step=4, seed=0, eos_token_ids=[2])
     batch = make_batch(sampled, TOK.pad_token_id, 0)
     adv = advantages(batch, a)["advantages"]
     assert torch.all(adv[batch["loss_mask"] == 0] == 0) and adv.abs().sum() > 0

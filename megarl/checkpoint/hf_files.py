@@ -1,0 +1,82 @@
+"""The files of an exported Hugging Face directory besides its weights: config.json with the
+fields loaders need (``architectures``, the weights' dtype), generation_config.json and the
+tokenizer files, copied from an explicit allow-list so source weights never come along."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+# Tokenizer files of every HF tokenizer family (fast, sentencepiece, BPE vocab/merges, tiktoken)
+# and chat templates. An allow-list: a deny-list would let a new weight format through.
+TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                      "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken",
+                      "chat_template.jinja", "chat_template.json")
+GENERATION_CONFIG = "generation_config.json"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def tokenizer_files(directory: Path) -> List[Path]:
+    """The tokenizer files in ``directory`` (none if it is not a directory)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir()
+                  if p.is_file() and any(fnmatch.fnmatch(p.name, pattern) for pattern in TOKENIZER_PATTERNS))
+
+
+def causal_lm_architecture(model_type: str) -> str:
+    """``LlamaForCausalLM`` for ``llama``: transformers' own causal-LM class for the model type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"transformers has no causal-LM class for model_type '{model_type}'")
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
+def export_config(config: Dict, dtype: torch.dtype) -> Dict:
+    """The source config.json for weights written as ``dtype`` by our converter: ``architectures``
+    is the model type's causal-LM class (the source may name a reward or remote-code class),
+    ``dtype`` (transformers 5) and ``torch_dtype`` (older readers, SGLang) name the weights' dtype,
+    and ``auto_map`` is dropped (the weights follow transformers' own classes, not remote code)."""
+    out = {k: v for k, v in config.items() if k != "auto_map"}
+    out["architectures"] = [causal_lm_architecture(config["model_type"])]
+    out["dtype"] = out["torch_dtype"] = _DTYPE_NAMES[dtype]
+    return out
+
+
+def derived_generation_config(config: Dict) -> Optional[Dict]:
+    """A generation config from config.json's special ids, as transformers derives one; None
+    without an eos id (generation could not stop anyway)."""
+    ids = {key: config.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if ids["eos_token_id"] is None:
+        return None
+    return {key: value for key, value in ids.items() if value is not None}
+
+
+def write_side_files(dest: Path, config: Dict, dtype: torch.dtype, config_dir: Optional[Path],
+                     tokenizer_dir: Optional[Path]) -> List[str]:
+    """Write config.json (:func:`export_config`), generation_config.json (the first found in
+    ``config_dir``, ``tokenizer_dir``, else derived from the config) and the tokenizer files
+    (of ``tokenizer_dir``, else of ``config_dir``) into ``dest``. Returns the names written."""
+    written = ["config.json"]
+    (dest / "config.json").write_text(json.dumps(export_config(config, dtype), indent=2) + "\n")
+    sources: Sequence[Path] = [d for d in (config_dir, tokenizer_dir) if d is not None]
+    found = next((d / GENERATION_CONFIG for d in sources if (d / GENERATION_CONFIG).is_file()), None)
+    if found is not None:
+        shutil.copy2(found, dest / GENERATION_CONFIG)
+        written.append(GENERATION_CONFIG)
+    elif (derived := derived_generation_config(config)) is not None:
+        (dest / GENERATION_CONFIG).write_text(json.dumps(derived, indent=2) + "\n")
+        written.append(GENERATION_CONFIG)
+    files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
+    if not files and config_dir is not None:
+        files = tokenizer_files(config_dir)
+    for path in files:
+        shutil.copy2(path, dest / path.name)
+        written.append(path.name)
+    return written
