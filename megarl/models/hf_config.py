@@ -2,13 +2,15 @@
 
 One declarative table per architecture (``ARCHITECTURES``): each row maps a Megatron field to
 an HF key or to a small function of the HF config. Common rows are shared; an architecture
-lists only what differs. Unsupported ``model_type`` values and rope types fail with the list of
-what is supported.
+lists only what differs. A second table (``FIELDS``) classifies every field of the HF config:
+mapped, inert (no effect on the math), or honoured only at some values (:class:`Only`), so a
+setting megarl cannot reproduce is refused by name before anything starts.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Union
@@ -42,10 +44,9 @@ def _rope(hf) -> Dict[str, Any]:
 
 def _moe_layer_freq(hf) -> list:
     n = hf["num_hidden_layers"]
-    if "first_k_dense_replace" in hf:  # DeepSeek-V3: the first k layers are dense
+    if "first_k_dense_replace" in hf:  # DeepSeek-V3: the first k layers are dense, the rest MoE
         k = hf["first_k_dense_replace"]
-        step = _get(hf, "moe_layer_freq", default=1)
-        return [1 if (i >= k and (i - k) % step == 0) else 0 for i in range(n)]
+        return [1 if i >= k else 0 for i in range(n)]
     dense_only = set(_get(hf, "mlp_only_layers", default=[]))
     step = _get(hf, "decoder_sparse_step", default=1)
     return [0 if (i in dense_only or (i + 1) % step) else 1 for i in range(n)]
@@ -70,24 +71,33 @@ MOE: Dict[str, Row] = {
     "moe_router_topk": "num_experts_per_tok",
     "moe_ffn_hidden_size": lambda hf: _get(hf, "moe_intermediate_size", "intermediate_size"),
     "moe_layer_freq": _moe_layer_freq,
-    # softmax over all experts then top-k and renormalise == top-k then softmax (pre_softmax False)
-    "moe_router_pre_softmax": lambda hf: not _get(hf, "norm_topk_prob", default=True),
+    # softmax over all experts then top-k and renormalise == top-k then softmax (pre_softmax False);
+    # a missing norm_topk_prob is Qwen3-MoE's default, false
+    "moe_router_pre_softmax": lambda hf: not _get(hf, "norm_topk_prob", default=False),
     "moe_aux_loss_coeff": lambda hf: float(_get(hf, "router_aux_loss_coef", default=0.0)),
 }
+
+
+def _group_limit_is_noop(hf) -> bool:
+    """Every group is kept (``topk_group >= n_group``, e.g. n_group=1): plain top-k routing."""
+    return hf["topk_group"] >= hf["n_group"]
+
 
 DEEPSEEK_V3: Dict[str, Row] = {
     **MOE,
     "moe_ffn_hidden_size": "moe_intermediate_size",
     "moe_shared_expert_intermediate_size": lambda hf: hf["n_shared_experts"] * hf["moe_intermediate_size"],
-    "moe_router_score_function": lambda hf: _get(hf, "scoring_func", default="sigmoid"),
-    "moe_router_enable_expert_bias": lambda hf: _get(hf, "topk_method", default="noaux_tc") == "noaux_tc",
+    # transformers' DeepseekV3 always routes on sigmoid scores plus e_score_correction_bias
+    # (scoring_func / topk_method other than that are refused in FIELDS).
+    "moe_router_score_function": lambda hf: "sigmoid",
+    "moe_router_enable_expert_bias": lambda hf: True,
     "moe_router_topk_scaling_factor": lambda hf: _get(hf, "routed_scaling_factor", default=1.0),
-    "moe_router_num_groups": lambda hf: _get(hf, "n_group"),
-    "moe_router_group_topk": lambda hf: _get(hf, "topk_group"),
+    "moe_router_num_groups": lambda hf: None if _group_limit_is_noop(hf) else hf["n_group"],
+    "moe_router_group_topk": lambda hf: None if _group_limit_is_noop(hf) else hf["topk_group"],
     "moe_router_pre_softmax": lambda hf: True,
     "moe_router_dtype": lambda hf: "fp32",
     "moe_router_bias_update_rate": lambda hf: 1e-3,
-    "q_lora_rank": "q_lora_rank",
+    "q_lora_rank": "q_lora_rank",  # null: a plain q_proj (DeepSeek-V2-Lite, Moonlight); see KEEP_NULL
     "kv_lora_rank": "kv_lora_rank",
     "qk_head_dim": "qk_nope_head_dim",
     "qk_pos_emb_head_dim": "qk_rope_head_dim",
@@ -96,6 +106,8 @@ DEEPSEEK_V3: Dict[str, Row] = {
     "num_query_groups": "num_attention_heads",
     "kv_channels": "v_head_dim",
 }
+# Rows whose null is meaningful and must reach Megatron (its default would differ).
+KEEP_NULL = {"q_lora_rank"}
 
 
 @dataclass(frozen=True)
@@ -110,10 +122,170 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "llama": Architecture(COMMON),
     "qwen2": Architecture({**COMMON, "add_qkv_bias": lambda hf: True}),
     "qwen3": Architecture({**COMMON, "qk_layernorm": lambda hf: True}),
-    "mixtral": Architecture({**COMMON, **MOE}),
+    # transformers' Mixtral always renormalises the top-k (it has no norm_topk_prob)
+    "mixtral": Architecture({**COMMON, **MOE, "moe_router_pre_softmax": lambda hf: False}),
     "qwen3_moe": Architecture({**COMMON, **MOE, "qk_layernorm": lambda hf: True}),
     "deepseek_v3": Architecture({**COMMON, **DEEPSEEK_V3}, mla=True),
 }
+
+
+# ----------------------------------------------------------------------------- config fields
+
+MAPPED = "mapped"  # read into Megatron's config (the rows above, the rope and layer-pattern code)
+INERT = "inert"  # no effect on the network's math (ids, output switches, the file's dtype, ...)
+
+
+@dataclass(frozen=True)
+class Only:
+    """A field megarl honours only where ``ok(hf)`` holds; any other value is refused by name."""
+
+    ok: Callable[[Mapping[str, Any]], bool]
+    supported: str  # what megarl can run, i.e. what to change
+
+
+def _at(key: str, *allowed) -> Callable[[Mapping[str, Any]], bool]:
+    """``key`` is absent, null or one of ``allowed``."""
+    return lambda hf: hf.get(key) is None or hf[key] in allowed
+
+
+def _qwen_no_window(hf) -> bool:
+    """No layer slides: transformers' Qwen2/Qwen3 use a window only with use_sliding_window, on
+    the layers ``layer_types`` marks (by default those from max_window_layers on)."""
+    if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return True
+    first = _get(hf, "max_window_layers", default=28)
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                       for i in range(hf["num_hidden_layers"])]
+    return all(t == "full_attention" for t in types)
+
+
+def _qwen3_moe_top1_ok(hf) -> bool:
+    """Renormalised top-1 softmax routing weighs the chosen expert by exactly 1; Megatron refuses
+    top-1 softmax routing without pre-softmax (TransformerConfig.__post_init__)."""
+    experts = _get(hf, "num_local_experts", "num_experts", default=0)
+    return not (experts and hf["num_experts_per_tok"] == 1 and _get(hf, "norm_topk_prob", default=False))
+
+
+def _sigmoid_normalisation_ok(hf) -> bool:
+    """Megatron renormalises sigmoid top-k scores exactly when top_k > 1
+    (moe_utils.topk_routing_with_score_function); transformers' DeepseekV3 when norm_topk_prob."""
+    return bool(_get(hf, "norm_topk_prob", default=True)) == (hf["num_experts_per_tok"] > 1)
+
+
+def _group_scores_ok(hf) -> bool:
+    """Megatron scores an expert group by the sum of its top ``top_k // topk_group`` scores
+    (moe_utils.group_limited_topk), transformers' DeepseekV3 by its top 2: the same groups win
+    when that is 2, or when every group is kept anyway."""
+    return _group_limit_is_noop(hf) or hf["num_experts_per_tok"] // hf["topk_group"] == 2
+
+
+_NO_WINDOW = "megarl has no sliding-window attention; set use_sliding_window=false"
+
+BASE_FIELDS: Dict[str, Union[str, Only]] = {
+    **{k: INERT for k in (
+        "_name_or_path", "architectures", "auto_map", "chunk_size_feed_forward", "dtype", "torch_dtype",
+        "id2label", "label2id", "is_encoder_decoder", "output_attentions", "output_hidden_states",
+        "problem_type", "return_dict", "transformers_version", "bos_token_id", "eos_token_id",
+        "pad_token_id", "use_cache")},
+    **{k: MAPPED for k in (
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+        "initializer_range", "attention_dropout", "max_position_embeddings", "tie_word_embeddings",
+        "rope_parameters", "rope_theta", "rope_scaling")},
+    "hidden_act": Only(_at("hidden_act", "silu"), "only 'silu' (a SwiGLU MLP)"),
+    # Megatron has one switch for every linear bias besides QKV; HF's attention_bias also puts
+    # a bias on o_proj.
+    "attention_bias": Only(_at("attention_bias", False), "Megatron cannot bias o_proj alone; only false"),
+    "quantization_config": Only(_at("quantization_config"), "dequantize the checkpoint (e.g. to bf16) first"),
+}
+
+_QWEN_DENSE = {
+    "sliding_window": Only(_qwen_no_window, _NO_WINDOW),
+    "use_sliding_window": MAPPED, "max_window_layers": MAPPED, "layer_types": MAPPED,
+}
+_ROUTER_AUX = {  # transformers returns its aux loss only with output_router_logits; megarl's aux
+    # loss coefficient is router_aux_loss_coef unless model.moe_aux_loss_coeff overrides it
+    "router_aux_loss_coef": MAPPED, "output_router_logits": INERT,
+}
+
+FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
+    "llama": {
+        **BASE_FIELDS,
+        "mlp_bias": Only(_at("mlp_bias", False), "only false"),
+        "pretraining_tp": INERT,  # split matmuls in older transformers, same result; unused in 5.x
+    },
+    "qwen2": {
+        **BASE_FIELDS, **_QWEN_DENSE,
+        "attention_bias": INERT,  # transformers' Qwen2 always biases q/k/v and never o_proj
+    },
+    "qwen3": {**BASE_FIELDS, **_QWEN_DENSE},
+    "mixtral": {
+        **BASE_FIELDS, **_ROUTER_AUX,
+        "sliding_window": Only(_at("sliding_window"), "megarl has no sliding-window attention; set it to null"),
+        "num_local_experts": MAPPED, "num_experts": MAPPED,
+        "num_experts_per_tok": Only(lambda hf: hf["num_experts_per_tok"] > 1,
+                                    "Megatron cannot route softmax top-1 with weight 1 (Mixtral "
+                                    "renormalises); use 2 or more"),
+        # transformers jitters the whole MoE input in training; Megatron's moe_input_jitter_eps
+        # only the router's input
+        "router_jitter_noise": Only(_at("router_jitter_noise", 0), "only 0"),
+    },
+    "qwen3_moe": {
+        **BASE_FIELDS, **_ROUTER_AUX,
+        "sliding_window": Only(lambda hf: not hf.get("use_sliding_window") or hf.get("sliding_window") is None,
+                               _NO_WINDOW),
+        "use_sliding_window": MAPPED,
+        "max_window_layers": INERT,  # transformers' Qwen3-MoE slides every layer or none
+        **{k: MAPPED for k in ("num_local_experts", "num_experts", "num_experts_per_tok",
+                               "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers")},
+        "norm_topk_prob": Only(_qwen3_moe_top1_ok, "with num_experts_per_tok=1, only false (Megatron "
+                               "cannot route softmax top-1 with weight 1)"),
+    },
+    "deepseek_v3": {
+        **BASE_FIELDS, **_ROUTER_AUX,
+        "head_dim": INERT,  # transformers sets it to qk_rope_head_dim
+        "qk_head_dim": INERT,  # transformers sets it to qk_nope_head_dim + qk_rope_head_dim
+        "num_key_value_heads": Only(lambda hf: hf.get("num_key_value_heads") in (None, hf["num_attention_heads"]),
+                                    "MLA has one key/value head per query head: num_attention_heads"),
+        "pretraining_tp": INERT,
+        **{k: MAPPED for k in (
+            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "n_routed_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor", "topk_group")},
+        "rope_interleave": Only(_at("rope_interleave", True),
+                                "only true: Megatron's MLA rope always de-interleaves q_pe/k_pe"),
+        "norm_topk_prob": Only(_sigmoid_normalisation_ok,
+                               "Megatron renormalises the sigmoid top-k scores exactly when "
+                               "num_experts_per_tok > 1: set norm_topk_prob to match"),
+        "n_group": Only(_group_scores_ok,
+                        "Megatron ranks expert groups by their top num_experts_per_tok//topk_group "
+                        "scores, transformers by their top 2: they agree when that is 2 or "
+                        "topk_group >= n_group"),
+        # Multi-token-prediction layers: transformers does not run them, megarl skips their tensors.
+        "num_nextn_predict_layers": INERT, "num_mtp_layers": INERT,
+        # DeepSeek's own config.json keys that transformers' DeepseekV3 does not read.
+        "scoring_func": Only(_at("scoring_func", "sigmoid"), "transformers' DeepseekV3 routes on sigmoid scores"),
+        "topk_method": Only(_at("topk_method", "noaux_tc"),
+                            "transformers' DeepseekV3 routes with e_score_correction_bias (noaux_tc)"),
+        "moe_layer_freq": Only(_at("moe_layer_freq", 1),
+                               "transformers' DeepseekV3 makes every layer from first_k_dense_replace on MoE"),
+        "ep_size": INERT, "aux_loss_alpha": INERT, "seq_aux": INERT,
+    },
+}
+
+
+def check_fields(hf: Mapping[str, Any]) -> None:
+    """Refuse, by name, a field set to a value megarl cannot reproduce; warn about fields no table
+    knows (their effect on the network is unknown to megarl)."""
+    model_type = hf["model_type"]
+    table = FIELDS[model_type]
+    for name, kind in table.items():
+        if isinstance(kind, Only) and not kind.ok(hf):
+            raise UnsupportedModelError(
+                f"{model_type} config field {name}={hf.get(name)!r} is not supported: {kind.supported}")
+    unknown = sorted(set(hf) - set(table))
+    if unknown:
+        warnings.warn(f"{model_type} config fields megarl does not know, ignored: {unknown}", stacklevel=3)
 
 
 @dataclass
@@ -154,15 +326,6 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
         raise UnsupportedModelError(
             f"model_type '{model_type}' is not supported; supported: {sorted(ARCHITECTURES)}")
     arch = ARCHITECTURES[model_type]
-    act = _get(hf, "hidden_act", default="silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act '{act}' is not supported (only 'silu' with a gated MLP)")
-    # Megatron has one switch for every linear bias besides QKV; HF's attention_bias also puts
-    # a bias on o_proj (all but qwen2, whose q/k/v-only bias is built in), mlp_bias on the MLP.
-    if model_type != "qwen2" and _get(hf, "attention_bias", default=False):
-        raise UnsupportedModelError(f"{model_type} with attention_bias=true (a bias on o_proj) is not supported")
-    if _get(hf, "mlp_bias", default=False):
-        raise UnsupportedModelError(f"{model_type} with mlp_bias=true is not supported")
     kwargs: Dict[str, Any] = {}
     for name, row in arch.rows.items():
         try:
@@ -170,8 +333,9 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
         except KeyError as missing:
             raise UnsupportedModelError(
                 f"{model_type} config lacks {missing} (needed for Megatron field '{name}')") from None
-        if value is not None:
+        if value is not None or name in KEEP_NULL:
             kwargs[name] = value
+    check_fields(hf)
     if not kwargs.get("num_moe_experts"):  # absent or 0: a dense model
         for name in MOE:
             kwargs.pop(name, None)
@@ -179,9 +343,6 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
     rope_type = rope["rope_type"]
     rope_scaling = None
     if arch.mla:
-        if not _get(hf, "rope_interleave", default=True):
-            # Megatron's MLA rope always de-interleaves q_pe/k_pe, as rope_interleave=true does.
-            raise UnsupportedModelError("deepseek_v3 with rope_interleave=false is not supported")
         kwargs["rope_type"] = "rope" if rope_type == "default" else rope_type
         if rope_type == "yarn":
             kwargs.update(

@@ -78,7 +78,7 @@ def deepseek_v3(**over):
     kw = dict(num_hidden_layers=5, num_key_value_heads=6, first_k_dense_replace=2, q_lora_rank=48,
               kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=12, v_head_dim=20,
               n_shared_experts=2, moe_intermediate_size=36, n_routed_experts=8,
-              num_experts_per_tok=3, routed_scaling_factor=1.75, n_group=4, topk_group=2,
+              num_experts_per_tok=4, routed_scaling_factor=1.75, n_group=4, topk_group=2,
               tie_word_embeddings=False)
     kw.update(over)
     return transformers.DeepseekV3Config(**common_kwargs(**kw)).to_dict()
@@ -233,6 +233,10 @@ def test_qwen3_moe_norm_topk_prob_false_and_step_one():
                                            decoder_sparse_step=1, mlp_only_layers=[1]))
     assert args.config_kwargs["moe_router_pre_softmax"] is True
     assert args.config_kwargs["moe_layer_freq"] == [1, 0, 1, 1]
+    # a file without norm_topk_prob gets Qwen3MoeConfig's default, false: no renormalisation
+    hf = qwen3_moe()
+    del hf["norm_topk_prob"]
+    assert megatron_args_from_hf(hf).config_kwargs["moe_router_pre_softmax"] is True
 
 
 def test_qwen3_moe_with_zero_experts_is_dense():
@@ -295,7 +299,7 @@ def test_deepseek_v3_mapping():
     assert kw["qk_pos_emb_head_dim"] == 12
     assert kw["v_head_dim"] == 20
     assert kw["num_moe_experts"] == 8 == args.num_experts
-    assert kw["moe_router_topk"] == 3
+    assert kw["moe_router_topk"] == 4
     assert kw["moe_ffn_hidden_size"] == 36
     assert kw["moe_shared_expert_intermediate_size"] == 2 * 36
     assert kw["moe_layer_freq"] == [0, 0, 1, 1, 1]               # first_k_dense_replace=2
@@ -309,12 +313,51 @@ def test_deepseek_v3_mapping():
     assert args.max_position_embeddings == 777
 
 
-def test_deepseek_v3_router_overrides():
+@pytest.mark.parametrize("key,value", [("scoring_func", "softmax"), ("topk_method", "greedy"),
+                                       ("moe_layer_freq", 2)])
+def test_deepseek_v3_keys_transformers_ignores_are_refused_unless_its_behaviour(key, value):
+    # DeepSeek's own config.json keys: transformers' DeepseekV3 always routes on sigmoid scores
+    # with e_score_correction_bias and makes every layer past first_k_dense_replace MoE.
     hf = deepseek_v3()
-    hf.update(scoring_func="softmax", topk_method="greedy")
-    kw = megatron_args_from_hf(hf).config_kwargs
-    assert kw["moe_router_score_function"] == "softmax"
-    assert kw["moe_router_enable_expert_bias"] is False
+    assert megatron_args_from_hf({**hf, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                                  "moe_layer_freq": 1}).config_kwargs == megatron_args_from_hf(hf).config_kwargs
+    with pytest.raises(UnsupportedModelError, match=f"{key}={value!r}"):
+        megatron_args_from_hf({**hf, key: value})
+
+
+def test_deepseek_v3_q_lora_rank_null_reaches_megatron():
+    # Megatron's MLATransformerConfig defaults q_lora_rank to 512: a null must be passed through.
+    kw = megatron_args_from_hf(deepseek_v3(q_lora_rank=None)).config_kwargs
+    assert "q_lora_rank" in kw and kw["q_lora_rank"] is None
+
+
+@pytest.mark.parametrize("n_group,topk_group,topk,groups", [
+    (4, 2, 4, (4, 2)),    # top-k // topk_group == 2: Megatron and transformers score groups alike
+    (1, 1, 3, None),      # one group: no group limit
+    (4, 4, 3, None),      # every group kept: no group limit
+])
+def test_deepseek_v3_group_routing_mapped(n_group, topk_group, topk, groups):
+    kw = megatron_args_from_hf(deepseek_v3(n_group=n_group, topk_group=topk_group,
+                                           num_experts_per_tok=topk)).config_kwargs
+    assert (kw.get("moe_router_num_groups"), kw.get("moe_router_group_topk")) == (groups or (None, None))
+
+
+@pytest.mark.parametrize("n_group,topk_group,topk", [(4, 2, 2), (4, 2, 6), (8, 4, 4), (4, 1, 3)])
+def test_deepseek_v3_group_routing_megatron_scores_differently_is_refused(n_group, topk_group, topk):
+    with pytest.raises(UnsupportedModelError, match="n_group") as err:
+        megatron_args_from_hf(deepseek_v3(n_group=n_group, topk_group=topk_group, num_experts_per_tok=topk))
+    assert "top 2" in str(err.value)
+
+
+@pytest.mark.parametrize("norm,topk,ok", [(True, 4, True), (False, 4, False), (False, 1, True), (True, 1, False)])
+def test_deepseek_v3_norm_topk_prob(norm, topk, ok):
+    # Megatron renormalises sigmoid top-k scores exactly when top_k > 1.
+    hf = deepseek_v3(norm_topk_prob=norm, num_experts_per_tok=topk, n_group=1, topk_group=1)
+    if ok:
+        assert megatron_args_from_hf(hf).config_kwargs["moe_router_topk"] == topk
+    else:
+        with pytest.raises(UnsupportedModelError, match=f"norm_topk_prob={norm}"):
+            megatron_args_from_hf(hf)
 
 
 def test_deepseek_v3_yarn():

@@ -1,0 +1,136 @@
+"""Every field of the pinned transformers' config classes is classified (megarl.models.hf_config.FIELDS):
+mapped onto Megatron, inert (no effect on the math), or honoured only at some values and refused by
+name otherwise. A field a new transformers adds fails here until someone classifies it."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import warnings
+
+import pytest
+import transformers
+
+from megarl.models.hf_config import FIELDS, INERT, MAPPED, Only, UnsupportedModelError, megatron_args_from_hf
+
+CLASSES = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+    "mixtral": transformers.MixtralConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "deepseek_v3": transformers.DeepseekV3Config,
+}
+
+# Per model_type, one refused setting for each Only field: {field: overrides that make it bite}.
+SLIDING_QWEN = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0, "layer_types": None}
+COMMON_BAD = {
+    "hidden_act": {"hidden_act": "gelu"},
+    "attention_bias": {"attention_bias": True},
+    "quantization_config": {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+}
+BAD = {
+    "llama": {**COMMON_BAD, "mlp_bias": {"mlp_bias": True}},
+    "qwen2": {k: v for k, v in {**COMMON_BAD, "sliding_window": SLIDING_QWEN}.items() if k != "attention_bias"},
+    "qwen3": {**COMMON_BAD, "sliding_window": SLIDING_QWEN},
+    "mixtral": {**COMMON_BAD, "sliding_window": {"sliding_window": 4096},
+                "num_experts_per_tok": {"num_experts_per_tok": 1},
+                "router_jitter_noise": {"router_jitter_noise": 0.01}},
+    "qwen3_moe": {**COMMON_BAD, "sliding_window": {"use_sliding_window": True, "sliding_window": 16},
+                  "norm_topk_prob": {"norm_topk_prob": True, "num_experts_per_tok": 1}},
+    "deepseek_v3": {
+        **COMMON_BAD,
+        "num_key_value_heads": {"num_key_value_heads": 64},
+        "rope_interleave": {"rope_interleave": False},
+        "norm_topk_prob": {"norm_topk_prob": False},
+        "n_group": {"n_group": 8, "topk_group": 4, "num_experts_per_tok": 4},
+        "scoring_func": {"scoring_func": "softmax"},
+        "topk_method": {"topk_method": "greedy"},
+        "moe_layer_freq": {"moe_layer_freq": 2},
+    },
+}
+
+
+def class_fields(cls) -> set:
+    """What the installed config class knows: its serialised keys, constructor arguments and aliases."""
+    params = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs", "args"}
+    return set(cls().to_dict()) | params | set(getattr(cls, "attribute_map", {}))
+
+
+def default_config(model_type: str) -> dict:
+    return json.loads(json.dumps(CLASSES[model_type]().to_dict()))  # as a config.json reads back
+
+
+@pytest.mark.parametrize("model_type", sorted(CLASSES))
+def test_every_field_of_the_transformers_class_is_classified(model_type):
+    table = FIELDS[model_type]
+    unclassified = sorted(class_fields(CLASSES[model_type]) - set(table))
+    assert not unclassified, f"{model_type}: classify these in megarl.models.hf_config.FIELDS: {unclassified}"
+    assert all(kind in (MAPPED, INERT) or isinstance(kind, Only) for kind in table.values())
+
+
+@pytest.mark.parametrize("model_type", sorted(CLASSES))
+def test_transformers_defaults_are_honoured(model_type):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no field of the class is unknown either
+        megatron_args_from_hf(default_config(model_type))
+
+
+@pytest.mark.parametrize("model_type", sorted(CLASSES))
+def test_every_refused_field_has_a_case_here(model_type):
+    refused = {name for name, kind in FIELDS[model_type].items() if isinstance(kind, Only)}
+    assert refused == set(BAD[model_type])
+
+
+CASES = [(t, name) for t in sorted(BAD) for name in sorted(BAD[t])]
+
+
+@pytest.mark.parametrize("model_type,name", CASES, ids=[f"{t}-{n}" for t, n in CASES])
+def test_refused_field_raises_naming_it(model_type, name):
+    hf = {**default_config(model_type), **BAD[model_type][name]}
+    with pytest.raises(UnsupportedModelError, match=f"config field {name}=") as err:
+        megatron_args_from_hf(hf)
+    assert isinstance(err.value, ValueError)  # the CLI's exit 2
+    assert FIELDS[model_type][name].supported in str(err.value)
+
+
+def test_unknown_field_warns_with_its_name():
+    with pytest.warns(UserWarning, match="made_up_scaling"):
+        megatron_args_from_hf({**default_config("llama"), "made_up_scaling": 2.0})
+
+
+@pytest.mark.parametrize("over", [
+    {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 0},  # Qwen2.5 hub style
+    {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 32, "layer_types": None},
+    {"use_sliding_window": True, "sliding_window": 4096, "layer_types": ["full_attention"] * 32},
+])
+def test_qwen_sliding_window_settings_that_slide_no_layer_are_accepted(over):
+    megatron_args_from_hf({**default_config("qwen2"), **over})
+
+
+def test_cli_refuses_before_launching(tmp_path, capsys):
+    """``megarl convert`` refuses an unsupported field in its prepare step (exit 2, nothing written,
+    no process started: --nproc would launch torchrun only after that step)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megarl.cli import main
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = json.loads(open("configs/models/tiny-deepseek-v3.json").read())
+    (hf / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    save_file({"unread": torch.zeros(1)}, hf / "model.safetensors")  # the config is refused first
+    assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "out"), "--nproc", "2"]) == 2
+    assert "norm_topk_prob=False" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_train_refuses_in_its_prepare_step(tmp_path, capsys):
+    from megarl.cli import main
+
+    config = json.loads(open("configs/models/tiny-deepseek-v3.json").read())
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({**config, "n_group": 4, "topk_group": 2, "n_routed_experts": 8}))
+    assert main(["train", "configs/grpo_demo.yaml", f"model.hf_config={bad}", "--dry-run"]) == 2
+    assert "n_group=4" in capsys.readouterr().err
