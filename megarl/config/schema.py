@@ -14,12 +14,22 @@ from typing import List, Optional
 class ModelConfig:
     """Which network to build and how to build it."""
 
-    hf_config: str = "configs/models/tiny-llama.json"
-    """Path to a Hugging Face ``config.json`` (or its directory); its ``model_type`` picks the architecture."""
+    path: Optional[str] = None
+    """Pretrained weights the actor, the reference and the critic's backbone start from; null =
+    random init from ``hf_config``. An HF directory (config.json + safetensors, sharded with an
+    index or not), a Megatron dist checkpoint from ``megarl convert hf-to-mcore`` (config and
+    tokenizer in its ``hf/`` subdir), or a run checkpoint ``RUN_DIR/checkpoints/step_N`` (or its
+    ``actor/``; config from the run's config.yaml). Loaded in any layout, each rank reading only
+    its shards; checked (files, names, shapes, dtypes) before any worker starts."""
+    hf_config: Optional[str] = None
+    """Path to a Hugging Face ``config.json`` (or its directory); its ``model_type`` picks the
+    architecture. null = ``path``'s config when ``path`` is set, else configs/models/tiny-llama.json
+    (random init)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary up to a multiple of this (tokens); the padded size must divide by every tp used."""
     params_dtype: str = "auto"
-    """``float32``, ``bfloat16``, ``float16`` or ``auto`` (bf16 with CUDA, fp32 on CPU)."""
+    """``float32``, ``bfloat16``, ``float16`` or ``auto`` (bf16 with CUDA, fp32 on CPU); pretrained
+    weights of another dtype are converted on load (bf16 -> fp32 exactly)."""
     transformer_impl: str = "auto"
     """``transformer_engine``, ``local`` or ``auto`` (TE when it and CUDA are present, else local + SDPA)."""
     recompute_granularity: Optional[str] = None
@@ -120,7 +130,8 @@ class DataConfig:
     bad_rows: str = "fail"
     """A malformed row: ``fail`` (stop, naming file and row) or ``skip`` (log and go on)."""
     tokenizer: Optional[str] = None
-    """HF tokenizer directory; null = the built-in digit tokenizer (built-in task)."""
+    """HF tokenizer directory; null = ``model.path``'s tokenizer when it has one, else the built-in
+    digit tokenizer (built-in task)."""
     chat_template: bool = True
     """Format prompts with the tokenizer's chat template when it has one."""
     builtin_size: int = 4096
@@ -130,7 +141,7 @@ class DataConfig:
     micro_batch_tokens: int = 1024
     """Token budget of one micro-batch in log-prob and update passes."""
     num_digits: int = 6
-    """Built-in reverse-the-digits task: digits per problem (sequences are 2*num_digits+1 tokens)."""
+    """Built-in reverse-the-digits task: digits per problem (train-lm sequences are 2*num_digits+2 tokens)."""
     global_batch_size: int = 16
     """Sequences per optimizer step over all data-parallel ranks; must divide by dp*micro_batch_size."""
     micro_batch_size: int = 2
@@ -203,6 +214,10 @@ class TrainerConfig:
     """Print metrics every this many steps."""
     run_dir: str = "runs/latest"
     """Where logs, metrics and checkpoints go."""
+    save_dir: Optional[str] = None
+    """``megarl train-lm``: write the final weights here as a Megatron dist checkpoint with an ``hf/``
+    folder (config.json, generation config, tokenizer), as ``megarl convert hf-to-mcore`` does; must
+    not exist yet; null = do not save."""
     nnodes: int = 1
     """Nodes of a Ray cluster run (world = nnodes * nproc_per_node)."""
     ray_address: Optional[str] = None
@@ -249,8 +264,12 @@ class LoggingConfig:
 class RewardModelConfig:
     """A reward model (``algorithm.reward_fn=model``): a backbone with a scalar head, frozen."""
 
+    path: Optional[str] = None
+    """An HF ``LlamaForSequenceClassification`` / ``Qwen2…`` / ``Qwen3ForSequenceClassification``
+    directory (backbone + ``score.weight`` [1, hidden], num_labels must be 1; the head's bias is 0).
+    Scores at each sequence's last non-pad token, as transformers does. Exclusive with ``checkpoint``."""
     hf_config: Optional[str] = None
-    """Its HF config.json; null = the actor's ``model.hf_config``."""
+    """Its HF config.json; null = ``path``'s config.json when ``path`` is set, else the actor's ``model.hf_config``."""
     checkpoint: Optional[str] = None
     """Megatron dist checkpoint of the reward model (backbone + scalar head), any layout."""
 

@@ -16,7 +16,7 @@ from megarl.controller.protocol import Batch
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
 from megarl.hybrid import regroup
 from megarl.models.flops import gpu_peak_tflops
-from megarl.models.hf_config import megatron_args_from_hf
+from megarl.models.hf_config import megatron_args_from_hf, read_hf_config
 from megarl.parallel import Layout, build_groups
 from megarl.roles.actor import Actor, ActorLossConfig
 from megarl.roles.critic import Critic, CriticLossConfig
@@ -60,7 +60,7 @@ class RLWorker:
         set_seed(cfg.trainer.seed, self.groups)
         args = megatron_args_from_hf(cfg.model.hf_config)
         steps = cfg.trainer.train_steps
-        state = lm.build_train_state(cfg.model, cfg.optimizer, self.groups, steps)
+        state = lm.build_train_state(cfg.model, cfg.optimizer, self.groups, steps, init_checkpoint=cfg.model.path)
         loss = ActorLossConfig(
             policy_loss="ppo", agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
@@ -82,9 +82,12 @@ class RLWorker:
         if algo.reward_fn == "model":  # colocated, in the actor's layout
             from megarl.roles.reward_model import RewardModel
 
-            rm_cfg = dataclasses.replace(cfg.model, hf_config=cfg.reward_model.hf_config or cfg.model.hf_config)
-            rm_state = lm.build_frozen_state(rm_cfg, self.groups, cfg.reward_model.checkpoint, value_head=True)
-            self.reward_model = RewardModel(MegatronEngine(rm_state, None))
+            rm = cfg.reward_model
+            rm_cfg = dataclasses.replace(cfg.model, path=None, hf_config=rm.hf_config or cfg.model.hf_config)
+            rm_state = lm.build_frozen_state(rm_cfg, self.groups, rm.path or rm.checkpoint, value_head=True)
+            # an HF sequence-classifier scores where transformers does: its last non-pad token
+            pad = read_hf_config(rm_cfg.hf_config).get("pad_token_id") if rm.path else None
+            self.reward_model = RewardModel(MegatronEngine(rm_state, None), pad)
         r = cfg.parallel.rollout
         regrouping = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
         if r.engine != "native":

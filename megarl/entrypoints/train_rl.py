@@ -7,12 +7,16 @@ datasets and their keys, the reward function, the tokenizer against the model.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, List, Optional
 
+from megarl.checkpoint.load import check_pretrained, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, ParallelConfig, load_config
 from megarl.data.datasets import load_records, reverse_digits_records
 from megarl.data.tokenizer import load_tokenizer
@@ -41,6 +45,7 @@ def world_size(cfg: MegarlConfig) -> int:
 
 def prepare(cfg: MegarlConfig) -> Prepared:
     """Validate the whole configuration and load the data (no process started)."""
+    cfg = resolve_paths(cfg)
     world = world_size(cfg)
     if cfg.trainer.nnodes > 1 and not cfg.trainer.ray_address:
         raise ConfigError(f"trainer.nnodes={cfg.trainer.nnodes} needs trainer.ray_address (a Ray cluster; "
@@ -75,9 +80,7 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     if algo.name in ("grpo", "dapo", "rloo", "reinforce_pp_baseline") and algo.samples_per_prompt < 2:
         raise ConfigError(f"algorithm.samples_per_prompt={algo.samples_per_prompt}: {algo.name} compares "
                           f"samples of one prompt; use 2 or more")
-    if algo.reward_fn == "model" and not cfg.reward_model.checkpoint:
-        raise ConfigError("algorithm.reward_fn=model needs reward_model.checkpoint (a Megatron dist checkpoint "
-                          "of a backbone with a scalar head)")
+    check_pretrained_sources(cfg)
     tokenizer = load_tokenizer(data.tokenizer, data.chat_template)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocab_size is "
@@ -88,8 +91,84 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         records = reverse_digits_records(data.builtin_size, data.num_digits, cfg.trainer.seed)
     room = args.max_position_embeddings - algo.max_new_tokens
     stream = PromptStream(records, tokenizer, cfg.trainer.seed, room)
-    stream.token_ids(records[0])  # the first prompt tokenizes and fits
+    check_prompt_tokens(stream, records, args.vocab_size)
     return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer)
+
+
+def check_prompt_tokens(stream: PromptStream, records, vocab_size: int) -> None:
+    """The first prompt of each dataset file renders (chat template), fits the model's positions
+    and uses only token ids the model has; so do the EOS and pad ids. A tokenizer that does not
+    belong to the model fails here, naming the file, instead of in a worker."""
+    import jinja2
+
+    first = {}
+    for record in records:  # source: "file:row" or "task:index"
+        first.setdefault(record.source.rsplit(":", 1)[0], record)
+    for source, record in first.items():
+        try:
+            ids = stream.token_ids(record)
+        except (jinja2.TemplateError, TypeError, KeyError) as err:
+            raise ConfigError(f"{record.source}: the prompt does not render with data.tokenizer's chat "
+                              f"template: {err}") from None
+        except ValueError as err:  # too long (the message names the row), or characters it cannot encode
+            where = "" if str(err).startswith(record.source) else f"{record.source}: "
+            raise ConfigError(f"{where}{err}") from None
+        outside = sorted({i for i in ids if not 0 <= i < vocab_size})
+        if outside:
+            raise ConfigError(f"{source}: the prompt of {record.source} has token id(s) {outside[:5]} outside the "
+                              f"model's vocabulary of {vocab_size}; data.tokenizer does not belong to the model")
+    tok = stream.tokenizer
+    for name, ids in (("EOS", tok.eos_token_ids), ("pad", [tok.pad_token_id])):
+        outside = [i for i in ids if not 0 <= i < vocab_size]
+        if outside:
+            raise ConfigError(f"the tokenizer's {name} id(s) {outside} are outside the model's vocabulary of "
+                              f"{vocab_size} (data.tokenizer does not belong to the model)")
+
+
+def resolve_paths(cfg: MegarlConfig) -> MegarlConfig:
+    """A copy of ``cfg`` with every path absolute (the config snapshot saved with checkpoints works
+    from any directory: ``megarl export-hf`` reads it) and the defaults that follow ``model.path``
+    and ``reward_model.path`` filled in: the model config and the tokenizer."""
+    cfg = copy.deepcopy(cfg)
+    m, data, rm = cfg.model, cfg.data, cfg.reward_model
+
+    def absolute(path: Optional[str]) -> Optional[str]:
+        return str(Path(path).expanduser().absolute()) if path else path
+
+    m.path, m.hf_config, rm.path, rm.hf_config, rm.checkpoint, data.tokenizer = map(
+        absolute, (m.path, m.hf_config, rm.path, rm.hf_config, rm.checkpoint, data.tokenizer))
+    data.train_files = [absolute(f) for f in data.train_files]
+    cfg.trainer.run_dir = absolute(cfg.trainer.run_dir)
+    if m.path:
+        source = locate(m.path, "model.path")
+        m.hf_config = m.hf_config or str(source.config)
+        if not data.tokenizer and source.tokenizer:
+            data.tokenizer = str(source.tokenizer)
+        elif not data.tokenizer:
+            print(f"megarl: warning: model.path={m.path} has no tokenizer files; data.tokenizer=null uses the "
+                  f"built-in digit tokenizer", file=sys.stderr, flush=True)
+    m.hf_config = absolute(resolve_model_config(m).hf_config)
+    if rm.path and not rm.hf_config:
+        rm.hf_config = str(locate(rm.path, "reward_model.path").config)
+    return cfg
+
+
+def check_pretrained_sources(cfg: MegarlConfig) -> None:
+    """``model.path`` and the reward model's weights against their configs: files present and
+    complete, every tensor's name, shape and dtype (a named ConversionError otherwise)."""
+    rm = cfg.reward_model
+    if cfg.algorithm.reward_fn == "model" and not (rm.path or rm.checkpoint):
+        raise ConfigError("algorithm.reward_fn=model needs reward_model.path (an HF *ForSequenceClassification "
+                          "directory) or reward_model.checkpoint (a Megatron dist checkpoint of a backbone with "
+                          "a scalar head)")
+    if rm.path and rm.checkpoint:
+        raise ConfigError("set one of reward_model.path and reward_model.checkpoint, not both")
+    if cfg.model.path:
+        check_pretrained(cfg.model.path, cfg.model, "model.path")
+    if cfg.algorithm.reward_fn == "model":
+        rm_cfg = dataclasses.replace(cfg.model, path=None, hf_config=rm.hf_config or cfg.model.hf_config)
+        field = "reward_model.path" if rm.path else "reward_model.checkpoint"
+        check_pretrained(rm.path or rm.checkpoint, rm_cfg, field, value_head=True)
 
 
 @dataclass
@@ -140,7 +219,8 @@ def run(prepared: Prepared) -> List[dict]:
             done, run_id = driver["step"], driver.get("mlflow_run_id") or None
             relayout = "" if same_layout else " into another layout (weights, optimizer and schedule exact; RNG reseeded)"
             print(f"megarl: resuming after step {done} from {path}{relayout}", flush=True)
-        log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, mlflow_run_id=run_id)
+        log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, mlflow_run_id=run_id,
+                        decode=prepared.tokenizer.decode)
         in_flight = []  # async checkpoints whose tensors are still being written
 
         def finish_checkpoints(blocking: bool) -> None:
@@ -161,7 +241,7 @@ def run(prepared: Prepared) -> List[dict]:
 
         train = one_step_off.train if cfg.trainer.loop == "one_step_off" else loop.train
         tok = prepared.tokenizer
-        train(cfg, roles, prepared.stream, prepared.scorer, log, tok.eos_token_id, tok.pad_token_id,
+        train(cfg, roles, prepared.stream, prepared.scorer, log, tok.eos_token_ids, tok.pad_token_id,
               start_step=done + 1, after_step=after_step)
         finish_checkpoints(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}

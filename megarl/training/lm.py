@@ -14,10 +14,10 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
+from megarl.checkpoint.load import load_pretrained, resolve_model_config
 from megarl.models import build_model, megatron_args_from_hf
 from megarl.models.value_head import attach_value_head
 from megarl.parallel.layout import ParallelGroups
-from megarl.training.dist_ckpt import load_model
 
 
 @dataclass
@@ -35,9 +35,10 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
                       init_checkpoint: Optional[str] = None, value_head: bool = False) -> TrainState:
     """Model chunks wrapped in Megatron DDP, Megatron's optimizer and LR/WD scheduler.
 
-    ``init_checkpoint``: a Megatron dist checkpoint of the weights (any layout) loaded before
-    DDP copies the parameters into its buffers. ``value_head``: a scalar head instead of the
-    vocabulary (critic), never tied to the embedding.
+    ``init_checkpoint``: pretrained weights, anything ``model.path`` accepts (an HF directory or
+    a Megatron dist checkpoint, any layout), loaded before DDP copies the parameters into its
+    buffers and before the optimizer makes its fp32 main copies. ``value_head``: a scalar head
+    instead of the vocabulary (critic), never tied to the embedding.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -45,14 +46,7 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     distributed = optim_cfg.use_distributed_optimizer if use_distributed_optimizer is None else use_distributed_optimizer
-    args = megatron_args_from_hf(model_cfg.hf_config)
-    if value_head:
-        args = dataclasses.replace(args, tie_word_embeddings=False)
-    chunks = build_model(model_cfg, groups, args)
-    if value_head:
-        attach_value_head(chunks)
-    if init_checkpoint:
-        load_model(chunks, init_checkpoint)
+    chunks = _build_chunks(model_cfg, groups, init_checkpoint, value_head)
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
@@ -82,7 +76,18 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
 def build_frozen_state(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[str] = None,
                        value_head: bool = False) -> TrainState:
     """Model chunks for forward passes only (a reference policy, a reward model with
-    ``value_head``): no DDP, no optimizer, parameters frozen."""
+    ``value_head``): no DDP, no optimizer, parameters frozen. ``init_checkpoint`` as in
+    :func:`build_train_state` (for a reward model also an HF sequence-classification directory)."""
+    chunks = _build_chunks(model_cfg, groups, init_checkpoint, value_head)
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+    return TrainState(model=chunks, optimizer=None, scheduler=None, groups=groups)
+
+
+def _build_chunks(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[str], value_head: bool):
+    """This rank's chunks, randomly initialised or filled from ``init_checkpoint`` (then Megatron's
+    random init is skipped: every parameter is loaded)."""
+    model_cfg = resolve_model_config(model_cfg)
     args = megatron_args_from_hf(model_cfg.hf_config)
     if value_head:
         args = dataclasses.replace(args, tie_word_embeddings=False)
@@ -90,10 +95,8 @@ def build_frozen_state(model_cfg, groups: ParallelGroups, init_checkpoint: Optio
     if value_head:
         attach_value_head(chunks)
     if init_checkpoint:
-        load_model(chunks, init_checkpoint)
-    for chunk in chunks:
-        chunk.requires_grad_(False)
-    return TrainState(model=chunks, optimizer=None, scheduler=None, groups=groups)
+        load_pretrained(chunks, init_checkpoint, args, model_cfg.make_vocab_size_divisible_by, value_head)
+    return chunks
 
 
 def copy_weights(src: TrainState, dst: TrainState) -> List[str]:

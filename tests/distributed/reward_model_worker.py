@@ -1,6 +1,8 @@
 """Worker for test_reward_model.py (under torchrun): a reward model (backbone + scalar head)
 scores sequences of different lengths the same at every layout, and each score is the head's
-value at the row's last token. ``reference`` writes the weights and single-process scores."""
+value at the row's last token. ``reference`` writes the weights and single-process scores.
+Both modes also score with the HF sequence classifiers in WORK/hf_rm/* (``reward_model.path``)
+at tp = world size and compare with transformers' scores (WORK/hf_rm/*.pt, from the test)."""
 
 import json
 import sys
@@ -11,6 +13,7 @@ import torch.distributed as dist
 
 from megarl.config import ModelConfig
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.models.hf_config import read_hf_config
 from megarl.parallel import Layout, build_groups
 from megarl.roles.reward_model import RewardModel
 from megarl.runtime import init_distributed, set_seed
@@ -41,6 +44,24 @@ def scores(groups, init=None):
     return state, torch.cat(parts), (got - last).abs().max().item()
 
 
+def hf_scores(work: Path) -> None:
+    """Each HF sequence classifier loaded at tp = world size scores the test's right-padded rows
+    as transformers did."""
+    world = dist.get_world_size()
+    groups = build_groups(Layout(tp=world))
+    for directory in sorted(p for p in (work / "hf_rm").iterdir() if p.is_dir()):
+        ref = torch.load(directory.with_suffix(".pt"))
+        state = lm.build_frozen_state(ModelConfig(hf_config=str(directory)), groups, str(directory), value_head=True)
+        rm = RewardModel(MegatronEngine(state, None), read_hf_config(directory).get("pad_token_id"))
+        got = rm.compute_scores({k: ref[k] for k in ("tokens", "position_ids")}, ref["lengths"],
+                                MicroBatching(max_tokens=16))
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps({"hf": directory.name, "tp": world,
+                                          "max_abs_diff": (got - ref["scores"]).abs().max().item(),
+                                          "scale": ref["scores"].abs().max().item()}), flush=True)
+    groups.destroy()
+
+
 if __name__ == "__main__":
     init_distributed()
     mode, work = sys.argv[1], Path(sys.argv[2])
@@ -50,6 +71,7 @@ if __name__ == "__main__":
         state, ref, _ = scores(groups)
         save_model(state.model, work / "rm")
         torch.save(ref, work / "ref.pt")
+        groups.destroy()
     else:
         for spec in sys.argv[3:]:
             tp, pp, dp = (int(x) for x in spec.split(","))
@@ -61,3 +83,5 @@ if __name__ == "__main__":
                 print("RESULT " + json.dumps({"layout": spec, "max_abs_diff": diff, "last_token_diff": last_diff}),
                       flush=True)
             groups.destroy()
+    if (work / "hf_rm").is_dir():
+        hf_scores(work)

@@ -17,6 +17,7 @@ from megarl.trainer.logger import RunLogger
 
 def config(run_dir, tensorboard=True) -> MegarlConfig:
     cfg = MegarlConfig()
+    cfg.model.hf_config = "configs/models/tiny-llama.json"  # what train_rl.prepare resolves the default to
     cfg.trainer.run_dir = str(run_dir)
     cfg.logging.mlflow = cfg.logging.progress_bar = False
     cfg.logging.tensorboard = tensorboard

@@ -1,0 +1,308 @@
+"""Pretrained weights straight into model chunks in any layout (``model.path``, ``reward_model.path``).
+
+The source is an HF directory (safetensors, read through the converter's tables: each rank reads
+only the tensors, or rows of tensors, its shards need) or a Megatron dist checkpoint (Megatron's
+own resharding load). :func:`check_pretrained` checks a source against the model config before
+any worker starts: files, names, shapes and dtypes, each a named :class:`ConversionError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from megarl.checkpoint.hf_io import INDEX, HFCheckpoint
+from megarl.checkpoint.hf_mapping import (
+    IDENTITY, ConversionError, GateUp, Item, Plan, Rule, VocabPad, build_plan, check_names, skipped_hf_names,
+)
+from megarl.models.hf_config import megatron_args_from_hf
+
+HF_SUBDIR = "hf"  # the source's config.json and tokenizer files, kept inside a converted Megatron checkpoint
+DEFAULT_HF_CONFIG = "configs/models/tiny-llama.json"  # model.hf_config when neither it nor model.path is set
+LOADABLE_HF_DTYPES = ("F32", "BF16", "F16")  # copied into model.params_dtype (e.g. bf16 -> fp32 exactly)
+LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# An HF sequence-classification head (Llama/Qwen2/Qwen3ForSequenceClassification): score.weight
+# [num_labels, hidden], no bias; megarl's value head keeps its bias at 0.
+SCORE = "score.weight"
+VALUE_HEAD_BIAS = "output_layer.bias"
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """What a ``model.path`` points at."""
+
+    kind: str  # "hf" or "mcore"
+    weights: Path  # the HF directory, or the dist checkpoint directory (with metadata.json)
+    config: Optional[Path]  # a config.json or its directory; None for a bare dist checkpoint (config given elsewhere)
+    tokenizer: Optional[Path]  # a directory with tokenizer files, None if the source has none
+
+
+def _tokenizer_dir(directory: Path) -> Optional[Path]:
+    return directory if any((directory / f).is_file() for f in TOKENIZER_FILES) else None
+
+
+def locate(path: str | Path, field: str = "model.path", need_config: bool = True) -> PretrainedSource:
+    """Accepted: an HF directory (config.json + ``*.safetensors``, with an index or not); a Megatron
+    dist checkpoint from ``megarl convert hf-to-mcore`` (its ``hf/`` subdir holds config.json and
+    the tokenizer); a run checkpoint ``RUN_DIR/checkpoints/step_N`` (its ``actor/``, configured by
+    the run's ``config.yaml``) or that ``actor/`` directory itself. Without ``need_config`` also a
+    bare dist checkpoint (``reward_model.checkpoint``, whose config is ``reward_model.hf_config``)."""
+    p = Path(path).absolute()
+    if (p / "config.json").is_file() and ((p / INDEX).is_file() or any(p.glob("*.safetensors"))):
+        return PretrainedSource("hf", p, p, _tokenizer_dir(p))
+    if (p / "actor" / "metadata.json").is_file() and (p / "config.yaml").is_file():
+        p = p / "actor"
+    if (p / "metadata.json").is_file():
+        if (p / HF_SUBDIR / "config.json").is_file():
+            return PretrainedSource("mcore", p, p / HF_SUBDIR, _tokenizer_dir(p / HF_SUBDIR))
+        if (p.parent / "config.yaml").is_file():  # a run's checkpoint: the run's model config
+            from megarl.config import load_config
+
+            run = load_config([p.parent / "config.yaml"])
+            if run.model.hf_config:
+                tokenizer = Path(run.data.tokenizer) if run.data.tokenizer else None
+                return PretrainedSource("mcore", p, Path(run.model.hf_config), tokenizer)
+        if not need_config:
+            return PretrainedSource("mcore", p, None, None)
+        raise ConversionError(f"{field}={path}: a Megatron dist checkpoint without its HF config "
+                              f"(no {HF_SUBDIR}/config.json, no run config.yaml beside it)")
+    raise ConversionError(
+        f"{field}={path} is neither an HF directory (config.json + *.safetensors) nor a Megatron dist "
+        f"checkpoint (metadata.json: `megarl convert hf-to-mcore` output, or a run's checkpoints/step_N)")
+
+
+def resolve_model_config(model_cfg):
+    """``model_cfg`` with ``hf_config`` filled in when unset: ``model.path``'s config, else
+    :data:`DEFAULT_HF_CONFIG`."""
+    if model_cfg.hf_config:
+        return model_cfg
+    config = str(locate(model_cfg.path).config) if model_cfg.path else DEFAULT_HF_CONFIG
+    return dataclasses.replace(model_cfg, hf_config=config)
+
+
+# ----------------------------------------------------------------------------- the mapping
+
+
+def hf_plan(args, vocab_multiple: int, value_head: bool = False) -> Plan:
+    """The converter's plan; with ``value_head`` the scalar head comes from an HF ``score.weight``
+    (a sequence-classification checkpoint) instead of the vocabulary projection."""
+    if value_head:
+        args = dataclasses.replace(args, tie_word_embeddings=True)  # no lm_head rule
+    plan = build_plan(args, vocab_multiple)
+    if value_head:
+        plan.items.append(Item("output_layer.weight", (SCORE,), Rule("output_layer.weight", (SCORE,))))
+    return plan
+
+
+def _item_for(sh, items: List[Item]) -> Item:
+    if items[0].expert is None:
+        return items[0]
+    return items[sh.global_offset[0]]  # stacked experts: the leading axis is the expert index
+
+
+def _region(sh) -> tuple:
+    """The slice of the (per-expert, for stacked experts) global tensor this shard holds."""
+    skip = sh.prepend_axis_num
+    return tuple(slice(o, o + n) for o, n in zip(sh.global_offset[skip:], sh.local_shape))
+
+
+def _expected_hf_shapes(sh, item: Item) -> List[tuple]:
+    shape = tuple(sh.global_shape[sh.prepend_axis_num:])
+    return [tuple(t.shape) for t in item.rule.transform.to_hf(torch.empty(shape, device="meta"))]
+
+
+def _check_shapes(sh, items: List[Item], hf: HFCheckpoint) -> List[str]:
+    item = _item_for(sh, items)
+    problems = []
+    for name, want in zip(item.hf_names, _expected_hf_shapes(sh, item)):
+        got = hf.shape(name)
+        if got != want:
+            problems.append(f"HF tensor '{name}' has shape {list(got)}, the config implies {list(want)} "
+                            f"(for Megatron '{sh.key}')")
+    return problems
+
+
+def _read_slice(sh, items: List[Item], hf: HFCheckpoint) -> torch.Tensor:
+    """This shard's part of its global Megatron tensor, reading only the HF rows it needs where
+    the transform keeps rows in place (plain copies, vocabulary padding, gate/up stacking)."""
+    item = _item_for(sh, items)
+    region = _region(sh)
+    transform = item.rule.transform
+    if transform is IDENTITY:
+        return hf.read(item.hf_names[0], region)
+    rows, rest = region[0], region[1:]
+    if isinstance(transform, VocabPad):  # real rows, then zero padding rows
+        real = hf.read(item.hf_names[0], (slice(min(rows.start, transform.vocab), min(rows.stop, transform.vocab)),) + rest)
+        return torch.nn.functional.pad(real, (0,) * (2 * len(rest)) + (0, rows.stop - rows.start - real.shape[0]))
+    if isinstance(transform, GateUp):  # [gate; up] on rows: a shard's rows lie in one or both
+        half = hf.shape(item.hf_names[0])[0]
+        parts = []
+        for i, name in enumerate(item.hf_names):
+            lo, hi = max(rows.start - i * half, 0), min(rows.stop - i * half, half)
+            if lo < hi:
+                parts.append(hf.read(name, (slice(lo, hi),) + rest))
+        return torch.cat(parts, dim=0)
+    full = transform.to_mcore([hf.read(name) for name in item.hf_names])
+    return full[region]
+
+
+def _raise_if_any(errors: List[str]) -> None:
+    """Collective: every rank raises if any rank found a problem (rank 0's message first)."""
+    gathered: List[Optional[List[str]]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, errors)
+    found = [f"rank {r}: {e}" for r, errs in enumerate(gathered) for e in (errs or [])]
+    if found:
+        more = f" (+{len(found) - 3} more)" if len(found) > 3 else ""
+        raise ConversionError("; ".join(found[:3]) + more)
+
+
+def _shards(state: Dict) -> List:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(state)
+    return [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
+
+
+def fill_from_hf(state: Dict, plan: Plan, hf: HFCheckpoint, model_type: str) -> None:
+    """Copy HF tensors into the tensors of a per-layer sharded state dict
+    (``sharded_state_dict(chunks, layer_keys="per_layer")``), in place. Collective: every name and
+    shape is checked on every rank before any weight is read, and all ranks raise together."""
+    by_key = plan.by_mcore_key()
+    shards = _shards(state)
+    errors = []
+    for sh in shards:
+        if sh.key == VALUE_HEAD_BIAS and sh.key not in by_key:
+            continue  # an HF score head has no bias: zeroed below
+        if sh.key not in by_key:
+            errors.append(f"Megatron tensor '{sh.key}' has no rule in the {model_type} table")
+            continue
+        errors += _check_shapes(sh, by_key[sh.key], hf)
+    _raise_if_any(errors)
+    with torch.no_grad():
+        for sh in shards:
+            if sh.key in by_key:
+                sh.data.copy_(_read_slice(sh, by_key[sh.key], hf))
+            else:
+                sh.data.zero_()
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_pretrained(chunks: List[torch.nn.Module], path: str | Path, args, vocab_multiple: int,
+                    value_head: bool = False) -> None:
+    """Fill this rank's model chunks (not yet wrapped in DDP) from ``path``, anything
+    :func:`locate` accepts. Collective over the world."""
+    from megarl.training.dist_ckpt import load_model, sharded_state_dict
+
+    source = locate(path, need_config=False)
+    if source.kind == "mcore":
+        load_model(chunks, source.weights)
+        return
+    state = sharded_state_dict(chunks, layer_keys="per_layer")
+    fill_from_hf(state, hf_plan(args, vocab_multiple, value_head), HFCheckpoint(source.weights), args.model_type)
+
+
+# ----------------------------------------------------------------------------- pre-flight
+
+
+@contextmanager
+def _world_of_one():
+    """A one-process gloo world with its Megatron groups, for building a model on the meta device
+    in a process that is not part of any training world (the driver, before Ray starts)."""
+    from megarl.parallel import Layout, build_groups
+    from megarl.runtime import cpu_mode
+
+    cpu_mode.enable()
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    groups = build_groups(Layout())
+    try:
+        yield groups
+    finally:
+        groups.destroy()
+        torch.distributed.destroy_process_group()
+
+
+def expected_shards(model_cfg, args, value_head: bool = False, layer_keys: str = "per_layer") -> List:
+    """The model's ShardedTensors at tp=pp=1 on the meta device (global names and shapes; no
+    memory), keyed as ``dist_ckpt.sharded_state_dict(layer_keys=...)``. Runs in a process
+    without a training world."""
+    from megarl.models import build_model
+    from megarl.models.value_head import attach_value_head
+    from megarl.training.dist_ckpt import sharded_state_dict
+
+    assert not torch.distributed.is_initialized(), "expected_shards runs outside a training world"
+    with _world_of_one() as groups, torch.device("meta"):
+        chunks = build_model(model_cfg, groups, args, initialize=False)
+        if value_head:
+            attach_value_head(chunks)
+        return _shards(sharded_state_dict(chunks, layer_keys=layer_keys))
+
+
+def check_pretrained(path: str | Path, model_cfg, field: str = "model.path", value_head: bool = False) -> PretrainedSource:
+    """Check ``path`` against ``model_cfg`` (hf_config resolved) before any process starts: every
+    file present and complete, every tensor named, shaped and typed as the config implies.
+    Raises :class:`ConversionError` naming the file or tensor."""
+    source = locate(path, field, need_config=False)
+    args = megatron_args_from_hf(model_cfg.hf_config)
+    if value_head:
+        args = dataclasses.replace(args, tie_word_embeddings=False)
+    if source.kind == "hf":
+        shards = expected_shards(model_cfg, args, value_head)
+        _check_hf(source.weights, args, model_cfg.make_vocab_size_divisible_by, value_head, shards, field)
+    else:
+        _check_mcore(source.weights, model_cfg, args, value_head, field)
+    return source
+
+
+def _check_hf(directory: Path, args, vocab_multiple: int, value_head: bool, shards: List, field: str) -> None:
+    try:
+        hf = HFCheckpoint(directory)  # verifies every file: present, headers whole, long enough
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConversionError(f"{field}: {exc}") from None
+    plan = hf_plan(args, vocab_multiple, value_head)
+    names = hf.names()
+    skipped = skipped_hf_names(args, names)
+    if "lm_head.weight" in names and (args.tie_word_embeddings or value_head):
+        skipped.append("lm_head.weight")  # a tied copy some checkpoints keep
+    check_names(plan, names, skipped, f"{field}={directory}")
+    if value_head and hf.shape(SCORE)[0] != 1:
+        raise ConversionError(f"{field}={directory}: '{SCORE}' has {hf.shape(SCORE)[0]} labels "
+                              f"(num_labels); a reward model needs num_labels == 1")
+    bad = sorted({f"'{n}' ({hf.dtype_name(n)})" for n in plan.hf_names() if hf.dtype_name(n) not in LOADABLE_HF_DTYPES})
+    if bad:
+        raise ConversionError(f"{field}={directory}: {len(bad)} tensor(s) in a dtype megarl cannot load "
+                              f"(it loads {', '.join(LOADABLE_HF_DTYPES)}), first {bad[0]}")
+    by_key = plan.by_mcore_key()
+    problems = [p for sh in shards if sh.key in by_key for p in _check_shapes(sh, by_key[sh.key], hf)]
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConversionError(f"{field}={directory}: {problems[0]}{more}")
+
+
+def _check_mcore(directory: Path, model_cfg, args, value_head: bool, field: str) -> None:
+    from megarl.training.dist_ckpt import checkpoint_layer_keys, verify_dist_checkpoint
+
+    try:
+        metadata = verify_dist_checkpoint(directory)  # every file present and long enough
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConversionError(f"{field}: {exc}") from None
+    stored = metadata.state_dict_metadata
+    # per-layer keys (megarl's run checkpoints) or stacked layers (megatron-core's default)
+    for sh in expected_shards(model_cfg, args, value_head, checkpoint_layer_keys(metadata)):
+        meta = stored.get(sh.key)
+        if meta is None or not hasattr(meta, "size"):
+            raise ConversionError(f"{field}={directory} has no tensor '{sh.key}' that the model config needs")
+        if tuple(meta.size) != tuple(sh.global_shape):
+            raise ConversionError(f"{field}={directory}: '{sh.key}' has shape {list(meta.size)}, the config "
+                                  f"implies {list(sh.global_shape)}")
+        if meta.properties.dtype not in LOADABLE_DTYPES:
+            raise ConversionError(f"{field}={directory}: '{sh.key}' is {meta.properties.dtype}, megarl loads "
+                                  f"float32, bfloat16 or float16")
