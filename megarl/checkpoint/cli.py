@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import List, Optional
 
-from megarl.checkpoint.hf_io import parse_size
+from megarl.checkpoint.hf_io import CheckpointFileError, parse_size
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,18 +43,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _launch(argv: List[str], nproc: int) -> int:
+def _launch(argv: List[str], nproc: int, out_dir: str) -> int:
     rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
     rest = [a for a in rest if not a.startswith("--nproc=")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "megarl.checkpoint.cli", *rest]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return 2 if subprocess.call(cmd, env=env) else 0  # the ranks printed the reason
+    if subprocess.call(cmd, env=env) == 0:
+        return 0
+    # The ranks printed the reason; a rank killed mid-write (torchrun stops the others when one
+    # fails) cannot clean up after itself.
+    out = Path(out_dir)
+    shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)
+    return 2
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from megarl.checkpoint.convert import ConvertOptions, hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore
+    from megarl.checkpoint.convert import (
+        ConvertOptions, hf_to_mcore, mcore_to_hf, prepare_hf_to_mcore, prepare_mcore_to_hf,
+    )
     from megarl.config import ParallelConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -64,14 +74,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             options = ConvertOptions(args.vocab_multiple, args.params_dtype, args.transformer_impl)
             if launch:  # refuse bad input here, before starting any process
                 prepare_hf_to_mcore(args.hf_dir, args.out_dir, parallel, options, args.nproc)
-                return _launch(argv, args.nproc)
+                return _launch(argv, args.nproc, args.out_dir)
             hf_to_mcore(args.hf_dir, args.out_dir, parallel, options)
-        elif launch:
-            return _launch(argv, args.nproc)
+        elif launch:  # refuse bad input (names, truncated files) before starting any process
+            prepare_mcore_to_hf(args.ckpt_dir, args.out_dir, args.hf_config)
+            return _launch(argv, args.nproc, args.out_dir)
         else:
             mcore_to_hf(args.ckpt_dir, args.out_dir, args.dtype, parse_size(args.max_shard_size), args.hf_config)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
-        if os.environ.get("RANK", "0") == "0":
+        rank = os.environ.get("RANK", "0")
+        # Checks before the launch fail alike on every rank; a file that fails to read does so
+        # on the rank that reads it.
+        if rank == "0" or isinstance(exc, CheckpointFileError):
             print(f"megarl convert {args.direction}: error: {exc}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":

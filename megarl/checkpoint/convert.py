@@ -17,20 +17,19 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megarl.checkpoint.hf_files import write_side_files
 from megarl.checkpoint.hf_io import HFCheckpoint, ShardWriter, finalize
-from megarl.checkpoint.hf_mapping import (
-    IDENTITY, ConversionError, Item, build_plan, check_names, skipped_hf_names,
-)
+from megarl.checkpoint.hf_mapping import ConversionError, Item, build_plan, check_names, skipped_hf_names
+from megarl.checkpoint.load import HF_SUBDIR, fill_from_hf
 from megarl.config import ModelConfig, ParallelConfig
 from megarl.models.builder import check_layout
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel.layout import Layout
 
-HF_SUBDIR = "hf"  # the source's config.json and tokenizer files, kept inside the Megatron checkpoint
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -41,16 +40,6 @@ class ConvertOptions:
     make_vocab_size_divisible_by: int = 128
     params_dtype: str = "auto"  # Megatron params: 'auto' keeps the HF weights' dtype
     transformer_impl: str = "auto"
-
-
-def _raise_if_any(errors: List[str]) -> None:
-    """Collective: every rank raises if any rank found a problem (rank 0's message first)."""
-    gathered: List[Optional[List[str]]] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, errors)
-    found = [f"rank {r}: {e}" for r, errs in enumerate(gathered) for e in (errs or [])]
-    if found:
-        more = f" (+{len(found) - 3} more)" if len(found) > 3 else ""
-        raise ConversionError("; ".join(found[:3]) + more)
 
 
 def _source_dtype(hf: HFCheckpoint) -> str:
@@ -95,9 +84,6 @@ def prepare_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: Paral
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfig,
                 options: ConvertOptions = ConvertOptions()) -> None:
     """Convert an HF checkpoint to a Megatron dist checkpoint; run on every rank of the world."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
     from megarl.models import build_model
     from megarl.parallel import build_groups
     from megarl.runtime import init_distributed, world_size_from_env
@@ -112,92 +98,75 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
 
     groups = build_groups(layout)
     chunks = build_model(prepared.model_cfg, groups, args, initialize=False)
-    state = sharded_state_dict(chunks)
-    apply_factories(state)
-    by_key = plan.by_mcore_key()
-    shards = [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
-    errors = []
-    for sh in shards:  # check every name and shape before reading any weight
-        if sh.key not in by_key:
-            errors.append(f"Megatron tensor '{sh.key}' has no rule in the {args.model_type} table")
-            continue
-        errors += _check_shapes(sh, by_key[sh.key], hf)
-    _raise_if_any(errors)
-    with torch.no_grad():
-        for sh in shards:
-            sh.data.copy_(_read_slice(sh, by_key[sh.key], hf))
+    state = sharded_state_dict(chunks, layer_keys="per_layer")  # the keys of the converter's table
+    fill_from_hf(state, plan, hf, args.model_type)
 
     def add_hf_files(tmp: Path) -> None:
         hf.copy_side_files(tmp / HF_SUBDIR)
 
-    save_sharded(state, Path(out_dir), before_rename=add_hf_files)
+    # Written in megatron-core's default layout, the one Megatron-LM loads (see dist_ckpt).
+    save_sharded(sharded_state_dict(chunks, layer_keys="default"), Path(out_dir), before_rename=add_hf_files)
     groups.destroy()
 
 
-def _item_for(sh, items: List[Item]) -> Item:
-    if items[0].expert is None:
-        return items[0]
-    return items[sh.global_offset[0]]  # stacked experts: the leading axis is the expert index
+@dataclass
+class McoreToHFPlan:
+    """Everything checked about a Megatron -> HF conversion before any process group exists."""
+
+    ckpt_dir: Path
+    config_dir: Path
+    config: Dict
+    by_key: Dict[str, List[Item]]  # Megatron key (local spec) -> its items
+    # Megatron key -> (the key it is stored under, its index on a stacked layer axis or None)
+    sources: Dict[str, Tuple[str, Optional[int]]]
+    stored: Dict[str, object]  # stored key -> torch TensorStorageMetadata
 
 
-def _region(sh) -> tuple:
-    """The slice of the (per-expert, for stacked experts) global tensor this shard holds."""
-    skip = sh.prepend_axis_num
-    return tuple(slice(o, o + n) for o, n in zip(sh.global_offset[skip:], sh.local_shape))
+def _locate(by_key: Dict[str, List[Item]], stored: Dict, num_layers: int, ckpt_dir: Path):
+    """Where each Megatron tensor of the plan is stored: under its own key, per layer
+    (``decoder.layers.3.x``) or stacked (``decoder.layers.x`` [layers, ...]), under the local
+    or the Transformer Engine spec's name. Returns (sources, missing keys, unused stored keys)."""
+    sources, missing = {}, []
+    for key, items in by_key.items():
+        rule, layer = items[0].rule, items[0].layer
+        if layer is None:
+            candidates = [(key, None)]
+        else:
+            candidates = ([(f"decoder.layers.{layer}.{name}", None) for name in rule.names()]
+                          + [(f"decoder.layers.{name}", layer) for name in rule.names()])
+        found = next((c for c in candidates if c[0] in stored), None)
+        if found is None:
+            missing.append(key)
+            continue
+        if found[1] is not None and stored[found[0]].size[0] != num_layers:
+            raise ConversionError(f"{ckpt_dir}: stacked '{found[0]}' has {stored[found[0]].size[0]} layers, "
+                                  f"the config has {num_layers}")
+        sources[key] = found
+    unused = sorted(set(stored) - {k for k, _ in sources.values()})
+    return sources, missing, unused
 
 
-def _expected_hf_shapes(sh, item: Item) -> List[tuple]:
-    shape = tuple(sh.global_shape[sh.prepend_axis_num:])
-    return [tuple(t.shape) for t in item.rule.transform.to_hf(torch.empty(shape, device="meta"))]
-
-
-def _check_shapes(sh, items: List[Item], hf: HFCheckpoint) -> List[str]:
-    item = _item_for(sh, items)
-    problems = []
-    for name, want in zip(item.hf_names, _expected_hf_shapes(sh, item)):
-        got = hf.shape(name)
-        if got != want:
-            problems.append(f"HF tensor '{name}' has shape {list(got)}, the config implies {list(want)} "
-                            f"(for Megatron '{sh.key}')")
-    return problems
-
-
-def _read_slice(sh, items: List[Item], hf: HFCheckpoint) -> torch.Tensor:
-    item = _item_for(sh, items)
-    region = _region(sh)
-    if item.rule.transform is IDENTITY:
-        return hf.read(item.hf_names[0], region)  # a plain copy: read only this shard's slice
-    full = item.rule.transform.to_mcore([hf.read(name) for name in item.hf_names])
-    return full[region]
-
-
-def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
-                max_shard_bytes: int = 2 * 10**9, hf_config_dir: Optional[str | Path] = None) -> None:
-    """Convert a Megatron dist checkpoint (any layout it was saved in) to HF safetensors."""
-    import torch.distributed.checkpoint as dcp
-
-    from megarl.runtime import init_distributed
+def prepare_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
+                        hf_config_dir: Optional[str | Path] = None) -> McoreToHFPlan:
+    """Check the checkpoint's files, its config and its tensor names, and the output path
+    (reads metadata only: no tensors, no process group)."""
+    from megarl.training.dist_ckpt import tensor_keys, verify_dist_checkpoint
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    if not (ckpt_dir / "metadata.json").is_file():
-        raise FileNotFoundError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
+    metadata = verify_dist_checkpoint(ckpt_dir)
     config_dir = Path(hf_config_dir) if hf_config_dir else ckpt_dir / HF_SUBDIR
     if not (config_dir / "config.json").is_file():
         raise FileNotFoundError(f"no HF config.json in {config_dir}; pass the source model's directory "
                                 f"as --hf-config")
     config = json.loads((config_dir / "config.json").read_text())
     args = megatron_args_from_hf(config)
-    reader = dcp.FileSystemReader(str(ckpt_dir))
     # A training checkpoint also holds the optimizer's state ("optimizer.*"): not weights.
-    stored = {k: v for k, v in reader.read_metadata().state_dict_metadata.items()
-              if hasattr(v, "size") and not k.startswith("optimizer.")}
+    stored = {k: metadata.state_dict_metadata[k] for k in tensor_keys(metadata)}
     embedding = stored.get("embedding.word_embeddings.weight")
     if embedding is None:
         raise ConversionError(f"{ckpt_dir} has no 'embedding.word_embeddings.weight'")
-    plan = build_plan(args, vocab_multiple=embedding.size[0])
-    by_key = plan.by_mcore_key()
-    missing = sorted(set(by_key) - set(stored))
-    unexpected = sorted(set(stored) - set(by_key))
+    by_key = build_plan(args, vocab_multiple=embedding.size[0]).by_mcore_key(te_names=False)
+    sources, missing, unexpected = _locate(by_key, stored, args.config_kwargs["num_layers"], ckpt_dir)
     if missing or unexpected:
         raise ConversionError(
             f"{ckpt_dir} does not match its {args.model_type} config: "
@@ -206,10 +175,39 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
             + (f"{len(unexpected)} unexpected, first '{unexpected[0]}'" if unexpected else ""))
     if out_dir.exists():
         raise FileExistsError(f"output {out_dir} already exists; remove it or choose another path")
+    return McoreToHFPlan(ckpt_dir, config_dir, config, by_key, sources, stored)
 
+
+def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
+                max_shard_bytes: int = 2 * 10**9, hf_config_dir: Optional[str | Path] = None,
+                tokenizer_dir: Optional[str | Path] = None) -> None:
+    """Convert a Megatron dist checkpoint (any layout it was saved in, per-layer or stacked
+    keys, local or Transformer Engine names) to HF safetensors. A failure removes the
+    temporary output. Beside the weights go config.json (with ``architectures`` and their
+    dtype), generation_config.json and the tokenizer of ``tokenizer_dir`` (default: the
+    config's directory), never the source's weights (:mod:`megarl.checkpoint.hf_files`)."""
+    from megarl.runtime import init_distributed
+
+    prepared = prepare_mcore_to_hf(ckpt_dir, out_dir, hf_config_dir)
+    out_dir = Path(out_dir)
     init_distributed()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
+    try:
+        _write_hf(prepared, out_dir, tmp, dtype, max_shard_bytes, tokenizer_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max_shard_bytes: int,
+              tokenizer_dir: Optional[str | Path]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from megarl.training.dist_ckpt import read_tensor
+
+    config, config_dir, by_key = prepared.config, prepared.config_dir, prepared.by_key
+    reader = dcp.FileSystemReader(str(prepared.ckpt_dir))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -222,10 +220,8 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
         owner = layer % world if layer is not None else (world - 1 if key.startswith("output_layer") else 0)
         if owner != rank:
             continue
-        meta = stored[key]
-        target = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
-        dcp.load(target, storage_reader=reader, no_dist=True)
-        tensor = target.pop(key)
+        stored_key, stacked_layer = prepared.sources[key]
+        tensor = read_tensor(reader, stored_key, prepared.stored[stored_key], stacked_layer)
         for item in items:
             part = tensor if item.expert is None else tensor[item.expert]
             for name, value in zip(item.hf_names, item.rule.transform.to_hf(part)):
@@ -237,9 +233,8 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
     if rank == 0:
         weight_map = {k: v for part in gathered for k, v in part["map"].items()}
         finalize(tmp, weight_map, sum(part["bytes"] for part in gathered))
-        for path in config_dir.iterdir():
-            if path.is_file():
-                shutil.copy2(path, tmp / path.name)
+        written = out_dtype or prepared.stored["embedding.word_embeddings.weight"].properties.dtype
+        write_side_files(tmp, config, written, config_dir, Path(tokenizer_dir) if tokenizer_dir else None)
         tmp.rename(out_dir)
     torch.distributed.barrier()
 

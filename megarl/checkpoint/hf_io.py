@@ -21,26 +21,73 @@ INDEX = "model.safetensors.index.json"
 _SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
 
 
+class CheckpointFileError(ValueError):
+    """A checkpoint file that is missing, truncated or corrupt; the message names the file."""
+
+
+def read_safetensors_header(path: Path) -> Dict[str, dict]:
+    """The tensors a safetensors file describes (name -> dtype, shape, data_offsets), after
+    checking that the header parses and the file is as long as its last tensor needs."""
+    if not path.is_file():
+        raise CheckpointFileError(f"{path} is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or length > size - 8:
+            raise CheckpointFileError(f"{path} is truncated or not a safetensors file: {size} bytes, "
+                                      f"its header claims {length} bytes")
+        try:
+            header = json.loads(f.read(length))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            ends = {name: int(info["data_offsets"][1]) for name, info in tensors.items()}
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise CheckpointFileError(f"{path} has a corrupt safetensors header: {exc}") from exc
+    if ends:
+        last = max(ends, key=ends.get)
+        if 8 + length + ends[last] > size:
+            raise CheckpointFileError(f"{path} is truncated: {size} bytes, but tensor '{last}' ends at "
+                                      f"byte {8 + length + ends[last]}")
+    return tensors
+
+
 class HFCheckpoint:
-    """A directory with config.json and safetensors weights (sharded with an index, or not)."""
+    """A directory with config.json and safetensors weights (sharded with an index, or not).
+    Opening it checks every weight file's header and length (:meth:`verify`)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise FileNotFoundError(f"{self.path} has no config.json: not a Hugging Face checkpoint directory")
-        self.config = json.loads((self.path / "config.json").read_text())
+        self.config = _read_json(self.path / "config.json")
         if (self.path / INDEX).is_file():
-            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            weight_map = _read_json(self.path / INDEX).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointFileError(f"{self.path / INDEX} has no 'weight_map'")
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"{self.path} has no *.safetensors weights")
-            weight_map = {}
-            for name in files:
-                with safe_open(self.path / name, "pt") as f:
-                    weight_map.update({key: name for key in f.keys()})
+            weight_map = {key: name for name in files for key in read_safetensors_header(self.path / name)}
         self.weight_map: Dict[str, str] = weight_map
         self._handles: Dict[str, object] = {}
+        self.verify()
+
+    def verify(self) -> None:
+        """Raise :class:`CheckpointFileError` naming the file (and tensor) if a weight file is
+        missing, truncated or has a corrupt header, or lacks a tensor the index puts there.
+        Reads only the headers."""
+        by_file: Dict[str, List[str]] = {}
+        for name, fname in self.weight_map.items():
+            by_file.setdefault(fname, []).append(name)
+        for fname, names in sorted(by_file.items()):
+            path = self.path / fname
+            if not path.is_file():
+                raise CheckpointFileError(f"{path} is missing (it holds '{names[0]}')")
+            held = read_safetensors_header(path)
+            absent = [n for n in names if n not in held]
+            if absent:
+                raise CheckpointFileError(f"{path} lacks '{absent[0]}', which {INDEX} puts there")
 
     def names(self) -> List[str]:
         return list(self.weight_map)
@@ -72,6 +119,13 @@ class HFCheckpoint:
         for path in self.path.iterdir():
             if path.is_file() and path.suffix in _SIDE_FILE_SUFFIXES and path.name != INDEX:
                 shutil.copy2(path, dest / path.name)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointFileError(f"{path} is not valid JSON: {exc}") from exc
 
 
 class ShardWriter:

@@ -5,6 +5,11 @@ layout shards) to the HF tensors it is made of, through a :class:`Transform` tha
 directions (``to_mcore`` and ``to_hf``), so the HF → Megatron and Megatron → HF converters are
 derived from the same table. ``{L}`` stands for the layer index, ``{E}`` for the expert index of
 rules whose Megatron tensor stacks all experts of a layer ([num_experts, ...]).
+
+Keys are those of megatron-core's local layer spec (what megarl builds without Transformer
+Engine); where the Transformer Engine spec names a tensor differently (norms fused into the
+next linear, or not), the rule carries that name too (``te``), so a TE-built model or a
+checkpoint written by one maps through the same table.
 """
 
 from __future__ import annotations
@@ -103,6 +108,11 @@ class Rule:
     hf: Tuple[str, ...]
     transform: Transform = IDENTITY
     experts: bool = False  # the Megatron tensor stacks the experts of a layer on a leading axis
+    te: Optional[str] = None  # the key under the Transformer Engine layer spec, where it differs
+
+    def names(self) -> Tuple[str, ...]:
+        """Every key this tensor goes by (local spec first)."""
+        return (self.mcore,) if self.te is None else (self.mcore, self.te)
 
     def __post_init__(self):
         if isinstance(self.hf, str):
@@ -112,8 +122,8 @@ class Rule:
         return [n.format(L=layer, E=expert) for n in self.hf]
 
 
-def R(mcore: str, hf, transform: Transform = IDENTITY, experts: bool = False) -> Rule:
-    return Rule(mcore, hf if isinstance(hf, tuple) else (hf,), transform, experts)
+def R(mcore: str, hf, transform: Transform = IDENTITY, experts: bool = False, te: Optional[str] = None) -> Rule:
+    return Rule(mcore, hf if isinstance(hf, tuple) else (hf,), transform, experts, te)
 
 
 def _qkv(args: MegatronModelArgs) -> QKV:
@@ -143,22 +153,25 @@ def _mla_attention(args: MegatronModelArgs) -> List[Rule]:
     rules = [
         R("input_layernorm.weight", "model.layers.{L}.input_layernorm.weight"),
         R("self_attention.linear_kv_down_proj.weight", attn + "kv_a_proj_with_mqa.weight"),
-        R("self_attention.kv_layernorm.weight", attn + "kv_a_layernorm.weight"),
+        # TE fuses the latent norms into the up-projections (TELayerNormColumnParallelLinear).
+        R("self_attention.kv_layernorm.weight", attn + "kv_a_layernorm.weight",
+          te="self_attention.linear_kv_up_proj.layer_norm_weight"),
         R("self_attention.linear_kv_up_proj.weight", attn + "kv_b_proj.weight"),
         R("self_attention.linear_proj.weight", attn + "o_proj.weight"),
     ]
     if kw.get("q_lora_rank"):
         rules += [R("self_attention.linear_q_down_proj.weight", attn + "q_a_proj.weight"),
-                  R("self_attention.q_layernorm.weight", attn + "q_a_layernorm.weight"),
+                  R("self_attention.q_layernorm.weight", attn + "q_a_layernorm.weight",
+                    te="self_attention.linear_q_up_proj.layer_norm_weight"),
                   R("self_attention.linear_q_up_proj.weight", attn + "q_b_proj.weight")]
     else:
         rules.append(R("self_attention.linear_q_proj.weight", attn + "q_proj.weight"))
     return rules
 
 
-def _dense_mlp(norm_key: str, hf_mlp: str = "model.layers.{L}.mlp.") -> List[Rule]:
+def _dense_mlp(norm_key: str, norm_te: Optional[str], hf_mlp: str = "model.layers.{L}.mlp.") -> List[Rule]:
     return [
-        R(norm_key, "model.layers.{L}.post_attention_layernorm.weight"),
+        R(norm_key, "model.layers.{L}.post_attention_layernorm.weight", te=norm_te),
         R("mlp.linear_fc1.weight", (hf_mlp + "gate_proj.weight", hf_mlp + "up_proj.weight"), GateUp()),
         R("mlp.linear_fc2.weight", hf_mlp + "down_proj.weight"),
     ]
@@ -175,11 +188,15 @@ def layer_rules(args: MegatronModelArgs, layer: int) -> List[Rule]:
     """Rules of decoder layer ``layer`` (dense or MoE by the config's layer pattern)."""
     kw, model_type = args.config_kwargs, args.model_type
     moe = bool(kw.get("num_moe_experts")) and kw["moe_layer_freq"][layer] == 1
-    norm_key = "pre_mlp_layernorm.weight" if args.mla else "mlp.linear_fc1.layer_norm_weight"
+    # The pre-MLP norm: the local GQA spec renames it to TE's fused name
+    # (``sharded_state_dict_keys_map``), the local MLA spec does not; TE fuses it into a dense
+    # MLP's linear_fc1 and keeps it apart before an MoE layer.
+    fused, apart = "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"
+    norm_key = apart if args.mla else fused
     rules = _mla_attention(args) if args.mla else _gqa_attention(args)
     if not moe:
-        return rules + _dense_mlp(norm_key)
-    rules.append(R(norm_key, "model.layers.{L}.post_attention_layernorm.weight"))
+        return rules + _dense_mlp(norm_key, fused if args.mla else None)
+    rules.append(R(norm_key, "model.layers.{L}.post_attention_layernorm.weight", te=None if args.mla else apart))
     if model_type == "mixtral":
         moe_prefix = "model.layers.{L}.block_sparse_moe."
         rules.append(R("mlp.router.weight", moe_prefix + "gate.weight"))
@@ -227,10 +244,14 @@ class Plan:
 
     items: List[Item] = field(default_factory=list)
 
-    def by_mcore_key(self) -> Dict[str, List[Item]]:
+    def by_mcore_key(self, te_names: bool = True) -> Dict[str, List[Item]]:
+        """Items by Megatron key; with ``te_names`` also under their Transformer Engine keys."""
         out: Dict[str, List[Item]] = {}
         for item in self.items:
             out.setdefault(item.mcore_key, []).append(item)
+            if te_names and item.rule.te is not None:
+                prefix = item.mcore_key[: len(item.mcore_key) - len(item.rule.mcore)]
+                out.setdefault(prefix + item.rule.te, []).append(item)
         return out
 
     def hf_names(self) -> List[str]:

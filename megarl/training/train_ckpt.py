@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megarl.training.dist_ckpt import _unwrap, sharded_state_dict
+from megarl.training.dist_ckpt import _unwrap, checkpoint_layer_keys, sharded_state_dict, verify_dist_checkpoint
 from megarl.training.lm import TrainState
 
 OPTIMIZER_FORMATS = {"reshardable": "fully_reshardable", "dp_reshardable": "dp_reshardable"}
@@ -86,7 +86,8 @@ def save_train_state(state: TrainState, path: Path, optimizer_format: str = "res
         (path / LAYOUT_FILE).write_text(json.dumps({"layout": layout, "optimizer_format": optimizer_format,
                                                     "world_size": torch.distributed.get_world_size()}))
     torch.distributed.barrier()
-    model = sharded_state_dict(state.model)
+    # The model's keys are megatron-core's default (stacked layers), which Megatron-LM reads.
+    model = sharded_state_dict(state.model, layer_keys="default")
     sharded = {"model": model}
     if state.optimizer is not None:
         sharded["optimizer"] = state.optimizer.sharded_state_dict(model, metadata=metadata)
@@ -164,7 +165,8 @@ def load_train_state(state: TrainState, path: Path) -> bool:
             raise ValueError(f"{path}: the optimizer state was saved in the dp_reshardable format, which only "
                              f"allows dp to change, but {', '.join(changed)}; resume with the saved layout "
                              f"(then save with trainer.checkpoint_format=reshardable to change it)")
-    model = sharded_state_dict(state.model)
+    # Per-layer keys in checkpoints written before megarl used megatron-core's default layout.
+    model = sharded_state_dict(state.model, layer_keys=checkpoint_layer_keys(verify_dist_checkpoint(path)))
     sharded = {"model": model}
     model_space = fmt == "reshardable"
     if state.optimizer is not None:

@@ -4,7 +4,8 @@
 with the same processes (ranks split the tensors), into WORK/mc/<name>-<layout> and WORK/rt/....
 ``logits``: load every Megatron checkpoint in WORK/mc at tp = world size (whatever layout it was
 converted in), compare its logits with transformers' on the source HF model, and check the
-round-trip HF checkpoint: bit-exact tensors, and loadable by AutoModelForCausalLM.
+round-trip HF checkpoint: bit-exact tensors, and loadable by AutoModelForCausalLM; then the
+Megatron-LM interoperability checks (:func:`interop`) at tp = world size.
 """
 
 from __future__ import annotations
@@ -45,14 +46,18 @@ def convert(work: Path, specs) -> None:
         emit({"check": "converted", "tag": tag})
 
 
-def megatron_logits(ckpt: Path, groups) -> torch.Tensor:
+def megatron_logits(ckpt: Path, groups, hf_config: Path = None) -> torch.Tensor:
     from megarl.models import build_model
     from megarl.training.dist_ckpt import load_model
 
-    model_cfg = ModelConfig(hf_config=str(ckpt / "hf"))
+    model_cfg = ModelConfig(hf_config=str(hf_config or ckpt / "hf"))
     chunks = build_model(model_cfg, groups, initialize=False)
     load_model(chunks, ckpt)
-    model = chunks[0].eval()
+    return gathered_logits(chunks[0], groups)
+
+
+def gathered_logits(model, groups) -> torch.Tensor:
+    model = model.eval()
     positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
     with torch.no_grad():
         logits = model(TOKENS, positions, None)  # [b, s, vocab/tp]
@@ -85,6 +90,78 @@ def bit_exact(source: Path, round_trip: Path) -> dict:
             "index": (round_trip / "model.safetensors.index.json").is_file()}
 
 
+def plain_megatron_model(hf_dir: Path, groups):
+    """A GPTModel built the way Megatron-LM builds one without Transformer Engine: megatron-core's
+    own local layer specs (``get_gpt_decoder_block_spec``, its core attention and norms
+    included: they run on CPU in megarl's CPU mode), nothing of megarl's but the
+    hyperparameters (megarl's TransformerConfig for the HF config). An all-MoE layer pattern is
+    the int 1, Megatron-LM's default ``--moe-layer-freq``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megarl.models.builder import transformer_config
+    from megarl.models.hf_config import megatron_args_from_hf, padded_vocab_size
+
+    model_cfg = ModelConfig(hf_config=str(hf_dir))
+    args = megatron_args_from_hf(model_cfg.hf_config)
+    config = transformer_config(args, groups, model_cfg, initialize=False)
+    if isinstance(config.moe_layer_freq, list) and set(config.moe_layer_freq) == {1}:
+        config.moe_layer_freq = 1
+    config.sequence_parallel = False  # the local spec's torch norm refuses it (no apex); keys are alike
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return GPTModel(config=config, transformer_layer_spec=spec,
+                    vocab_size=padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by),
+                    max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+                    share_embeddings_and_output_weights=args.tie_word_embeddings, position_embedding_type="rope",
+                    rotary_base=args.config_kwargs["rotary_base"], pg_collection=groups.pg)
+
+
+INTEROP = ["tiny-llama", "tiny-qwen3-moe"]
+
+
+def interop(work: Path, groups) -> None:
+    """Megatron-LM <-> megarl, both directions, with megatron-core's default sharded_state_dict
+    (no metadata) on the Megatron-LM side: (a) megarl's hf-to-mcore output (converted at world
+    size 1) loads into a plain megatron-core model; (b) that model's own save (in this tp) goes
+    through megarl's mcore-to-hf to transformers, and through megarl's load_model."""
+    from megatron.core import dist_checkpointing
+
+    from megarl.checkpoint.convert import mcore_to_hf
+
+    world = dist.get_world_size()
+    for name in INTEROP:
+        hf_dir = work / "hf" / name
+        ckpt = work / "mc" / f"{name}-t1p1e1w1"
+        model = plain_megatron_model(hf_dir, groups)
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt))
+        model.load_state_dict(loaded, strict=True)  # every parameter came from the checkpoint
+        plain = gathered_logits(model, groups)
+        ours = megatron_logits(ckpt, groups)
+        saved = work / "megatron-lm" / f"{name}-w{world}"
+        if dist.get_rank() == 0:
+            saved.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(model.sharded_state_dict(), str(saved))
+        dist.barrier()
+        exported = work / "megatron-lm-hf" / f"{name}-w{world}"
+        mcore_to_hf(saved, exported, hf_config_dir=hf_dir)
+        reloaded = megatron_logits(saved, groups, hf_config=hf_dir)
+        if dist.get_rank() == 0:
+            from megarl.training.dist_ckpt import checkpoint_layer_keys, verify_dist_checkpoint
+
+            ref = hf_logits(hf_dir)
+            vocab = ref.shape[-1]
+            emit({"check": "interop", "name": name, "tp": world,
+                  "megatron_lm_layout": checkpoint_layer_keys(verify_dist_checkpoint(saved)),
+                  "megarl_layout": checkpoint_layer_keys(verify_dist_checkpoint(ckpt)),
+                  "plain_vs_transformers": (plain[..., :vocab] - ref).abs().max().item(),
+                  "plain_vs_megarl": (plain - ours).abs().max().item(),
+                  "export_vs_transformers": (hf_logits(exported) - ref).abs().max().item(),
+                  "export_bit_exact": bit_exact(hf_dir, exported),
+                  "load_model_vs_plain": (reloaded - plain).abs().max().item()})
+        dist.barrier()
+
+
 def logits(work: Path) -> None:
     world = dist.get_world_size()
     groups = build_groups(Layout(tp=world, pp=1, dp=1))
@@ -103,6 +180,7 @@ def logits(work: Path) -> None:
                 record["round_trip"] = bit_exact(work / "hf" / name, rt)
                 record["round_trip_logits_diff"] = (hf_logits(rt) - ref).abs().max().item()
         emit(record)
+    interop(work, groups)
     groups.destroy()
 
 

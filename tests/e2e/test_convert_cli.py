@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,66 @@ def test_existing_output_is_never_overwritten(llama, tmp_path):
 def test_export_without_hf_config(tmp_path):
     rc, err = convert("mcore-to-hf", str(tmp_path), str(tmp_path / "out"))
     assert_refused(rc, err, tmp_path / "out", "not a Megatron dist checkpoint")
+
+
+def _copy_dir(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _truncate(path: Path, keep: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+def test_truncated_safetensors(llama, tmp_path):
+    src = _copy_dir(llama, tmp_path / "src")
+    weights = src / "model.safetensors"
+    _truncate(weights, weights.stat().st_size - 1000)
+    rc, err = convert("hf-to-mcore", str(src), str(tmp_path / "out"), "--nproc", "2")
+    assert_refused(rc, err, tmp_path / "out", str(weights), "truncated", "tensor '")
+    assert "Traceback" not in err
+
+
+def test_corrupt_safetensors_header(llama, tmp_path):
+    src = _copy_dir(llama, tmp_path / "src")
+    weights = src / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[8:16] = b"#garbage"  # the JSON header's first bytes
+    weights.write_bytes(bytes(data))
+    rc, err = convert("hf-to-mcore", str(src), str(tmp_path / "out"))
+    assert_refused(rc, err, tmp_path / "out", str(weights), "corrupt safetensors header")
+
+
+@pytest.fixture(scope="module")
+def mcore(llama, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mc") / "llama"
+    rc, err = convert("hf-to-mcore", str(llama), str(out))
+    assert rc == 0, err[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]])
+def test_truncated_distcp(mcore, tmp_path, nproc):
+    ckpt = _copy_dir(mcore, tmp_path / "ckpt")
+    shard = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _truncate(shard, shard.stat().st_size // 2)
+    rc, err = convert("mcore-to-hf", str(ckpt), str(tmp_path / "out"), *nproc)
+    assert_refused(rc, err, tmp_path / "out", str(shard), "truncated")
+    assert "Traceback" not in err
+
+
+def test_corrupt_distcp_bytes(mcore, tmp_path):
+    """A .distcp of the right length with garbage inside: found while reading, named, no OUT.tmp."""
+    ckpt = _copy_dir(mcore, tmp_path / "ckpt")
+    shard = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(b"\xff" * shard.stat().st_size)
+    rc, err = convert("mcore-to-hf", str(ckpt), str(tmp_path / "out"))
+    assert_refused(rc, err, tmp_path / "out", "reading '", str(ckpt))
+
+
+def test_truncated_dist_metadata(mcore, tmp_path):
+    ckpt = _copy_dir(mcore, tmp_path / "ckpt")
+    _truncate(ckpt / ".metadata", 100)
+    rc, err = convert("mcore-to-hf", str(ckpt), str(tmp_path / "out"))
+    assert_refused(rc, err, tmp_path / "out", str(ckpt / ".metadata"), "unreadable")
