@@ -140,7 +140,8 @@ def resolve_paths(cfg: MegarlConfig) -> MegarlConfig:
     data.train_files = [absolute(f) for f in data.train_files]
     cfg.trainer.run_dir = absolute(cfg.trainer.run_dir)
     if m.path:
-        source = locate(m.path, "model.path")
+        # a bare dist checkpoint (Megatron-LM's: no hf/ subdir) needs model.hf_config
+        source = locate(m.path, "model.path", need_config=not m.hf_config)
         m.hf_config = m.hf_config or str(source.config)
         if not data.tokenizer and source.tokenizer:
             data.tokenizer = str(source.tokenizer)

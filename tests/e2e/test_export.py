@@ -89,3 +89,17 @@ def test_export_hf_from_another_directory_never_copies_source_weights(work, tmp_
     assert "model.safetensors" not in names
     assert names == WEIGHTS | TOKENIZER_FILES | {"config.json", "generation_config.json"}
     check_loadable_export(out, work / "src")
+
+
+def test_bare_megatron_checkpoint_as_model_path_takes_hf_config(work, tmp_path):
+    """A dist checkpoint without megarl's hf/ folder (as Megatron-LM writes them) is accepted as
+    model.path when model.hf_config and data.tokenizer say what it is, and refused by name when not."""
+    from megarl.entrypoints.train_rl import prepare
+
+    bare = tmp_path / "iter_0000001"
+    shutil.copytree(work / "mcore", bare, ignore=shutil.ignore_patterns("hf"))
+    base = [f"model.path={bare}", f"trainer.run_dir={tmp_path / 'run'}", "data.prompts_per_step=4"]
+    with pytest.raises(ValueError, match="model.path=.*without its HF config"):
+        prepare(load_config([], base))
+    prepared = prepare(load_config([], base + [f"model.hf_config={work / 'src'}", f"data.tokenizer={work / 'src'}"]))
+    assert prepared.cfg.model.path == str(bare) and prepared.tokenizer.vocab_size == 260
