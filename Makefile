@@ -4,9 +4,11 @@
 venv:
 	@scripts/bootstrap.sh
 
-# Command one: the main job on this machine (CPU demo by default; extra args: ARGS="key=value ...").
+# Command one: the main job on this machine: a supervised warm start of a tiny Llama, exported to
+# Hugging Face, post-trained with GRPO from that directory, exported again (scripts/demo.sh;
+# GRPO overrides: ARGS="key=value ...").
 demo: venv
-	.venv/bin/megarl train configs/grpo_demo.yaml $(ARGS)
+	scripts/demo.sh $(ARGS)
 
 # Command two: the test suite (multi-process Megatron on CPU included).
 test: venv

@@ -31,9 +31,10 @@ def _train_lm(args: List[str]) -> int:
     files, overrides = _split(args)
     cfg = load_config(files, overrides)  # fail here, before any process starts
     Layout.from_config(cfg.parallel.actor, cfg.trainer.nproc_per_node)
-    if "RANK" in os.environ:  # already under torchrun/srun
-        from megarl.entrypoints.train_lm import main
+    from megarl.entrypoints.train_lm import check_config, main
 
+    check_config(cfg)
+    if "RANK" in os.environ:  # already under torchrun/srun
         return main(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(cfg.trainer.nproc_per_node), "-m", "megarl.entrypoints.train_lm", *args]

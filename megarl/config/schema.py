@@ -142,6 +142,9 @@ class DataConfig:
     """Token budget of one micro-batch in log-prob and update passes."""
     num_digits: int = 6
     """Built-in reverse-the-digits task: digits per problem (train-lm sequences are 2*num_digits+2 tokens)."""
+    label_noise: float = 0.0
+    """``megarl train-lm``: probability that an answer digit of the built-in task is replaced by a
+    random one (noisy demonstrations; ``make demo``'s warm start); 0 = clean."""
     global_batch_size: int = 16
     """Sequences per optimizer step over all data-parallel ranks; must divide by dp*micro_batch_size."""
     micro_batch_size: int = 2

@@ -2,16 +2,21 @@
 
 Shows the whole stack working on any machine: the layout's process groups, a GPTModel built
 from an HF config, Megatron DDP with the distributed optimizer, the pipeline schedule, and the
-loss falling. Start it with ``megarl train-lm`` (which launches torchrun).
+loss falling. With ``trainer.save_dir`` the trained weights are saved as a Megatron dist
+checkpoint with an ``hf/`` folder, the supervised warm start of ``make demo``. Start it with
+``megarl train-lm`` (which launches torchrun).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from megarl.checkpoint.load import resolve_model_config
 from megarl.config import MegarlConfig, load_config
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed, shutdown
@@ -19,10 +24,53 @@ from megarl.training import lm
 from megarl.training.tasks import reverse_digits_batch
 
 
+def check_config(cfg: MegarlConfig) -> None:
+    """Checks that need no process: the model reads the built-in tokenizer's ids; the output is new."""
+    from megarl.data.tokenizer import DigitTokenizer
+    from megarl.models.hf_config import read_hf_config
+
+    if cfg.model.path:
+        raise ValueError(f"model.path={cfg.model.path}: megarl train-lm trains a randomly initialised model on the "
+                         f"built-in task (model.hf_config); start from pretrained weights with megarl train")
+    hf_config = resolve_model_config(cfg.model).hf_config
+    vocab = read_hf_config(hf_config).get("vocab_size", 0)
+    if vocab < DigitTokenizer().vocab_size:
+        raise ValueError(f"model.hf_config {hf_config}: vocab_size {vocab} is smaller than the built-in "
+                         f"digit tokenizer's {DigitTokenizer().vocab_size} tokens the reverse-digits task uses")
+    if not 0.0 <= cfg.data.label_noise <= 1.0:
+        raise ValueError(f"data.label_noise={cfg.data.label_noise} must be a probability in [0, 1]")
+    if cfg.trainer.save_dir and Path(cfg.trainer.save_dir).exists():
+        raise FileExistsError(f"trainer.save_dir {cfg.trainer.save_dir} already exists; remove it or choose "
+                              f"another path")
+
+
+def write_hf_files(cfg: MegarlConfig, dtype: torch.dtype, dest: Path) -> None:
+    """What ``mcore-to-hf`` needs besides the weights, as ``hf-to-mcore`` keeps it: the model's
+    config.json (with its architecture, dtype and the tokenizer's special ids), a generation
+    config that stops at EOS, and the built-in digit tokenizer the task was trained with."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from megarl.data.digit_hf import save_digit_tokenizer
+    from megarl.data.tokenizer import DigitTokenizer
+    from megarl.models.hf_config import read_hf_config
+
+    dest.mkdir(parents=True)
+    digits = DigitTokenizer()
+    ids = {"bos_token_id": digits.bos_token_id, "eos_token_id": digits.eos_token_id,
+           "pad_token_id": digits.pad_token_id}
+    config = read_hf_config(resolve_model_config(cfg.model).hf_config)
+    config.setdefault("architectures", [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]])
+    config.update(ids, torch_dtype=str(dtype).removeprefix("torch."))
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (dest / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+    save_digit_tokenizer(dest)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     files = [a for a in argv if a.endswith((".yaml", ".yml"))]
     cfg: MegarlConfig = load_config(files, [a for a in argv if a not in files])
+    check_config(cfg)
     init_distributed()
     layout = Layout.from_config(cfg.parallel.actor, torch.distributed.get_world_size())
     groups = build_groups(layout)
@@ -30,12 +78,14 @@ def main(argv=None) -> int:
     state = lm.build_train_state(cfg.model, cfg.optimizer, groups, cfg.trainer.train_steps)
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
-        print(f"megarl train-lm: {cfg.model.hf_config} layout {layout} on {torch.distributed.get_world_size()} "
-              f"processes ({'gloo/CPU' if not torch.cuda.is_available() else 'nccl/GPU'})", flush=True)
+        backend = "nccl/GPU" if torch.cuda.is_available() else "gloo/CPU"
+        print(f"megarl train-lm: {resolve_model_config(cfg.model).hf_config} layout {layout} on "
+              f"{torch.distributed.get_world_size()} processes ({backend})", flush=True)
     first = last = None
     start = time.perf_counter()
     for step in range(cfg.trainer.train_steps):
-        batch = reverse_digits_batch(step, cfg.data.global_batch_size, cfg.data.num_digits, cfg.trainer.seed)
+        batch = reverse_digits_batch(step, cfg.data.global_batch_size, cfg.data.num_digits, cfg.trainer.seed,
+                                     cfg.data.label_noise)
         metrics = lm.train_step(state, lm.dp_shard(batch, groups), cfg.data.micro_batch_size)
         first = metrics["loss"] if first is None else first
         last = metrics["loss"]
@@ -44,6 +94,16 @@ def main(argv=None) -> int:
                   f"lr {metrics['lr']:.2e}  {time.perf_counter() - start:6.1f}s", flush=True)
     if rank0:
         print(f"loss fell from {first:.4f} to {last:.4f} in {cfg.trainer.train_steps} steps", flush=True)
+    if cfg.trainer.save_dir:
+        from megarl.checkpoint.convert import HF_SUBDIR
+        from megarl.training.dist_ckpt import save_sharded, sharded_state_dict
+
+        dtype = next(state.model[0].parameters()).dtype
+        save_sharded(sharded_state_dict(state.model), cfg.trainer.save_dir,
+                     before_rename=lambda tmp: write_hf_files(cfg, dtype, tmp / HF_SUBDIR))
+        if rank0:
+            print(f"saved the model to {cfg.trainer.save_dir} (Megatron dist checkpoint; "
+                  f"megarl convert mcore-to-hf makes it an HF directory)", flush=True)
     shutdown()
     return 0 if last < first else 1
 

@@ -6,21 +6,33 @@ from typing import Dict
 
 import torch
 
-BOS, SEP, DIGIT0 = 1, 3, 4  # token ids; digits are DIGIT0..DIGIT0+9
+from megarl.data.tokenizer import DigitTokenizer
+
+_DIGITS = DigitTokenizer()
+# The ids of the built-in tokenizer, so a model trained here reads the RL prompts unchanged.
+BOS, EOS, SEP, DIGIT0 = _DIGITS.bos_token_id, _DIGITS.eos_token_id, _DIGITS.ids["="], _DIGITS.ids["0"]
 
 
-def reverse_digits_batch(step: int, batch_size: int, num_digits: int, seed: int) -> Dict[str, torch.Tensor]:
-    """``BOS d1..dn SEP dn..d1``: the loss covers only the reversed half.
+def reverse_digits_batch(step: int, batch_size: int, num_digits: int, seed: int,
+                         label_noise: float = 0.0) -> Dict[str, torch.Tensor]:
+    """``BOS d1..dn = dn..d1 EOS``: the built-in RL task's prompt (``d1..dn=`` with BOS, as
+    ``DigitTokenizer.prompt_ids`` encodes it) followed by its response; the loss covers only the
+    response (the reversed digits and EOS). ``label_noise``: each response digit is replaced by
+    a uniformly random digit with this probability (noisy demonstrations).
 
-    Returns next-token tensors [batch, 2n+1]: tokens, labels, loss_mask, position_ids. The same
+    Returns next-token tensors [batch, 2n+2]: tokens, labels, loss_mask, position_ids. The same
     (step, seed) gives the same batch on every rank, so ranks agree without communication.
     """
     gen = torch.Generator().manual_seed(seed * 100003 + step)
     digits = torch.randint(0, 10, (batch_size, num_digits), generator=gen) + DIGIT0
+    answer = digits.flip(1)
+    if label_noise > 0:
+        noisy = torch.rand(answer.shape, generator=gen) < label_noise
+        answer = torch.where(noisy, torch.randint(0, 10, answer.shape, generator=gen) + DIGIT0, answer)
     full = torch.cat([torch.full((batch_size, 1), BOS), digits, torch.full((batch_size, 1), SEP),
-                      digits.flip(1)], dim=1)  # [b, 2n+2]
+                      answer, torch.full((batch_size, 1), EOS)], dim=1)  # [b, 2n+3]
     loss_mask = torch.zeros(batch_size, full.shape[1] - 1)
-    loss_mask[:, num_digits + 1:] = 1.0  # labels at these positions are the reversed digits
+    loss_mask[:, num_digits + 1:] = 1.0  # labels at these positions are the reversed digits and EOS
     seq = full.shape[1] - 1
     return {"tokens": full[:, :-1].contiguous(), "labels": full[:, 1:].contiguous(), "loss_mask": loss_mask,
             "position_ids": torch.arange(seq).expand(batch_size, -1).contiguous()}

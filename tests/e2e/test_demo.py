@@ -1,0 +1,76 @@
+"""`make demo`'s workflow, shortened to a few steps per stage: warm start (train-lm) → HF
+directory (mcore-to-hf) → GRPO from it (model.path) → export-hf; every stage's output is
+there, transformers loads the final export with its tokenizer and generates until EOS; the
+warm start's sequences are the RL prompts + responses token for token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from megarl.data.datasets import reverse_digits_records
+from megarl.data.digit_hf import build_digit_tokenizer
+from megarl.data.tokenizer import DigitTokenizer
+from megarl.training.tasks import reverse_digits_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_warm_start_sequences_are_rl_prompts_plus_responses():
+    hf, builtin = build_digit_tokenizer(), DigitTokenizer()
+    assert len(hf) == builtin.vocab_size
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (0, 1, 2)
+    assert hf.encode(builtin.CHARS) == builtin.prompt_ids(builtin.CHARS)  # every character, BOS first
+    batch = reverse_digits_batch(step=0, batch_size=8, num_digits=4, seed=1)
+    for tokens, labels, mask in zip(batch["tokens"], batch["labels"], batch["loss_mask"]):
+        sequence = tokens.tolist() + labels[-1:].tolist()
+        prompt = hf.decode(sequence[1:6])  # "d1d2d3d4="
+        answer = prompt[:4][::-1]
+        assert sequence == hf.encode(prompt) + hf.encode(answer, add_special_tokens=False) + [hf.eos_token_id]
+        assert labels[mask.bool()].tolist() == hf.encode(answer, add_special_tokens=False) + [hf.eos_token_id]
+    record = reverse_digits_records(1, 4, seed=1)[0]  # an RL prompt of the built-in task
+    assert record.prompt.endswith("=") and hf.encode(record.prompt) == builtin.prompt_ids(record.prompt)
+
+
+def test_demo_workflow(tmp_path):
+    out = tmp_path / "demo"
+    env = dict(os.environ, DEMO_DIR=str(out), SFT_ARGS="trainer.train_steps=3", PYTHON=sys.executable,
+               MEGARL=str(Path(sys.executable).parent / "megarl"))
+    proc = subprocess.run(
+        ["bash", "scripts/demo.sh", "trainer.train_steps=2", "logging.progress_bar=false", "logging.mlflow=false"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for number in range(1, 6):
+        assert f"=== stage {number}/5" in proc.stdout
+    assert "GRPO mean reward: " in proc.stdout and (out / "sft_model" / "metadata.json").is_file()
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in (out / "sft_model" / "hf").iterdir()}
+    assert (out / "sft_hf" / "tokenizer.json").is_file() and list((out / "sft_hf").glob("*.safetensors"))
+    assert len((out / "grpo" / "metrics.jsonl").read_text().splitlines()) == 2
+    final = out / "final_hf"
+    assert f"The post-trained model (Hugging Face: weights, config, generation config, tokenizer): {out}/final_hf" \
+        in proc.stdout
+    assert json.loads((final / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final)
+    ids = tokenizer("1234=", return_tensors="pt").input_ids
+    assert ids.tolist() == [DigitTokenizer().prompt_ids("1234=")]
+    # sampled with a seed, so that an untrained model reaches EOS within the budget too
+    torch.manual_seed(0)
+    generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=True,
+                               num_return_sequences=16)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == 2
+    stopped = 0
+    for row in generated[:, ids.shape[1]:].tolist():
+        if tokenizer.eos_token_id in row:  # generation stopped there: only padding follows
+            stopped += 1
+            assert set(row[row.index(tokenizer.eos_token_id) + 1:]) <= {tokenizer.pad_token_id}, row
+    assert stopped > 0
