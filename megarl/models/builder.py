@@ -66,9 +66,18 @@ def check_layout(args: MegatronModelArgs, layout: Layout, model_cfg) -> None:
         num_experts=args.num_experts, moe_ffn_hidden_size=kw.get("moe_ffn_hidden_size"))
 
 
+def _left_for_loading(weight: torch.Tensor) -> None:
+    """The init method of weights about to be loaded: leaves them as allocated."""
+
+
 def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cfg, initialize: bool = True):
     """The Megatron TransformerConfig for ``args`` in ``groups.layout``; ``initialize=False``
-    skips random initialisation (weights about to be loaded)."""
+    skips random initialisation (weights about to be loaded).
+
+    Megatron's tensor-parallel layers mark a weight as tensor-parallel (``tensor_model_parallel``,
+    ``partition_dim``: what the gradient norm and the optimizer read to tell shards from
+    replicas) only on their initialisation path, so that path always runs; without
+    ``initialize`` its init methods leave the weights untouched."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     layout = groups.layout
@@ -106,7 +115,9 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
         # schedule posts sends and receives in both directions at once: losses then differ
         # from the single-process run. Single p2p ops are correct there; NCCL batches fine.
         batch_p2p_comm=torch.cuda.is_available(),
-        perform_initialization=initialize,
+        perform_initialization=True,
+        **({} if initialize else dict(init_method=_left_for_loading, output_layer_init_method=_left_for_loading,
+                                      embedding_init_method=_left_for_loading)),
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=use_te,

@@ -19,7 +19,7 @@ class ValueHead(MegatronModule):
     def __init__(self, config):
         super().__init__(config=config)
         self.sequence_parallel = config.sequence_parallel
-        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
         config.init_method(self.weight.data)
 
