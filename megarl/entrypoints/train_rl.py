@@ -85,6 +85,12 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocab_size is "
                           f"{args.vocab_size} (model.hf_config)")
+    if algo.reward_fn == "model":  # the reward model scores the policy's token ids
+        rm_vocab = megatron_args_from_hf(cfg.reward_model.hf_config or cfg.model.hf_config).vocab_size
+        if tokenizer.vocab_size > rm_vocab:
+            raise ConfigError(f"the reward model's vocab_size is {rm_vocab} but the policy's tokenizer has "
+                              f"{tokenizer.vocab_size} tokens: the reward model reads the policy's token ids, so "
+                              f"it needs the policy's tokenizer (reward_model.path / reward_model.hf_config)")
     if data.train_files:
         records = load_records(data.train_files, data.prompt_key, data.answer_key, data.bad_rows)
     else:

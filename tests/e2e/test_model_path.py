@@ -82,3 +82,25 @@ def test_sound_checkpoint_resolves_config_tokenizer_and_absolute_paths(sharded, 
     assert c.model.path == str(sharded) and c.model.hf_config == str(sharded) and c.data.tokenizer == str(sharded)
     assert c.trainer.run_dir == str(sharded.parent / "run")
     assert prepared.tokenizer.vocab_size == 260  # the model's own tokenizer, not the built-in one
+
+
+def test_reward_model_must_read_the_policys_token_ids(sharded, tmp_path):
+    """An HF reward model whose vocabulary is smaller than the policy's tokenizer is refused before
+    any worker starts; one with the policy's vocabulary passes the pre-flight."""
+    import transformers
+
+    def reward_model(vocab: int) -> Path:
+        config = json.loads((sharded / "config.json").read_text())
+        config.update(vocab_size=vocab, num_labels=1, architectures=["LlamaForSequenceClassification"],
+                      pad_token_id=0, eos_token_id=1)
+        torch.manual_seed(0)
+        model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**config))
+        model.save_pretrained(tmp_path / f"rm{vocab}")
+        return tmp_path / f"rm{vocab}"
+
+    base = [f"model.path={sharded}", "model.hf_config=null", f"trainer.run_dir={tmp_path / 'run'}",
+            "algorithm.reward_fn=model"]
+    with pytest.raises(ValueError, match="reward model's vocab_size is 128 but the policy's tokenizer has 260"):
+        prepare(load_config([DEMO], base + [f"reward_model.path={reward_model(128)}"]))
+    prepared = prepare(load_config([DEMO], base + [f"reward_model.path={reward_model(260)}"]))
+    assert prepared.cfg.reward_model.hf_config == str(tmp_path / "rm260")
