@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, List, Sequence, Union
+from typing import Any, Dict, Iterator, List, Sequence, Union
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ class PromptRecord:
     prompt: Union[str, List[dict]]
     answer: Any
     source: str  # "file:row" or the task name
+    extra: Dict[str, Any] = field(default_factory=dict)  # the row's other fields (a reward function may read them)
 
 
 def _rows(path: Path) -> Iterator[tuple]:
@@ -64,7 +65,7 @@ def _check(row: Any, prompt_key: str, answer_key: str) -> PromptRecord:
         answer = row["reward_model"].get("ground_truth")
     if answer is None:
         raise DataError(f"has no '{answer_key}' field (data.answer_key) nor reward_model.ground_truth")
-    return PromptRecord(prompt, answer, "")
+    return PromptRecord(prompt, answer, "", {k: v for k, v in row.items() if k not in (prompt_key, answer_key)})
 
 
 def load_records(files: Sequence[str], prompt_key: str = "prompt", answer_key: str = "answer",

@@ -1,18 +1,20 @@
 """Reward functions by name, or a user's by import path (``package.module:function``).
 
-A reward function is ``fn(response_text: str, answer) -> float``. A function given by import
-path is trusted code: it runs inside the trainer's driver process with its permissions.
+A reward function is ``fn(response_text: str, answer) -> float``; it may also take the record's
+``prompt`` and ``extra`` (its other dataset fields) as keywords, or ``**kwargs``. It runs in the
+trainer's reward worker processes, loaded there by import path: trusted code, with the trainer's
+permissions. A registered function must therefore be a module-level one.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from megarl.algorithms.registry import Registry
 from megarl.rewards import verifiers
+from megarl.rewards.worker import load_fn
 
-RewardFn = Callable[[str, object], float]
+RewardFn = Callable[..., float]
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
 REWARD_FUNCTIONS.register("reverse_digits")(verifiers.reverse_digits_reward)
 REWARD_FUNCTIONS.register("gsm8k")(verifiers.gsm8k_reward)
@@ -25,11 +27,30 @@ def resolve_reward_fn(name: str) -> RewardFn:
     """A registered name, or ``module.path:function``."""
     if ":" not in name:
         return REWARD_FUNCTIONS.get(name)
-    module, _, attr = name.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), attr)
+        fn = load_fn(name)
     except (ImportError, AttributeError) as err:
         raise ValueError(f"reward.fn='{name}': cannot import ({err})") from None
     if not callable(fn):
         raise ValueError(f"reward.fn='{name}' is not callable")
     return fn
+
+
+def reward_fn_path(name: str) -> str:
+    """The import path a worker process loads for ``algorithm.reward_fn=name`` (checked here,
+    in the driver, so that a bad name fails before the run starts)."""
+    try:
+        fn = resolve_reward_fn(name)
+    except KeyError as err:
+        raise ValueError(f"algorithm.reward_fn: {err.args[0]}") from None
+    if ":" in name:
+        return name
+    path = f"{fn.__module__}:{fn.__qualname__}"
+    try:
+        found = load_fn(path)
+    except (ImportError, AttributeError):
+        found = None
+    if found is not fn:
+        raise ValueError(f"algorithm.reward_fn='{name}' is registered as {path}, which a worker process cannot "
+                         f"import; register a module-level function")
+    return path

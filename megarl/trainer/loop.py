@@ -30,7 +30,8 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
             with log.phase("values"):
                 batch |= roles.critic.compute_values(batch)
         batch |= advantages(batch, algo)
-        metrics = {"sampling/rounds": sampled.rounds, "sampling/dropped_groups": sampled.dropped_groups}
+        metrics = {"sampling/rounds": sampled.rounds, "sampling/dropped_groups": sampled.dropped_groups,
+                   **sampled.reward_metrics}
         if roles.critic:
             with log.phase("critic_update"):
                 metrics |= roles.critic.update(batch)

@@ -24,7 +24,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
     roles.rollout.update_weights(start_step - 1)
     pending, pending_version = draw(start_step), start_step - 1
     for step in range(start_step, cfg.trainer.train_steps + 1):
-        batch = make_batch(pending, pad_token_id, policy_version=pending_version)
+        batch, reward_metrics = make_batch(pending, pad_token_id, policy_version=pending_version), pending.reward_metrics
         if step < cfg.trainer.train_steps:  # drawn from version step-1, before this step's update
             pending, pending_version = draw(step + 1), step - 1
         with log.phase("old_log_prob"):
@@ -36,7 +36,8 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
             with log.phase("values"):
                 batch |= roles.critic.compute_values(batch)
         batch |= advantages(batch, algo)
-        metrics = {"sampling/staleness": (step - 1) - batch.policy_version}  # actor version - batch version
+        metrics = {"sampling/staleness": (step - 1) - batch.policy_version,  # actor version - batch version
+                   **reward_metrics}
         if roles.critic:
             with log.phase("critic_update"):
                 metrics |= roles.critic.update(batch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -14,7 +14,7 @@ import torch
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS, kl_penalty_rewards
 from megarl.controller.protocol import Batch
 from megarl.data.datasets import PromptRecord
-from megarl.rewards import resolve_reward_fn, score_all
+from megarl.rewards import RewardPool, RewardSample, reward_fn_path
 from megarl.rollout import Response, SamplingParams
 
 ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "ppo": "gae", "rloo": "rloo", "reinforce_pp": "reinforce_pp",
@@ -63,25 +63,49 @@ class PromptStream:
 
 
 class Scorer:
-    """Decode responses and score them with the configured reward function (safely), or with
-    the reward-model role (``reward_fn=model``; set ``model`` to its proxy)."""
+    """Decode responses and score them with the configured reward function in worker processes
+    (:class:`RewardPool`, started on first use, kept for the run: call :meth:`close`), or with the
+    reward-model role (``reward_fn=model``; set ``model`` to its proxy)."""
 
     def __init__(self, algo, tokenizer):
+        if algo.reward_timeout_s <= 0:
+            raise ValueError(f"algorithm.reward_timeout_s={algo.reward_timeout_s} must be > 0")
+        if algo.reward_workers < 1:
+            raise ValueError(f"algorithm.reward_workers={algo.reward_workers} must be >= 1")
         self.model = None
-        self.fn = None if algo.reward_fn == "model" else resolve_reward_fn(algo.reward_fn)
+        self.fn_path = None if algo.reward_fn == "model" else reward_fn_path(algo.reward_fn)
         self.tokenizer, self.algo = tokenizer, algo
-        self.failures = 0
+        self.pool: Optional[RewardPool] = None
+        self.failures = 0  # failed and timed-out samples over the run (checkpointed)
+        self.counts = {"reward/failures": 0, "reward/timeouts": 0}  # since the last take_metrics
 
     def __call__(self, records: Sequence[PromptRecord], responses: Sequence[Response],
                  prompt_ids: Sequence[Sequence[int]] = ()) -> torch.Tensor:
-        if self.fn is None:
+        if self.fn_path is None:
             sampled = Sampled(list(records), list(prompt_ids), list(responses), torch.zeros(len(responses)),
                               torch.zeros(len(responses)))
             return self.model.compute_scores(make_batch(sampled, self.tokenizer.pad_token_id, -1))["scores"]
-        samples = [(self.tokenizer.decode(r.token_ids), records[r.prompt_index].answer) for r in responses]
-        report = score_all(self.fn, samples, self.algo.reward_timeout_s)
-        self.failures += report.errors + report.timeouts
+        if self.pool is None:
+            self.pool = RewardPool(self.fn_path, self.algo.reward_workers, self.algo.reward_timeout_s)
+        samples = []
+        for r in responses:
+            record = records[r.prompt_index]
+            samples.append(RewardSample(self.tokenizer.decode(r.token_ids), record.answer, record.prompt, record.extra))
+        report = self.pool.score(samples)
+        self.counts["reward/failures"] += report.failed
+        self.counts["reward/timeouts"] += report.timeouts
+        self.failures += report.failed + report.timeouts
         return torch.tensor(report.scores)
+
+    def take_metrics(self) -> Dict[str, float]:
+        """Failed and timed-out samples since the last call (one step's), for the step's metrics."""
+        out, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new: int, buffer: int, factor: float) -> torch.Tensor:
@@ -111,6 +135,7 @@ class Sampled:
     baseline: Optional[torch.Tensor] = None  # [rows], ReMax greedy reward
     rounds: int = 1
     dropped_groups: int = 0
+    reward_metrics: Dict[str, float] = field(default_factory=dict)  # failed/timed-out samples (Scorer)
 
 
 def _untimed(name: str):
@@ -161,6 +186,7 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
         with phase("reward"):
             base = scorer(sampled.records, greedy, sampled.prompt_ids)
         sampled.baseline = base[torch.tensor([r.prompt_index for r in responses])]
+    sampled.reward_metrics = scorer.take_metrics()
     return sampled
 
 

@@ -1,13 +1,13 @@
-"""Verifiers on tricky answers, the safe scorer, reward functions by import path, datasets."""
+"""Verifiers on tricky answers, reward functions by import path, datasets (the runner that calls
+them safely: test_reward_runner.py)."""
 
 import json
-import time
 
 import pytest
 
 from megarl.data.datasets import DataError, load_records, reverse_digits_records
 from megarl.data.tokenizer import DigitTokenizer
-from megarl.rewards import resolve_reward_fn, score_all
+from megarl.rewards import resolve_reward_fn, reward_fn_path
 from megarl.rewards.verifiers import (boxed_answer, countdown_reward, gsm8k_reward, math_reward,
                                      reverse_digits_reward)
 
@@ -71,23 +71,12 @@ def test_reverse_digits_partial_credit(response, score):
     assert reverse_digits_reward(response, "4321") == pytest.approx(score)
 
 
-def flaky(response, answer):
-    if response == "boom":
-        raise RuntimeError("bad sample")
-    if response == "slow":
-        time.sleep(2)
-    return 1.0
-
-
-def test_scorer_survives_errors_and_timeouts():
-    report = score_all(flaky, [("ok", 0), ("boom", 0), ("slow", 0), ("ok", 0)], timeout_s=0.3)
-    assert report.scores == [1.0, 0.0, 0.0, 1.0]
-    assert report.errors == 1 and report.timeouts == 1 and len(report.examples) == 2
-
-
 def test_reward_function_by_import_path():
-    assert resolve_reward_fn("tests.unit.test_rewards:flaky")("ok", 0) == 1.0
+    assert resolve_reward_fn("tests.unit.reward_fns:two_arguments")("ok", "ok") == 1.0
     assert resolve_reward_fn("gsm8k") is gsm8k_reward
+    # what a worker process loads: a registered name becomes the function's import path
+    assert reward_fn_path("gsm8k") == "megarl.rewards.verifiers:gsm8k_reward"
+    assert reward_fn_path("tests.unit.reward_fns:sleepy") == "tests.unit.reward_fns:sleepy"
     with pytest.raises(ValueError, match="cannot import"):
         resolve_reward_fn("no.such.module:fn")
     with pytest.raises(KeyError):
@@ -104,6 +93,7 @@ def test_datasets_jsonl_parquet_and_bad_rows(tmp_path):
                                   "reward_model": {"ground_truth": "4"}}) + "\n")
     records = load_records([str(good)], prompt_key="question")
     assert [r.answer for r in records] == ["2", "4"] and records[1].source.endswith("good.jsonl:3")
+    assert records[0].extra == {} and records[1].extra == {"reward_model": {"ground_truth": "4"}}
     pq.write_table(pa.Table.from_pylist([{"question": "3+3?", "answer": "6"}]), tmp_path / "p.parquet")
     assert load_records([str(tmp_path / "p.parquet")], prompt_key="question")[0].answer == "6"
     bad = tmp_path / "bad.jsonl"

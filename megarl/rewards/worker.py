@@ -1,0 +1,110 @@
+"""A reward worker process (started by :class:`megarl.rewards.runner.RewardPool`): loads one
+reward function by import path, then scores the samples that the pool sends it.
+
+Frames on stdin/stdout are length-prefixed pickles; the user function's own prints go to stderr.
+This module and the package it lives in import no torch, so a worker starts in tens of ms.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import pickle
+import struct
+import time
+from typing import Any, Optional, Tuple
+
+KEYWORDS = ("prompt", "extra")  # what a reward function may take beyond (response, answer)
+_HEADER = struct.Struct("!I")
+
+
+def load_fn(path: str):
+    """The object at ``package.module:name`` (``name`` may be dotted, e.g. ``Class.method``)."""
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def accepted_keywords(fn) -> Tuple[str, ...]:
+    """Which of ``prompt``/``extra`` ``fn`` takes: both with ``**kwargs``, none for ``fn(response, answer)``."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature: call them with two arguments
+        return ()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return KEYWORDS
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return tuple(k for k in KEYWORDS if k in names)
+
+
+def as_reward(value: Any) -> Tuple[str, Any]:
+    """``("ok", score)``, or the kind of failure and a description: a string or None is not a
+    reward even when it reads as a number, and NaN or inf would poison the advantages."""
+    if value is None or isinstance(value, (str, bytes)):
+        return "non-numeric", f"returned {type(value).__name__} {value!r:.60}"
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        return "non-numeric", f"returned {type(value).__name__} {value!r:.60}"
+    if not math.isfinite(score):
+        return "non-finite", f"returned {score}"
+    return "ok", score
+
+
+def write_frame(fd: int, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, size: int) -> Optional[bytes]:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            return None  # the other end closed
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd: int) -> Optional[Any]:
+    """The next object, or None when the other end has closed."""
+    header = _read_exact(fd, _HEADER.size)
+    if header is None:
+        return None
+    data = _read_exact(fd, _HEADER.unpack(header)[0])
+    return None if data is None else pickle.loads(data)
+
+
+def main() -> None:
+    # Keep the frame channels private: a function that prints or reads stdin must not corrupt them.
+    reader, writer = os.dup(0), os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(2, 1)
+    path = read_frame(reader)
+    try:
+        fn = load_fn(path)
+        keywords = accepted_keywords(fn)
+    except Exception as err:  # reported to the driver, which names the function
+        write_frame(writer, ("fail", f"{type(err).__name__}: {err}"))
+        return
+    write_frame(writer, ("ready",))
+    while True:
+        task = read_frame(reader)
+        if task is None:  # the driver closed the pool (or died)
+            return
+        index, response, answer, context = task
+        start = time.perf_counter()
+        try:
+            value = fn(response, answer, **{k: context[k] for k in keywords})
+        except Exception as err:  # a user's function may raise anything; the run goes on
+            kind, result = "exception", f"{type(err).__name__}: {err}"
+        else:
+            kind, result = as_reward(value)
+        write_frame(writer, (index, kind, result, time.perf_counter() - start))
