@@ -16,6 +16,17 @@ from megarl.algorithms.registry import Registry
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 
+LOG_RATIO_BOUND = 20.0
+"""Bound on a log-ratio of two policies' log-probs before it is exponentiated. exp(20) = 4.9e8 is
+far beyond any clip range (PPO's 1 +- 0.2, dual clip's c ~ 3), so no loss value changes where the
+ratio matters, and exp(x) and its gradient stay finite in fp32 and bf16 (exp(89) overflows fp32:
+a log-ratio of 100 would give inf and then a NaN gradient). Beyond the bound the gradient is 0."""
+
+
+def clamp_log_ratio(log_ratio: Tensor) -> Tensor:
+    """``log_ratio`` clamped to +-:data:`LOG_RATIO_BOUND`."""
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
 
 @KL_ESTIMATORS.register("k1")
 def k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -34,8 +45,9 @@ def k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 @KL_ESTIMATORS.register("k3")
 def k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """ref/pi - 1 - log(ref/pi): unbiased, low variance, >= 0 since e^x >= 1 + x (Schulman 2020,
-    "Approximating KL Divergence", k3; the KL term of GRPO, Shao et al. 2024 eq. 4)."""
-    log_ratio = ref_logp - logp
+    "Approximating KL Divergence", k3; the KL term of GRPO, Shao et al. 2024 eq. 4). The
+    log-ratio is clamped (:data:`LOG_RATIO_BOUND`) so that the exponential stays finite."""
+    log_ratio = clamp_log_ratio(ref_logp - logp)
     return torch.exp(log_ratio) - log_ratio - 1
 
 

@@ -4,6 +4,11 @@ Every loss reduces a ``[batch, T]`` loss matrix with :func:`aggregate`. Given th
 denominators (valid tokens / sequences of the whole optimizer step, summed over micro-batches
 and data-parallel ranks, see :func:`loss_denominators`), the losses are additive: summing them
 over any split of the step's batch gives the loss, and the gradient, of the whole batch.
+
+Numerical safety: every input is selected at the valid tokens (``torch.where``) before any
+arithmetic, so an inf or NaN at a padding position reaches neither a loss nor a gradient
+(multiplying by the mask would give inf * 0 = NaN, and exp's backward 0 * exp(NaN) = NaN); every
+log-ratio is clamped to +-``kl.LOG_RATIO_BOUND`` (20) before it is exponentiated.
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from megarl.algorithms.kl import KL_ESTIMATORS, k3
-from megarl.algorithms.masked import masked_mean
+from megarl.algorithms.kl import KL_ESTIMATORS, clamp_log_ratio, k3
+from megarl.algorithms.masked import masked_mean, select_valid
 from megarl.algorithms.registry import Registry
 
 Count = Union[int, float, Tensor]
@@ -54,11 +59,12 @@ def aggregate(
       differs between micro-batches and would break additivity.
 
     The denominators are ``global_tokens`` / ``global_seqs`` when given, else local counts.
+    Masked positions are selected away, so whatever they hold (inf, NaN) changes nothing.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown agg_mode {mode!r}; available: {', '.join(AGG_MODES)}")
+    masked = select_valid(loss_mat, mask)  # [batch, T]
     mask = mask.to(loss_mat.dtype)
-    masked = loss_mat * mask  # [batch, T]
     local_tokens, local_seqs = loss_denominators(mask)
     if mode == "token-mean":
         tokens = local_tokens.clamp_min(1) if global_tokens is None else global_tokens
@@ -107,13 +113,15 @@ def ppo_loss(
 
     ``clip_high > clip_low`` is DAPO's clip-higher (Yu et al. 2025, §3.1). ``dual_clip_c`` caps the
     loss of negative-advantage tokens at -c A, so a huge ratio cannot blow it up (Ye et al. 2020,
-    "Mastering Complex Control in MOBA Games", eq. 5); c must exceed 1.
+    "Mastering Complex Control in MOBA Games", eq. 5); c must exceed 1. The log-ratio is clamped
+    to +-LOG_RATIO_BOUND: a token beyond it has ratio e^20 and no gradient (it is clipped anyway).
     Metrics: clip_frac (tokens whose gradient the clip removed), dual_clip_frac, approx_kl,
     ratio_mean.
     """
     if dual_clip_c is not None and dual_clip_c <= 1:
         raise ValueError(f"dual_clip_c={dual_clip_c} must be > 1 (typically 3); None disables it")
-    ratio = torch.exp(logp - old_logp)  # [batch, T]
+    logp, old_logp, advantages = (select_valid(x, mask) for x in (logp, old_logp, advantages))
+    ratio = torch.exp(clamp_log_ratio(logp - old_logp))  # [batch, T]
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     loss_mat = torch.maximum(unclipped, clipped)
@@ -152,12 +160,14 @@ def gspo_loss(
     Per token, s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]): its value is s_i and its gradient flows
     through each token's log-prob. With a per-sequence advantage (constant over the sequence's
     tokens) and ``seq-mean-token-mean`` this is exactly GSPO's gradient; token-varying advantages
-    give GSPO-token. Dual clip is not defined for sequence ratios.
+    give GSPO-token. Dual clip is not defined for sequence ratios. The sequence log-ratio is
+    clamped to +-LOG_RATIO_BOUND.
     """
     if dual_clip_c is not None:
         raise ValueError("gspo has no dual clip; set dual_clip_c=None")
-    mask_f = mask.to(logp.dtype)
-    seq_log_ratio = ((logp - old_logp) * mask_f).sum(-1) / mask_f.sum(-1).clamp_min(1)  # [batch]
+    logp, old_logp, advantages = (select_valid(x, mask) for x in (logp, old_logp, advantages))
+    lengths = mask.to(logp.dtype).sum(-1).clamp_min(1)  # [batch]
+    seq_log_ratio = clamp_log_ratio((logp - old_logp).sum(-1) / lengths)  # [batch]
     ratio = torch.exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())  # [batch, T], value s_i
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
@@ -197,7 +207,8 @@ def kl_loss(
 ) -> Tensor:
     """KL to the reference as a loss term rather than a reward penalty (GRPO, Shao et al. 2024,
     eq. 3-4, with k3); the trainer adds coef * this."""
-    kl = KL_ESTIMATORS.get(estimator_name)(logp, ref_logp)  # [batch, T]
+    estimator = KL_ESTIMATORS.get(estimator_name)
+    kl = estimator(select_valid(logp, mask), select_valid(ref_logp, mask))  # [batch, T]
     return aggregate(
         kl, mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len
     )
@@ -218,6 +229,7 @@ def value_loss(
     """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old,
     -clip_range, clip_range) (OpenAI baselines PPO2; Engstrom et al. 2020, "Implementation
     Matters", §3 value clipping). Metrics: clip_frac (tokens where the clipped error is used)."""
+    values, old_values, returns = (select_valid(x, mask) for x in (values, old_values, returns))
     values_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     error = (values - returns) ** 2  # [batch, T]
     error_clipped = (values_clipped - returns) ** 2

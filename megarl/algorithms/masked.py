@@ -14,9 +14,15 @@ Number = Union[float, Tensor]
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``x`` over positions where ``mask`` is 1; 0 when there are none."""
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp_min(1)
+    """Mean of ``x`` over positions where ``mask`` is 1; 0 when there are none. Masked positions are
+    selected away, not multiplied by 0, so an inf or NaN there cannot reach the result."""
+    return select_valid(x, mask).sum() / mask.to(x.dtype).sum().clamp_min(1)
+
+
+def select_valid(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` where ``mask`` is nonzero, 0 elsewhere. Unlike ``x * mask`` (inf * 0 = NaN) a non-finite
+    value at a masked position gives neither a non-finite result nor a non-finite gradient."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def masked_mean_var(x: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:

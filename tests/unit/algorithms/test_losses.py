@@ -240,3 +240,79 @@ def test_entropy_bonus_and_kl_loss():
     assert kl_loss(logp, ref_logp, mask, "k2", "token-mean").item() == pytest.approx((0.5 + 0.5) / 3)
     with pytest.raises(KeyError, match="unknown KL estimator 'k4'"):
         kl_loss(logp, ref_logp, mask, "k4")
+
+
+# Numerical safety: a log-ratio far beyond exp's fp32 range on a real token, and inf/NaN at padding.
+def _overflow_batch():
+    """float32, two sequences; token (0, 1) has log-ratio 100 (exp overflows fp32 at 89)."""
+    old_logp = torch.tensor([[-1.0, -101.0, -0.5], [-0.7, -1.5, -2.0]])
+    logp = torch.tensor([[-1.1, -1.0, -0.4], [-0.6, -1.5, -2.0]], requires_grad=True)
+    adv = torch.tensor([[-1.0, -1.0, -1.0], [2.0, 2.0, 2.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    return logp, old_logp, adv, mask
+
+
+@pytest.mark.parametrize("dual_clip_c", [None, 3.0])
+def test_ppo_overflowing_log_ratio_is_clamped(dual_clip_c):
+    logp, old_logp, adv, mask = _overflow_batch()
+    loss, metrics = POLICY_LOSSES.get("ppo")(
+        logp, old_logp, adv, mask, agg_mode="token-mean", dual_clip_c=dual_clip_c)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert all(torch.isfinite(v) for v in metrics.values())
+    # The overflowing token (A=-1) keeps its unclipped term at the bound, e^20, or the dual-clip cap
+    # 3; its gradient is 0 either way (beyond the clamp, or capped). Other tokens as unclamped.
+    others = [math.exp(-0.1), math.exp(0.1), -2 * math.exp(0.1), -2.0]  # -A r, all inside the clip
+    overflow = math.exp(20.0) if dual_clip_c is None else 3.0
+    assert loss.item() == pytest.approx((overflow + sum(others)) / 5, rel=1e-6, abs=1e-6)
+    assert logp.grad[0, 1].item() == 0.0
+    assert logp.grad[0, 0].item() == pytest.approx(math.exp(-0.1) / 5, rel=1e-6)
+
+
+def test_gspo_and_k3_overflowing_log_ratio_are_clamped():
+    logp, old_logp, adv, mask = _overflow_batch()
+    loss, _ = POLICY_LOSSES.get("gspo")(logp, old_logp, adv, mask)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    logp.grad = None
+    # k3 = e^x - x - 1 with x = ref - logp: 100 on token (0, 1), clamped to 20; 0 elsewhere.
+    ref_logp = logp.detach().clone()
+    ref_logp[0, 1] += 100.0
+    kl = kl_loss(logp, ref_logp, mask, "k3", "token-mean")
+    kl.backward()
+    assert kl.item() == pytest.approx((math.exp(20.0) - 21) / 5, rel=1e-6)
+    torch.testing.assert_close(logp.grad, torch.zeros_like(logp), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("garbage", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("agg_mode", AGG_MODES)
+def test_non_finite_padding_changes_no_loss_or_gradient(garbage, agg_mode):
+    """inf/NaN at masked positions of every input: every loss and gradient equal the clean case's."""
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    shape = mask.shape
+    clean = {name: torch.randn(shape, generator=gen) * 0.3 - (1.0 if "logp" in name else 0.0)
+             for name in ("logp", "old_logp", "ref_logp", "adv", "entropy", "values", "old_values", "returns")}
+    dirty = {k: torch.where(mask.bool(), v, torch.tensor(garbage)) for k, v in clean.items()}
+    kw = dict(agg_mode=agg_mode, max_len=4)
+
+    def losses_and_grads(t):
+        leaves = {k: t[k].clone().requires_grad_(True) for k in ("logp", "entropy", "values")}
+        lp, ent, val = leaves["logp"], leaves["entropy"], leaves["values"]
+        total = []
+        for name, extra in [("ppo", {}), ("ppo", {"dual_clip_c": 3.0}), ("gspo", {})]:
+            total.append(POLICY_LOSSES.get(name)(lp, t["old_logp"], t["adv"], mask, **kw, **extra)[0])
+        for est in ("k1", "k2", "k3"):
+            total.append(kl_loss(lp, t["ref_logp"], mask, est, **kw))
+        total.append(entropy_bonus(ent, mask, **kw))
+        total.append(value_loss(val, t["old_values"], t["returns"], mask, 0.2, **kw)[0])
+        values = torch.stack(total)
+        values.sum().backward()
+        return values.detach(), [leaf.grad for leaf in leaves.values()]
+
+    want_values, want_grads = losses_and_grads(clean)
+    got_values, got_grads = losses_and_grads(dirty)
+    assert torch.isfinite(want_values).all()
+    torch.testing.assert_close(got_values, want_values, rtol=0, atol=0)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
