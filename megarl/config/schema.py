@@ -160,11 +160,18 @@ class AlgorithmConfig:
     samples_per_prompt: int = 8
     """Responses sampled per prompt (the group of GRPO/RLOO/DAPO)."""
     reward_fn: str = "reverse_digits"
-    """A registered verifier (reverse_digits, gsm8k, math, countdown, exact_match) or ``module:function`` (trusted code)."""
+    """A registered verifier (reverse_digits, gsm8k, math, countdown, exact_match) or ``module:function``
+    (trusted code, run in reward worker processes): ``fn(response, answer)``, optionally also taking
+    ``prompt=`` and ``extra=`` (the dataset row's other fields) as keywords."""
     reward_timeout_s: float = 10.0
-    """Per-sample reward time limit; a timeout or an exception scores 0 and is counted."""
+    """Per-sample reward time limit in seconds, from that sample's own start in a worker; a sample past
+    it has its worker killed. A timeout, an exception, a non-number or NaN/inf scores 0 and is counted
+    (reward/timeouts, reward/failures)."""
+    reward_workers: int = 4
+    """Reward worker processes, started once per run (ignored with reward_fn=model)."""
     temperature: float = 1.0
-    """Sampling temperature (the trainer's log-probs use the same)."""
+    """Sampling temperature (the trainer's log-probs use the same); must be > 0: greedy decoding is
+    not an RL sampling mode (use a small value, e.g. 0.1, for near-greedy samples)."""
     top_p: float = 1.0
     """Nucleus sampling (1 = off)."""
     top_k: int = 0
@@ -201,6 +208,16 @@ class AlgorithmConfig:
     """Penalty at max_new_tokens (linear from 0 at the buffer's start)."""
     critic_lr: Optional[float] = None
     """Critic learning rate (PPO); null = optimizer.lr."""
+    ppo_mini_batch_size: Optional[int] = None
+    """Sequences per optimizer step over all DP ranks, for the actor and the critic; null = the
+    step's whole batch (one optimizer step per epoch). Must divide prompts_per_step *
+    samples_per_prompt and be a multiple of the actor's dp. The old log-probs (and values) stay
+    those of the batch for every mini-batch; each mini-batch's loss is normalised over itself.
+    The LR schedule (optimizer.lr_warmup_steps, decay) counts optimizer steps: mini-batches x
+    ppo_epochs per RL step."""
+    ppo_epochs: int = 1
+    """Passes over the step's batch; rows are reshuffled before each (seeded by trainer.seed and
+    the step, the same on every rank)."""
 
 
 @dataclass
@@ -240,6 +257,11 @@ class TrainerConfig:
     save); the checkpoint becomes ``latest`` once every rank has finished writing."""
     loop: str = "sync"
     """``sync`` (on-policy) or ``one_step_off`` (rollout of step k+1 from the weights before update k)."""
+    max_bad_steps: int = 3
+    """Optimizer steps in a row of one model (actor or critic) whose loss or gradients are not finite
+    on some rank before the run stops with NonFiniteUpdateError; each such step is skipped on every
+    rank (no weight, optimizer-state or LR-schedule change) and counted in actor/skipped_steps,
+    critic/skipped_steps."""
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from megarl.controller.protocol import Batch
-from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
 from megarl.hybrid import regroup
 from megarl.models.flops import gpu_peak_tflops
 from megarl.models.hf_config import megatron_args_from_hf, read_hf_config
@@ -59,13 +59,16 @@ class RLWorker:
         self.groups = build_groups(layout)
         set_seed(cfg.trainer.seed, self.groups)
         args = megatron_args_from_hf(cfg.model.hf_config)
-        steps = cfg.trainer.train_steps
+        # LR schedules count optimizer steps: one per PPO mini-batch and epoch of each RL step
+        rows = cfg.data.prompts_per_step * algo.samples_per_prompt
+        steps = cfg.trainer.train_steps * (rows // (algo.ppo_mini_batch_size or rows)) * algo.ppo_epochs
         state = lm.build_train_state(cfg.model, cfg.optimizer, self.groups, steps, init_checkpoint=cfg.model.path)
         loss = ActorLossConfig(
             policy_loss="ppo", agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
             entropy_coef=algo.entropy_coef, max_len=algo.max_new_tokens, temperature=algo.temperature)
-        self.actor = Actor(MegatronEngine(state, args.vocab_size), loss)
+        bad = cfg.trainer.max_bad_steps
+        self.actor = Actor(MegatronEngine(state, args.vocab_size, max_bad_steps=bad), loss)
         self.reference = None
         if needs_reference(algo):  # a frozen copy of the initial policy, same layout
             ref_state = lm.build_frozen_state(cfg.model, self.groups)
@@ -76,8 +79,8 @@ class RLWorker:
             optim = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr or cfg.optimizer.lr)
             critic_state = lm.build_train_state(cfg.model, optim, self.groups, steps, value_head=True)
             lm.copy_weights(state, critic_state)  # the actor's backbone; a new value head
-            self.critic = Critic(MegatronEngine(critic_state, None), CriticLossConfig(clip_range=algo.clip_low,
-                                                                                      agg_mode=algo.agg_mode))
+            self.critic = Critic(MegatronEngine(critic_state, None, max_bad_steps=bad), CriticLossConfig(
+                clip_range=algo.clip_low, agg_mode=algo.agg_mode, max_len=algo.max_new_tokens))
         self.reward_model = None
         if algo.reward_fn == "model":  # colocated, in the actor's layout
             from megarl.roles.reward_model import RewardModel
@@ -178,9 +181,16 @@ class RLWorker:
         tensors, lengths = self._inputs(batch)
         return Batch({"values": self.critic.compute_values(tensors, lengths, self.how)})
 
+    def _mini_batches(self, batch: Batch) -> MiniBatches:
+        """This step's PPO mini-batches; the shuffle seed comes from the batch's policy version
+        (its step), which every rank sees alike, so all ranks draw the same permutation."""
+        algo = self.cfg.algorithm
+        return MiniBatches(algo.ppo_mini_batch_size or 0, algo.ppo_epochs,
+                           seed=self.cfg.trainer.seed + batch.policy_version + 1)
+
     def actor_update(self, batch: Batch) -> Dict[str, float]:
         tensors, lengths = self._inputs(batch)
-        metrics = self.actor.update(tensors, lengths, self.how)
+        metrics = self.actor.update(tensors, lengths, self.how, self._mini_batches(batch))
         # The driver hears from one rank and may have no GPU: the memory peaks of all ranks and
         # this GPU's peak FLOP/s (the MFU denominator) travel with the update's metrics.
         metrics.update(self._peak_memory())
@@ -204,4 +214,5 @@ class RLWorker:
 
     def critic_update(self, batch: Batch) -> Dict[str, float]:
         tensors, lengths = self._inputs(batch)
-        return {f"critic/{k}": v for k, v in self.critic.update(tensors, lengths, self.how).items()}
+        metrics = self.critic.update(tensors, lengths, self.how, self._mini_batches(batch))
+        return {f"critic/{k}": v for k, v in metrics.items()}

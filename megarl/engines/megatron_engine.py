@@ -4,12 +4,18 @@
 log-probability of the next token and the entropy of the next-token distribution, computed from
 vocabulary-parallel logits (never gathered). ``update`` runs forward-backward with a loss the
 role supplies and takes an optimizer step. Both accept fixed-size or token-budget
-micro-batches, padded or packed.
+micro-batches, padded or packed, and splits an RL step's rows into PPO mini-batches and epochs
+(:class:`MiniBatches`), one optimizer step each.
 
 Loss normalisation: a role's loss returns an unnormalised sum and its count (tokens or
 sequences) per micro-batch; Megatron (``calculate_per_token_loss``) sums the counts over all
 micro-batches and data-parallel ranks and divides the gradients by the total, so the update is
-the same whatever dp, pp or micro-batching.
+the same whatever dp, pp or micro-batching. A mini-batch is one optimizer step, so its loss is
+normalised over the mini-batch.
+
+An optimizer step whose loss or gradients are not finite on any rank is skipped on every rank
+(weights, optimizer state and LR schedule untouched) and counted (``skipped_steps``);
+``max_bad_steps`` such steps in a row stop the run with :class:`NonFiniteUpdateError`.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from megarl.engines.vocab_parallel import log_prob_and_entropy
 from megarl.training.lm import TrainState
 
 # (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metric sums);
-# for a value head: (values [n, s], None, tensors)
+# for a value head: (values [n, s], None, tensors). A metric named ``*_max`` / ``*_min`` is an
+# extremum, reduced with max / min instead of summed and divided by the count.
 LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]]
 
 
@@ -43,14 +50,60 @@ class MicroBatching:
     """Concatenate real tokens (THD) instead of padding rows."""
 
 
+@dataclass
+class MiniBatches:
+    """How one RL step's rows become optimizer steps (PPO's mini-batches and epochs).
+
+    Mini-batches are cut from the global row order (DP rank 0's rows first, as the driver
+    chunks a batch), reshuffled each epoch by a generator every rank seeds alike; each DP rank
+    trains on its equal share of each mini-batch. So mini-batch k is the same set of rows at any
+    dp, and the update is layout-invariant."""
+
+    size: int = 0
+    """Sequences per optimizer step over all DP ranks; 0 = the whole batch."""
+    epochs: int = 1
+    """Passes over the batch, each with a new shuffle."""
+    seed: int = 0
+    """Shuffle seed of this RL step; epoch e draws from seed * 1000 + e."""
+
+    def __post_init__(self):
+        if self.size < 0 or self.epochs < 1:
+            raise ValueError(f"mini-batch size {self.size} must be >= 0 (0 = whole batch) and epochs "
+                             f"{self.epochs} >= 1")
+
+    def plan(self, rows: int, dp: int, dp_rank: int) -> List[torch.Tensor]:
+        """Global row indices (of ``rows``) this DP rank trains on, one tensor per optimizer step."""
+        size = self.size or rows
+        if rows % size or size % dp:
+            raise ValueError(f"a mini-batch of {size} sequences must divide the step's {rows} rows and be a "
+                             f"multiple of dp={dp}")
+        share = size // dp
+        steps = []
+        for epoch in range(self.epochs):
+            # One mini-batch is the whole batch in any order: no shuffle, each rank its own rows.
+            order = torch.arange(rows) if size == rows else torch.randperm(
+                rows, generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
+            for start in range(0, rows, size):
+                mine = order[start + dp_rank * share: start + (dp_rank + 1) * share]
+                steps.append(mine.sort().values)
+        return steps
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """``trainer.max_bad_steps`` optimizer steps in a row had a non-finite loss or gradient."""
+
+
 class MegatronEngine:
     """One model (actor, critic or reference) in its training layout. ``vocab_size`` None
-    means the model ends in a value head (critic): its outputs are values, not log-probs."""
+    means the model ends in a value head (critic): its outputs are values, not log-probs.
+    ``max_bad_steps``: non-finite optimizer steps in a row that stop the run (trainer.max_bad_steps)."""
 
-    def __init__(self, state: TrainState, vocab_size: Optional[int]):
+    def __init__(self, state: TrainState, vocab_size: Optional[int], max_bad_steps: int = 3):
         self.state = state
         self.groups = state.groups
         self.vocab_size = vocab_size
+        self.max_bad_steps = max_bad_steps
+        self.bad_steps_in_a_row = 0
         # Micro-batches of different lengths need Megatron to exchange shapes between stages
         # (the interleaved schedule gets equal shapes instead, see micro_batches).
         state.model[0].config.variable_seq_lengths = not state.groups.layout.vpp
@@ -140,8 +193,31 @@ class MegatronEngine:
         return {keys[0]: result[0]} if self.vocab_size is None else {keys[0]: result[0], keys[1]: result[1]}
 
     def update(self, batch: Batch, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
-               temperature: float = 1.0) -> Dict[str, float]:
-        """One optimizer step on this DP rank's rows; returns the global loss and metrics."""
+               temperature: float = 1.0, mini: Optional[MiniBatches] = None) -> Dict[str, float]:
+        """Optimizer steps on this DP rank's rows, one per mini-batch and epoch (see
+        :class:`MiniBatches`); returns the global loss and metrics over all steps: means over
+        all tokens (or sequences) of all steps, extrema over all, ``grad_norm`` the mean over
+        steps, ``optimizer_steps`` their number."""
+        mini = mini or MiniBatches()
+        dp, local_rows = self.groups.layout.dp, batch["tokens"].shape[0]
+        if mini.size and mini.size != local_rows * dp:
+            if dp > 1:  # mini-batches are cut from the global order: every rank needs every row
+                batch, lengths = self._gather_dp(batch, lengths)
+            steps = mini.plan(local_rows * dp, dp, self.groups.dp_rank)
+        else:
+            steps = [torch.arange(local_rows)] * mini.epochs
+        reports, grad_norms = [], []
+        for rows in steps:
+            outputs, grad_norm = self._optimizer_step(batching.take_rows(batch, rows), lengths[rows], loss_fn,
+                                                      how, temperature)
+            reports.append(self._reduce(outputs))
+            grad_norms.append(grad_norm)
+        return self._metrics(reports, grad_norms)
+
+    def _optimizer_step(self, batch: Batch, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
+                        temperature: float):
+        """One forward-backward over ``batch`` and one optimizer step: (outputs, grad norm), the
+        grad norm None when the step was skipped (see :meth:`_step_if_finite`)."""
         state = self.state
         for chunk in state.model:
             chunk.zero_grad_buffer()
@@ -155,12 +231,64 @@ class MegatronEngine:
             return loss_sum, count.to(torch.int), {"report": report, "names": list(metrics)}
 
         outputs = self._run(self.micro_batches(batch, lengths, how), loss_func, forward_only=False)
-        ok, grad_norm, _ = state.optimizer.step()
-        if ok:
-            state.scheduler.step(increment=1)
-        return self._metrics(outputs, float(grad_norm or 0.0))
+        return outputs, self._step_if_finite(outputs)
 
-    def _metrics(self, outputs, grad_norm: float) -> Dict[str, float]:
+    def _step_if_finite(self, outputs) -> Optional[float]:
+        """Megatron's optimizer step and the LR schedule's, unless the loss or a gradient is not
+        finite on some rank: then every rank skips the step, zeroes its gradients and returns None.
+
+        Megatron checks gradients only when it scales the loss (fp16): its fp32 optimizer, and bf16
+        without a loss scale, step on NaN gradients and return ok. So the check is ours, before the
+        step, agreed by all ranks of the model (a max over the model- and data-parallel groups; the
+        distributed optimizer's reduce-scattered buffers hold a NaN on the rank it came from). With
+        fp16, Megatron's loss scaler owns gradient overflow: it skips the step and lowers the
+        scale, which is counted but is not a bad step.
+        """
+        state, fp16 = self.state, self.state.model[0].config.fp16
+        bad = any(not torch.isfinite(out["report"][0]) for out in outputs)  # loss sums, last stage
+        if not fp16:
+            bad = bad or not all(torch.isfinite(buffer.grad_data).all() for chunk in state.model
+                                 for buffer in chunk.buffers + chunk.expert_parallel_buffers)
+        flag = torch.tensor([float(bad)], device="cuda" if torch.cuda.is_available() else "cpu")
+        for group in (self.groups.pg.mp, self.groups.pg.dp_cp):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            for chunk in state.model:
+                chunk.zero_grad_buffer()
+            state.optimizer.zero_grad()
+            self.bad_steps_in_a_row += 1
+            if self.bad_steps_in_a_row >= self.max_bad_steps:
+                raise NonFiniteUpdateError(
+                    f"{self.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                    f"(trainer.max_bad_steps={self.max_bad_steps}); each was skipped. Look for inf/NaN in the "
+                    f"rewards, advantages or log-probs, or lower optimizer.lr")
+            return None
+        self.bad_steps_in_a_row = 0
+        ok, grad_norm, _ = state.optimizer.step()
+        if not ok:  # fp16 overflow: Megatron skipped the step
+            return None
+        state.scheduler.step(increment=1)
+        return float(grad_norm or 0.0)
+
+    def _gather_dp(self, batch: Batch, lengths: torch.Tensor) -> Tuple[Batch, torch.Tensor]:
+        """Every DP rank's rows, in DP-rank order (the driver's global order)."""
+        group, dp = self.groups.pg.dp, self.groups.layout.dp
+        rows = torch.tensor([lengths.shape[0]])
+        counts = [torch.zeros_like(rows) for _ in range(dp)]
+        dist.all_gather(counts, rows, group=group)
+        if len({int(c) for c in counts}) > 1:
+            raise ValueError(f"mini-batches need equal row counts on every DP rank, got {[int(c) for c in counts]}")
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(t) for _ in range(dp)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            return torch.cat(parts)
+
+        return {k: gather(v) for k, v in batch.items()}, gather(lengths)
+
+    def _reduce(self, outputs) -> Tuple[torch.Tensor, List[str]]:
+        """One optimizer step's [loss sum, count, metrics...] over micro-batches and DP ranks, on
+        every pipeline stage; the metric names on the last stage (others: [])."""
         names = outputs[0]["names"] if outputs else []  # only the last stage has outputs
         width = torch.tensor([len(names)], dtype=torch.float)
         if self.groups.layout.pp > 1:
@@ -168,16 +296,39 @@ class MegatronEngine:
             dist.broadcast(width, src=last, group=self.groups.pg.pp)
         totals = torch.zeros(2 + int(width.item()))
         if self.groups.is_last_stage:
-            for out in outputs:
-                totals += out["report"]
-            dist.all_reduce(totals, group=self.groups.pg.dp_cp)
+            extrema = torch.tensor([False, False] + [_extremum(n) != 0 for n in names])
+            sign = torch.tensor([1.0, 1.0] + [float(_extremum(n) or 1) for n in names])  # min = -max(-x)
+            reports = torch.stack([out["report"] for out in outputs]) * sign  # [micro-batches, width]
+            totals = torch.where(extrema, reports.max(0).values, reports.sum(0))
+            summed, maxed = totals.clone(), totals.clone()
+            dist.all_reduce(summed, group=self.groups.pg.dp_cp)
+            if extrema.any():
+                dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self.groups.pg.dp_cp)
+            totals = torch.where(extrema, maxed, summed) * sign
         self._broadcast_from_last_stage(totals)
-        count = totals[1].clamp(min=1)
-        metrics = {"loss": (totals[0] / count).item(), "grad_norm": grad_norm}
-        metrics.update({name: (totals[2 + i] / count).item() for i, name in enumerate(names)})
+        return totals, names
+
+    @staticmethod
+    def _metrics(reports: List[Tuple[torch.Tensor, List[str]]],
+                 grad_norms: List[Optional[float]]) -> Dict[str, float]:
+        names = reports[0][1]
+        totals = torch.stack([r[0] for r in reports])  # [steps, 2 + metrics]
+        count = totals[:, 1].sum().clamp(min=1)
+        taken = [g for g in grad_norms if g is not None]  # None: a skipped step
+        metrics = {"loss": (totals[:, 0].sum() / count).item(), "grad_norm": sum(taken) / max(len(taken), 1),
+                   "optimizer_steps": float(len(taken)), "skipped_steps": float(len(grad_norms) - len(taken))}
+        for i, name in enumerate(names):
+            column = totals[:, 2 + i]
+            kind = _extremum(name)
+            metrics[name] = (column.max() if kind > 0 else column.min() if kind < 0 else column.sum() / count).item()
         return metrics
 
     def _broadcast_from_last_stage(self, tensor: torch.Tensor) -> None:
         if self.groups.layout.pp > 1:
             last = dist.get_global_rank(self.groups.pg.pp, self.groups.layout.pp - 1)
             dist.broadcast(tensor, src=last, group=self.groups.pg.pp)
+
+
+def _extremum(name: str) -> int:
+    """+1 for a ``*_max`` metric, -1 for ``*_min``, 0 for a count-weighted sum."""
+    return 1 if name.endswith("_max") else -1 if name.endswith("_min") else 0

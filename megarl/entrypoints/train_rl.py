@@ -77,6 +77,22 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         raise ConfigError(f"data.prompts_per_step={data.prompts_per_step} x algorithm.samples_per_prompt="
                           f"{algo.samples_per_prompt} = {rows} rows do not split over the actor's dp={layout.dp}; "
                           f"make the product a multiple of {layout.dp}")
+    mini = algo.ppo_mini_batch_size
+    if mini is not None and (mini < 0 or (mini and (rows % mini or mini % layout.dp))):
+        raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} must divide the {rows} rows per step "
+                          f"(data.prompts_per_step x algorithm.samples_per_prompt) and be a multiple of the "
+                          f"actor's dp={layout.dp}; null = the whole batch")
+    if algo.ppo_epochs < 1:
+        raise ConfigError(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
+    if not 0 < algo.temperature < float("inf"):  # also refuses NaN
+        # Responses are sampled, and the trainer's log-probs computed (logits / T), at this
+        # temperature: at 0 they are undefined and the run goes NaN; n greedy samples are one.
+        raise ConfigError(f"algorithm.temperature={algo.temperature:g} must be a positive number: RL samples at "
+                          f"it and the trainer divides logits by it. Greedy decoding is not a sampling "
+                          f"temperature here; for near-greedy samples use a small one, e.g. 0.1 (remax's "
+                          f"greedy baseline is generated internally)")
+    if cfg.trainer.max_bad_steps < 1:
+        raise ConfigError(f"trainer.max_bad_steps={cfg.trainer.max_bad_steps} must be >= 1")
     if algo.name in ("grpo", "dapo", "rloo", "reinforce_pp_baseline") and algo.samples_per_prompt < 2:
         raise ConfigError(f"algorithm.samples_per_prompt={algo.samples_per_prompt}: {algo.name} compares "
                           f"samples of one prompt; use 2 or more")
@@ -257,6 +273,7 @@ def run(prepared: Prepared) -> List[dict]:
         print(f"run directory {log.run_dir}: metrics.jsonl, mlflow.db, {png.name}, final.json", flush=True)
         return log.history
     finally:
+        prepared.scorer.close()  # the reward workers, even one stuck in a hanging function
         group.shutdown()
         ray.shutdown()
 

@@ -2,19 +2,23 @@
 entropy bonus), over a :class:`MegatronEngine`.
 
 Batch tensors, [rows, seq], right-padded: ``tokens``, ``labels`` (next tokens), ``position_ids``,
-``loss_mask`` (1 on response tokens), ``old_log_probs``, ``ref_log_probs``, ``advantages``.
+``loss_mask`` (1 on response tokens), ``old_log_probs``, ``ref_log_probs``, ``advantages``. The
+old log-probs stay fixed over all the mini-batches and epochs of one update.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
 
+from megarl.algorithms.kl import LOG_RATIO_BOUND, clamp_log_ratio
 from megarl.algorithms.losses import POLICY_LOSSES, entropy_bonus, kl_loss, loss_denominators
+from megarl.algorithms.masked import masked_mean
 from megarl.engines.batching import Batch
-from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
 
 
 @dataclass
@@ -73,7 +77,28 @@ class Actor:
             loss = loss - cfg.entropy_coef * entropy_term
         metrics["entropy"] = entropy_term.detach() / count.clamp(min=1)
         # metrics are micro-batch means; weight them by the count so the engine can average
-        return loss, count, {k: v * count for k, v in metrics.items()}
+        metrics = {k: v * count for k, v in metrics.items()}
+        return loss, count, metrics | self._ratio_extras(logp.detach(), t, count)
 
-    def update(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> Dict[str, float]:
-        return self.engine.update(batch, lengths, self._loss, how, self.cfg.temperature)
+    def _ratio_extras(self, logp: torch.Tensor, t: Batch, count: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Token-level ratio extrema (``*_max``/``*_min``: the engine reduces them with max/min)
+        and, for ppo, which side of the clip removed a token's gradient: ``clip_frac_high``
+        (A > 0, ratio > 1 + clip_high), ``clip_frac_low`` (A < 0, ratio < 1 - clip_low); their
+        sum is ``clip_frac``. Count-weighted like the other metrics."""
+        cfg, mask = self.cfg, t["loss_mask"]
+        valid = mask.bool()
+        ratio = torch.exp(clamp_log_ratio(torch.where(valid, logp - t["old_log_probs"], 0.0)))  # [n, s]
+        extras = {"ratio_max": torch.where(valid, ratio, 0.0).max(),
+                  "ratio_min": torch.where(valid, ratio, math.exp(LOG_RATIO_BOUND)).min()}
+        if cfg.policy_loss == "ppo":
+            advantages = t["advantages"]
+            high = (advantages > 0) & (ratio > 1 + cfg.clip_high)
+            low = (advantages < 0) & (ratio < 1 - cfg.clip_low)
+            extras["clip_frac_high"] = masked_mean(high.to(ratio.dtype), mask) * count
+            extras["clip_frac_low"] = masked_mean(low.to(ratio.dtype), mask) * count
+        return extras
+
+    def update(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching,
+               mini: Optional[MiniBatches] = None) -> Dict[str, float]:
+        """Optimizer steps over ``batch`` (this DP rank's rows), one per mini-batch and epoch."""
+        return self.engine.update(batch, lengths, self._loss, how, self.cfg.temperature, mini)

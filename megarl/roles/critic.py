@@ -8,13 +8,13 @@ Batch tensors, [rows, seq]: ``tokens``, ``position_ids``, ``loss_mask``, ``old_v
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from megarl.algorithms.losses import loss_denominators, value_loss
 from megarl.engines.batching import Batch
-from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
 
 
 @dataclass
@@ -25,6 +25,8 @@ class CriticLossConfig:
     """Value clipping around the old values (absolute, in reward units)."""
     agg_mode: str = "token-mean"
     """Loss aggregation over the global batch."""
+    max_len: Optional[int] = None
+    """Generation budget, needed by ``seq-mean-token-sum-norm``."""
 
 
 class Critic:
@@ -44,8 +46,11 @@ class Critic:
         tokens, seqs = loss_denominators(mask)
         count = tokens if self.cfg.agg_mode == "token-mean" else seqs
         loss, metrics = value_loss(values, t["old_values"], t["returns"], mask, self.cfg.clip_range,
-                                   self.cfg.agg_mode, global_tokens=1, global_seqs=1)
+                                   self.cfg.agg_mode, global_tokens=1, global_seqs=1, max_len=self.cfg.max_len)
         return loss, count, {k: v * count for k, v in metrics.items()}
 
-    def update(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> Dict[str, float]:
-        return self.engine.update(batch, lengths, self._loss, how)
+    def update(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching,
+               mini: Optional[MiniBatches] = None) -> Dict[str, float]:
+        """Optimizer steps over ``batch`` (this DP rank's rows), one per mini-batch and epoch;
+        the old values stay fixed over all of them."""
+        return self.engine.update(batch, lengths, self._loss, how, mini=mini)

@@ -1,6 +1,8 @@
 """Worker for test_actor_update.py (under torchrun). ``run``: for each spec, one actor update
 (PPO with clipping engaged + k3 KL loss + entropy bonus) from shared initial weights on a shared
-batch; saves the reduced gradients and the new weights as dist checkpoints and the metrics.
+batch; saves the reduced gradients and the new weights as dist checkpoints and the metrics. A mode
+ending in ``+mb`` makes the update PPO's 4 mini-batches x 2 epochs (8 optimizer steps, shuffled),
+with the rows split over DP ranks in order, as the driver splits a batch.
 ``compare``: one process reads them back whole and reports relative differences to the
 single-process run. Prints RESULT lines on rank 0."""
 
@@ -13,7 +15,7 @@ import torch.distributed as dist
 
 from megarl.config import ModelConfig, OptimizerConfig
 from megarl.engines.batching import balance_across_dp
-from megarl.engines.megatron_engine import MegatronEngine
+from megarl.engines.megatron_engine import MegatronEngine, MiniBatches
 from megarl.models import build_model, megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
 from megarl.models.value_head import attach_value_head
@@ -29,6 +31,8 @@ MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny
           "critic": "configs/models/tiny-llama.json"}  # critic: the dense backbone with a value head
 LOSS = ActorLossConfig(policy_loss="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01)
 ROWS, SEQ = 8, 14
+MINI = "+mb"
+MINI_BATCHES = MiniBatches(size=ROWS // 4, epochs=2, seed=5)
 
 
 def rl_batch(vocab: int):
@@ -57,13 +61,15 @@ def tag(spec: str) -> str:
 def run(work: Path, specs, reference: bool) -> None:
     for spec in specs:
         name, layout, mode = parse(spec)
+        mini = MINI_BATCHES if mode.endswith(MINI) else None
+        mode = mode.removesuffix(MINI)
         dp = layout.dp
         groups = build_groups(layout)
         set_seed(9, groups)
         model_cfg = ModelConfig(hf_config=MODELS[name])
         init = work / name / "init"
         critic = name == "critic"
-        if reference:
+        if reference and not init.exists():
             chunks = build_model(model_cfg, groups)
             if critic:
                 attach_value_head(chunks)
@@ -74,7 +80,10 @@ def run(work: Path, specs, reference: bool) -> None:
         vocab = megatron_args_from_hf(MODELS[name]).vocab_size
         engine = MegatronEngine(state, None if critic else vocab)
         batch, lengths = rl_batch(vocab)
-        rows = balance_across_dp(lengths, dp)[groups.dp_rank]  # each DP rank its share
+        if mini:  # mini-batches are cut from the global order: DP ranks hold it in order
+            rows = torch.arange(ROWS).chunk(dp)[groups.dp_rank]
+        else:
+            rows = balance_across_dp(lengths, dp)[groups.dp_rank]  # each DP rank its share
         mine = {k: v[rows] for k, v in batch.items()}
         noise_old, noise_ref = mine.pop("noise_old"), mine.pop("noise_ref")
         if critic:
@@ -88,7 +97,7 @@ def run(work: Path, specs, reference: bool) -> None:
             # invariant (ratio 1) is the rollout issue's test.
             mine["old_log_probs"] = (logp + noise_old) * mine["loss_mask"]
             mine["ref_log_probs"] = (logp + noise_ref) * mine["loss_mask"]
-        metrics = role.update(mine, lengths[rows], HOW[mode])
+        metrics = role.update(mine, lengths[rows], HOW[mode], mini)
         out = work / name / tag(spec)
         with grads_as_weights(state.model):
             save_model(state.model, out / "grads")
@@ -103,15 +112,19 @@ def compare(work: Path) -> None:
     groups = build_groups(Layout())
     for name in [n for n in MODELS if (work / n).is_dir()]:
         model_cfg = ModelConfig(hf_config=MODELS[name])
-        ref_dir = work / name / tag(f"{name}@1,1,1,1")
-        ref = {k: _full_tensors(model_cfg, groups, ref_dir / k, value_head=name == "critic")
-               for k in ("grads", "weights")}
-        ref_metrics = json.loads((ref_dir / "metrics.json").read_text())
+        refs = {}
+        for suffix in ("", ":dynamic" + MINI):  # one reference per kind of update
+            ref_dir = work / name / tag(f"{name}@1,1,1,1{suffix}")
+            if ref_dir.is_dir():
+                refs[suffix.endswith(MINI)] = (
+                    {k: _full_tensors(model_cfg, groups, ref_dir / k, value_head=name == "critic")
+                     for k in ("grads", "weights")}, json.loads((ref_dir / "metrics.json").read_text()))
         for run_dir in sorted(p for p in (work / name).iterdir() if p.name != "init"):
+            ref, ref_metrics = refs[run_dir.name.endswith(MINI)]
             got_metrics = json.loads((run_dir / "metrics.json").read_text())
             record = {"run": f"{name}/{run_dir.name}",
                       "loss": abs(got_metrics["loss"] - ref_metrics["loss"]) / abs(ref_metrics["loss"]),
-                      "clip_frac": ref_metrics["clip_frac"]}
+                      "clip_frac": ref_metrics["clip_frac"], "metrics": got_metrics}
             for kind in ("grads", "weights"):
                 got = _full_tensors(model_cfg, groups, run_dir / kind, value_head=name == "critic")
                 record[kind] = max(_rel(got[k], ref[kind][k]) for k in ref[kind])

@@ -2,23 +2,30 @@
 entropy bonus), or one critic update (clipped value loss, value head), from the same weights and
 batch gives the same gradients and new weights at every layout, with fixed or token-budget
 micro-batches, padded or packed sequences, dense and MoE (e=2); relative difference (norm of
-difference / norm) <= 1e-5 per tensor, fp32."""
+difference / norm) <= 1e-5 per tensor, fp32. Specs ending in ``+mb`` take PPO's 4 mini-batches x 2
+epochs (8 optimizer steps on shuffled rows, old log-probs fixed) and compare with the
+single-process run of the same schedule: the saved gradients are those of the last step."""
 
 import json
 
 import pytest
 
+from tests.distributed.actor_worker import LOSS
 from tests.distributed.launch import torchrun
+from tests.distributed.specs import parse
 
 WORKER = "tests/distributed/actor_worker.py"
 TOL = 1e-5
-REFERENCES = ["dense@1,1,1,1", "moe@1,1,1,1", "critic@1,1,1,1"]
+REFERENCES = ["dense@1,1,1,1", "moe@1,1,1,1", "critic@1,1,1,1",
+              "dense@1,1,1,1:dynamic+mb", "moe@1,1,1,1:dynamic+mb", "critic@1,1,1,1:dynamic+mb"]
 SPECS = {
     1: ["dense@1,1,1,1:dynamic", "dense@1,1,1,1:packed"],
     2: ["dense@2,1,1,1", "dense@1,2,1,1", "dense@1,1,2,1", "dense@1,2,1,1:packed", "dense@1,1,2,1:dynamic",
         "dense@2,1,1,1:dynamic-packed", "moe@2,1,1,1", "moe@1,1,2,2", "moe@1,1,2,2:packed",
         "critic@2,1,1,1", "critic@1,2,1,1:packed", "critic@1,1,2,1:dynamic",
-        "dense@1,2,1,1,2", "critic@1,2,1,1,2:packed"],  # ,2 = two virtual pipeline stages
+        "dense@1,2,1,1,2", "critic@1,2,1,1,2:packed",  # ,2 = two virtual pipeline stages
+        "dense@2,1,1,1:dynamic+mb", "dense@1,2,1,1:dynamic+mb", "dense@1,1,2,1:dynamic+mb",
+        "moe@1,1,2,2:dynamic+mb", "critic@1,1,2,1:dynamic+mb"],
     4: ["dense@2,2,1,1", "dense@2,2,1,1:dynamic-packed", "moe@2,2,1,1", "critic@2,2,1,1"],
 }
 
@@ -39,6 +46,24 @@ def test_every_run_compared(records):
 
 def test_the_update_exercises_clipping(records):
     assert all(0.05 < r["clip_frac"] < 0.95 for r in records)
+
+
+def test_mini_batches_take_one_optimizer_step_each(records):
+    steps = {r["run"]: r["metrics"]["optimizer_steps"] for r in records}
+    assert steps == {run: 8.0 if run.endswith("+mb") else 1.0 for run in steps}
+
+
+def test_clip_fractions_split_by_side_and_ratio_extrema_bracket_the_mean(records):
+    # rank 0 writes the metrics; at pp > 1 it is not the last stage and has only loss and grad norm
+    actor = [r for r in records if not r["run"].startswith("critic") and "clip_frac" in r["metrics"]]
+    assert len(actor) == sum(not s.startswith("critic") and parse(s)[1].pp == 1
+                             for s in REFERENCES + sum(SPECS.values(), []))
+    for r in actor:
+        m = r["metrics"]
+        assert m["clip_frac_low"] > 0 and m["clip_frac_high"] > 0, r["run"]
+        assert abs(m["clip_frac_low"] + m["clip_frac_high"] - m["clip_frac"]) < 1e-6, r["run"]
+        assert m["ratio_min"] < 1 - LOSS.clip_low and m["ratio_max"] > 1 + LOSS.clip_high, r["run"]
+        assert m["ratio_min"] < m["ratio_mean"] < m["ratio_max"], r["run"]
 
 
 @pytest.mark.parametrize("metric", ["loss", "grads", "weights"])

@@ -97,6 +97,12 @@ def test_one_step_off_staleness(tmp_path):
     (["data.train_files=[tests/e2e/data/prompts.jsonl]", "data.prompt_key=question"], DataError, "data.prompt_key"),
     (["algorithm.name=sac"], ConfigError, "algorithm.name"),
     (["trainer.checkpoint_format=zip"], ConfigError, "trainer.checkpoint_format"),
+    (["algorithm.temperature=0"], ConfigError, "algorithm.temperature=0 must be a positive number"),
+    (["algorithm.temperature=-1"], ConfigError, "algorithm.temperature"),
+    (["trainer.max_bad_steps=0"], ConfigError, "trainer.max_bad_steps"),
+    (["algorithm.ppo_mini_batch_size=48"], ConfigError, "algorithm.ppo_mini_batch_size=48 must divide the 128"),
+    (["parallel.actor.tp=1", "algorithm.ppo_mini_batch_size=1"], ConfigError, "multiple of the actor's dp=2"),
+    (["algorithm.ppo_epochs=0"], ConfigError, "algorithm.ppo_epochs"),
 ])
 def test_invalid_configs_fail_before_workers(overrides, error, field):
     cfg = load_config([DEMO], overrides)
@@ -117,6 +123,14 @@ def test_cli_reports_the_field_and_exits_2():
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", DEMO, "parallel.actor.tp=1", "data.prompts_per_step=3",
                            "algorithm.samples_per_prompt=3"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "data.prompts_per_step" in proc.stderr and "ray" not in proc.stderr.lower()
+
+
+def test_temperature_zero_exits_2_saying_greedy_is_explicit(capsys):
+    from megarl.cli import main
+
+    assert main(["train", DEMO, "algorithm.temperature=0", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.temperature=0" in err and "Greedy" in err
 
 
 def test_reward_model_role(tmp_path):
