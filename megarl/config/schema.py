@@ -157,6 +157,9 @@ class AlgorithmConfig:
 
     name: str = "grpo"
     """``grpo``, ``ppo`` (GAE + critic), ``dapo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline`` or ``remax``."""
+    policy_loss: str = "ppo"
+    """``ppo`` (token-level clipped ratio, with clip_high and dual-clip) or ``gspo`` (the sequence-level
+    ratio of GSPO, Zheng et al. 2025, clipped at clip_low/clip_high; GSPO uses small ranges, e.g. 3e-4/4e-4)."""
     samples_per_prompt: int = 8
     """Responses sampled per prompt (the group of GRPO/RLOO/DAPO)."""
     reward_fn: str = "reverse_digits"

@@ -64,7 +64,7 @@ class RLWorker:
         steps = cfg.trainer.train_steps * (rows // (algo.ppo_mini_batch_size or rows)) * algo.ppo_epochs
         state = lm.build_train_state(cfg.model, cfg.optimizer, self.groups, steps, init_checkpoint=cfg.model.path)
         loss = ActorLossConfig(
-            policy_loss="ppo", agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            policy_loss=algo.policy_loss, agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
             entropy_coef=algo.entropy_coef, max_len=algo.max_new_tokens, temperature=algo.temperature)
         bad = cfg.trainer.max_bad_steps

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
 
+from megarl.algorithms.losses import POLICY_LOSSES
 from megarl.checkpoint.load import check_pretrained, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, ParallelConfig, load_config
 from megarl.data.datasets import load_records, reverse_digits_records
@@ -65,6 +66,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     algo, data = cfg.algorithm, cfg.data
     if algo.name not in ESTIMATOR:
         raise ConfigError(f"algorithm.name='{algo.name}' must be one of {sorted(ESTIMATOR)}")
+    if algo.policy_loss not in POLICY_LOSSES.names():
+        raise ConfigError(f"algorithm.policy_loss='{algo.policy_loss}' must be one of {POLICY_LOSSES.names()}")
     if cfg.trainer.checkpoint_format not in OPTIMIZER_FORMATS:
         raise ConfigError(f"trainer.checkpoint_format='{cfg.trainer.checkpoint_format}' must be one of "
                           f"{sorted(OPTIMIZER_FORMATS)}")

@@ -5,6 +5,7 @@ one-step-off loop run; invalid configs fail before any worker starts, naming the
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -68,6 +69,14 @@ def test_ppo_with_critic(tmp_path):
     assert all("critic/loss" in r and r["critic/grad_norm"] > 0 for r in rows)
 
 
+def test_gspo_trains_with_mini_batches(tmp_path):
+    rows = history(tmp_path, "algorithm.policy_loss=gspo", "algorithm.clip_low=0.003", "algorithm.clip_high=0.004",
+                   "algorithm.ppo_mini_batch_size=64", "trainer.train_steps=3")
+    assert all(r["actor/optimizer_steps"] == 2 for r in rows)
+    assert all(math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0 for r in rows)
+    assert any(r["actor/clip_frac"] > 0 for r in rows)  # the second mini-batch's sequence ratios move
+
+
 def test_dapo_dynamic_sampling_refills(tmp_path):
     rows = history(tmp_path, "algorithm.name=dapo", "algorithm.dynamic_sampling=true", "algorithm.clip_high=0.28",
                    "algorithm.overlong_buffer=2", "data.num_digits=2", "algorithm.max_new_tokens=4",
@@ -103,6 +112,7 @@ def test_one_step_off_staleness(tmp_path):
     (["algorithm.ppo_mini_batch_size=48"], ConfigError, "algorithm.ppo_mini_batch_size=48 must divide the 128"),
     (["parallel.actor.tp=1", "algorithm.ppo_mini_batch_size=1"], ConfigError, "multiple of the actor's dp=2"),
     (["algorithm.ppo_epochs=0"], ConfigError, "algorithm.ppo_epochs"),
+    (["algorithm.policy_loss=trpo"], ConfigError, "algorithm.policy_loss='trpo' must be one of"),
 ])
 def test_invalid_configs_fail_before_workers(overrides, error, field):
     cfg = load_config([DEMO], overrides)
