@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.engines.vocab_parallel import log_prob_and_entropy
-from megarl.runtime import init_distributed
+from megarl.runtime import init_distributed, shutdown
 
 if __name__ == "__main__":
     init_distributed()
@@ -38,3 +38,4 @@ if __name__ == "__main__":
     if rank == 0:
         print("RESULT " + json.dumps({"world": world, "logp": diffs[0].item(), "entropy": diffs[1].item(),
                                       "grad": diffs[2].item()}), flush=True)
+    shutdown()  # gloo's threads torn down before interpreter exit (else an occasional abort at exit)
