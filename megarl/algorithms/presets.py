@@ -1,0 +1,114 @@
+"""Algorithms as data: what ``algorithm.name`` means, in one table, validated in one place.
+
+A preset names the advantage estimator and says what the loop must provide around it (a critic,
+groups of samples per prompt, a greedy baseline) and the defaults of the knobs a paper fixes (the
+policy loss, where the KL penalty goes). The loop, the workers and the config checks read the
+preset; nothing else compares ``algorithm.name`` with a string. A new algorithm is a new entry
+(and, if its estimator is new, an entry in ``ADVANTAGE_ESTIMATORS``).
+
+Functions here take the ``algorithm`` config section (``megarl.config.schema.AlgorithmConfig``)
+duck-typed, as the estimators take tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import List
+
+from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from megarl.algorithms.kl import KL_ESTIMATORS
+from megarl.algorithms.losses import AGG_MODES, POLICY_LOSSES
+from megarl.algorithms.registry import Registry
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One RL algorithm: an estimator and what the loop does for it."""
+
+    estimator: str
+    """An ADVANTAGE_ESTIMATORS name."""
+    critic: bool = False
+    """Trains a value model (its values feed the estimator)."""
+    min_group: int = 1
+    """Samples per prompt the estimator needs (2 for a baseline taken from the prompt's group)."""
+    greedy_baseline: bool = False
+    """One greedy response per prompt is generated and scored as the baseline (ReMax)."""
+    whiten: bool = False
+    """Whiten the advantages over the batch's valid tokens (read by GAE; REINFORCE++ whitens by definition)."""
+    outcome: bool = True
+    """The estimator reads one score per sequence; with the KL in the reward that score is the
+    sum of the token rewards, penalty included."""
+    policy_loss: str = "ppo"
+    """Default of ``algorithm.policy_loss``."""
+    kl_in_reward: bool = False
+    """Default of ``algorithm.kl_in_reward`` (where the KL-to-reference penalty goes)."""
+
+
+PRESETS: Registry[Preset] = Registry("algorithm")
+for _name, _preset in {
+    # PPO with a learned critic and GAE (Schulman et al. 2017; Ouyang et al. 2022)
+    "ppo": Preset("gae", critic=True, whiten=True, outcome=False),
+    # GRPO (Shao et al. 2024): group-normalised outcome reward, KL as a loss term
+    "grpo": Preset("grpo", min_group=2),
+    # DAPO (Yu et al. 2025): GRPO's estimator; clip-higher, dynamic sampling and overlong shaping are knobs
+    "dapo": Preset("grpo", min_group=2),
+    # GSPO (Zheng et al. 2025): GRPO's advantages with the sequence-level ratio
+    "gspo": Preset("grpo", min_group=2, policy_loss="gspo"),
+    "rloo": Preset("rloo", min_group=2),
+    # REINFORCE++ (Hu et al. 2025) folds the KL into the token rewards
+    "reinforce_pp": Preset("reinforce_pp", outcome=False, kl_in_reward=True),
+    "reinforce_pp_baseline": Preset("reinforce_pp_baseline", min_group=2),
+    "remax": Preset("remax", greedy_baseline=True),
+}.items():
+    PRESETS.register(_name)(_preset)
+
+
+def preset(algo) -> Preset:
+    """The preset of ``algo.name``; a ValueError names the field and the algorithms there are."""
+    try:
+        return PRESETS.get(algo.name)
+    except KeyError:
+        raise ValueError(f"algorithm.name='{algo.name}' must be one of {PRESETS.names()}") from None
+
+
+def resolve(algo):
+    """A copy of ``algo`` with the preset's defaults filled in (``policy_loss`` and
+    ``kl_in_reward`` left null) and every algorithm field checked; a ValueError names the field."""
+    p = preset(algo)
+    algo = dataclasses.replace(
+        algo, policy_loss=p.policy_loss if algo.policy_loss is None else algo.policy_loss,
+        kl_in_reward=p.kl_in_reward if algo.kl_in_reward is None else algo.kl_in_reward)
+    problems = _problems(algo, p)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return algo
+
+
+def _problems(algo, p: Preset) -> List[str]:
+    out = []
+
+    def one_of(field: str, names) -> None:
+        if getattr(algo, field) not in names:
+            out.append(f"algorithm.{field}='{getattr(algo, field)}' must be one of {list(names)}")
+
+    one_of("policy_loss", POLICY_LOSSES.names())
+    one_of("kl_estimator", KL_ESTIMATORS.names())
+    one_of("agg_mode", AGG_MODES)
+    assert p.estimator in ADVANTAGE_ESTIMATORS.names(), p  # a preset names a registered estimator
+    if algo.samples_per_prompt < p.min_group:
+        out.append(f"algorithm.samples_per_prompt={algo.samples_per_prompt}: {algo.name} compares samples of "
+                   f"one prompt; use {p.min_group} or more")
+    if not 0 < algo.temperature < math.inf:  # also refuses NaN
+        # Responses are sampled, and the trainer's log-probs computed (logits / T), at this
+        # temperature: at 0 they are undefined and the run goes NaN; n greedy samples are one.
+        out.append(f"algorithm.temperature={algo.temperature:g} must be a positive number: RL samples at it "
+                   f"and the trainer divides logits by it. Greedy decoding is not a sampling temperature "
+                   f"here; for near-greedy samples use a small one, e.g. 0.1 (remax's greedy baseline is "
+                   f"generated internally)")
+    if not algo.kl_coef >= 0:
+        out.append(f"algorithm.kl_coef={algo.kl_coef} must be >= 0")
+    if algo.ppo_epochs < 1:
+        out.append(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
+    return out
