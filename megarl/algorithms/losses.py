@@ -81,6 +81,14 @@ def aggregate(
     return per_seq.sum() / seqs
 
 
+def _weighted(loss_mat: Tensor, weights: Optional[Tensor], mask: Tensor) -> Tensor:
+    """``loss_mat`` times per-token ``weights`` (detached, selected at the mask): a weight of 0
+    removes a token's gradient exactly; the aggregation's denominators do not change."""
+    if weights is None:
+        return loss_mat
+    return loss_mat * select_valid(weights.detach(), mask)
+
+
 def _ratio_metrics(
     logp: Tensor, old_logp: Tensor, ratio: Tensor, clipped: Tensor, mask: Tensor
 ) -> Metrics:
@@ -107,6 +115,7 @@ def ppo_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip_c: Optional[float] = None,
+    weights: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Metrics]:
     """PPO clipped surrogate (Schulman et al. 2017, eq. 7), per token:
     max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), r = pi/pi_old.
@@ -115,6 +124,8 @@ def ppo_loss(
     loss of negative-advantage tokens at -c A, so a huge ratio cannot blow it up (Ye et al. 2020,
     "Mastering Complex Control in MOBA Games", eq. 5); c must exceed 1. The log-ratio is clamped
     to +-LOG_RATIO_BOUND: a token beyond it has ratio e^20 and no gradient (it is clipped anyway).
+    ``weights`` ``[batch, T]`` (e.g. rollout correction's importance weights) multiply each
+    token's loss, as constants; the denominators stay those of the mask.
     Metrics: clip_frac (tokens whose gradient the clip removed), dual_clip_frac, approx_kl,
     ratio_mean.
     """
@@ -130,6 +141,7 @@ def ppo_loss(
         cap = -dual_clip_c * advantages
         dual_clipped = (advantages < 0) & (loss_mat > cap)
         loss_mat = torch.where(dual_clipped, cap, loss_mat)
+    loss_mat = _weighted(loss_mat, weights, mask)
     loss = aggregate(
         loss_mat, mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len
     )
@@ -152,6 +164,7 @@ def gspo_loss(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     dual_clip_c: Optional[float] = None,
+    weights: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Metrics]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", §4.1 and the GSPO-token
     form of §4.3): the sequence ratio s_i = exp(mean_t (logp - old_logp)) is clipped to
@@ -161,7 +174,7 @@ def gspo_loss(
     through each token's log-prob. With a per-sequence advantage (constant over the sequence's
     tokens) and ``seq-mean-token-mean`` this is exactly GSPO's gradient; token-varying advantages
     give GSPO-token. Dual clip is not defined for sequence ratios. The sequence log-ratio is
-    clamped to +-LOG_RATIO_BOUND.
+    clamped to +-LOG_RATIO_BOUND. ``weights`` multiply each token's loss, as in :func:`ppo_loss`.
     """
     if dual_clip_c is not None:
         raise ValueError("gspo has no dual clip; set dual_clip_c=None")
@@ -171,7 +184,7 @@ def gspo_loss(
     ratio = torch.exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())  # [batch, T], value s_i
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    loss_mat = torch.maximum(unclipped, clipped)
+    loss_mat = _weighted(torch.maximum(unclipped, clipped), weights, mask)
     loss = aggregate(
         loss_mat, mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len
     )

@@ -14,6 +14,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megarl.algorithms.correction import rollout_correction_weights
 from megarl.algorithms.kl import LOG_RATIO_BOUND, clamp_log_ratio
 from megarl.algorithms.losses import POLICY_LOSSES, entropy_bonus, kl_loss, loss_denominators
 from megarl.algorithms.masked import masked_mean
@@ -45,6 +46,10 @@ class ActorLossConfig:
     """Generation budget, needed by ``seq-mean-token-sum-norm``."""
     temperature: float = 1.0
     """Sampling temperature the log-probs are computed at."""
+    rollout_correction: str = "none"
+    """Importance weights pi_old / pi_rollout in the policy loss (megarl.algorithms.correction)."""
+    rollout_correction_threshold: float = 2.0
+    """Their bound C (> 1): truncation (TIS) or masking (MIS) above it."""
 
 
 class Actor:
@@ -63,9 +68,18 @@ class Actor:
         # Sums here; Megatron divides by the count summed over micro-batches and DP ranks.
         count = tokens if cfg.agg_mode == "token-mean" else seqs
         norm = dict(global_tokens=1, global_seqs=1, max_len=cfg.max_len)
+        weights, correction = None, {}
+        if "rollout_log_probs" in t:  # the train-inference mismatch, logged at any mode
+            weights, correction = rollout_correction_weights(
+                t["old_log_probs"], t["rollout_log_probs"], mask, cfg.rollout_correction,
+                cfg.rollout_correction_threshold)
+        elif cfg.rollout_correction != "none":
+            raise ValueError(f"rollout_correction='{cfg.rollout_correction}' needs the batch's rollout_log_probs")
         loss, metrics = POLICY_LOSSES.get(cfg.policy_loss)(
             logp, t["old_log_probs"], t["advantages"], mask, agg_mode=cfg.agg_mode,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, **norm)
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, weights=weights, **norm)
+        correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
+        metrics |= {k: v for k, v in correction.items() if not k.endswith("_max")}
         if cfg.kl_coef:
             kl = kl_loss(logp, t["ref_log_probs"], mask, cfg.kl_estimator, cfg.agg_mode, **norm)
             loss = loss + cfg.kl_coef * kl
@@ -78,7 +92,8 @@ class Actor:
         metrics["entropy"] = entropy_term.detach() / count.clamp(min=1)
         # metrics are micro-batch means; weight them by the count so the engine can average
         metrics = {k: v * count for k, v in metrics.items()}
-        return loss, count, metrics | self._ratio_extras(logp.detach(), t, count)
+        extrema = {k: v for k, v in correction.items() if k.endswith("_max")}  # max-reduced, not weighted
+        return loss, count, metrics | extrema | self._ratio_extras(logp.detach(), t, count)
 
     def _ratio_extras(self, logp: torch.Tensor, t: Batch, count: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Token-level ratio extrema (``*_max``/``*_min``: the engine reduces them with max/min)
@@ -101,4 +116,7 @@ class Actor:
     def update(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching,
                mini: Optional[MiniBatches] = None) -> Dict[str, float]:
         """Optimizer steps over ``batch`` (this DP rank's rows), one per mini-batch and epoch."""
+        if how.packed and self.cfg.rollout_correction.startswith("seq_"):  # the loss sees rows as [1, T]
+            raise ValueError(f"rollout_correction='{self.cfg.rollout_correction}' weighs whole responses and "
+                             f"needs padded micro-batches (MicroBatching.packed=False)")
         return self.engine.update(batch, lengths, self._loss, how, self.cfg.temperature, mini)

@@ -5,7 +5,9 @@ and greedy continuations of PROMPTS by full recomputation (no cache).
 ``run WORK CASE...``, a case being ``model@t,p,d,e>t_g,e_g``: the actor in the training layout
 (the trainer's engine), the native rollout in the generation layout fed by the hybrid engine;
 greedy with and without a stop token, seeded sampling twice, and the trainer's log-probs of
-every response against the rollout's own.
+every response against the rollout's own. A case ending in ``+bf16`` also builds a second rollout
+with bf16 weights (``dtype="bfloat16"``) from the same fp32 training shards and measures its
+log-prob mismatch against the fp32 trainer.
 """
 
 from __future__ import annotations
@@ -85,7 +87,31 @@ def max_diff(engine, responses, temperature) -> float:
     return (got - ref).abs().max().item()
 
 
+def bf16_rollout(record, model_cfg, args, rg, state, engine, sampling) -> None:
+    """The same samples from a bf16 generation model fed by the fp32 actor: its weights and logits
+    are bf16, the training shards stay fp32, and the mismatch to the trainer grows."""
+    rollout = NativeRollout(model_cfg, args, rg, state.model, bucket_bytes=1 << 16, max_batch_rows=3, dtype="bfloat16")
+    rollout.update_weights(policy_version=1)
+    record["bf16_weight_dtypes"] = sorted({str(t.dtype) for t in rollout.weights})
+    record["bf16_train_dtypes"] = sorted({str(p.dtype) for c in state.model for p in c.parameters()})
+    # the sync cast each fp32 shard to bf16: the generation weights are the rounded training ones
+    train = dict(getattr(state.model[0], "module", state.model[0]).named_parameters())
+    gen = dict(rollout.model.named_parameters())
+    shared = [n for n in gen if n in train and gen[n].shape == train[n].shape]
+    record["bf16_cast_exact"] = all(torch.equal(gen[n], train[n].to(torch.bfloat16)) for n in shared) and bool(shared)
+    seen = set()
+    hooks = [m.register_forward_hook(lambda _m, _i, out: seen.add(str((out[0] if isinstance(out, tuple) else out).dtype)))
+             for m in rollout.model.decoder.layers]
+    responses = rollout.generate(PROMPTS, sampling)
+    for hook in hooks:
+        hook.remove()
+    record["bf16_layer_output_dtypes"] = sorted(seen)
+    record["bf16_samples"] = len(responses)
+    record["bf16_sampled_logp_diff"] = max_diff(engine, responses, sampling.temperature)
+
+
 def run(work: Path, case: str) -> None:
+    case, _, flag = case.partition("+")
     name, rest = case.split("@")
     train, gen = rest.split(">")
     tp, pp, dp, ep = (int(x) for x in train.split(","))
@@ -130,6 +156,8 @@ def run(work: Path, case: str) -> None:
     record["distinct_samples"] = len({tuple(r.token_ids) for r in first})
     record["sampled_logp_diff"] = max_diff(engine, first, 0.8)
     record["sampled_tokens"] = [r.token_ids for r in first]
+    if flag == "bf16":
+        bf16_rollout(record, model_cfg, args, rg, state, engine, sampling)
 
     rollout.release_memory()
     try:
