@@ -1,9 +1,9 @@
 """Micro-batches for the engines: fixed-size or by token budget, padded or packed.
 
-A batch is a dict of [rows, seq] tensors with right padding (``lengths`` [rows] gives each
-row's real tokens). Micro-batches keep the indices of their rows so results go back in order.
-Packed micro-batches concatenate the real tokens of their rows into one row (THD format,
-``cu_seqlens``), so no compute is spent on padding.
+A batch is a dict of [rows, seq] tensors (MoE ``routing``: [rows, seq, layers, topk]) with right
+padding (``lengths`` [rows] gives each row's real tokens). Micro-batches keep the indices of their
+rows so results go back in order. Packed micro-batches concatenate the real tokens of their rows
+into one row (THD format, ``cu_seqlens``), so no compute is spent on padding.
 """
 
 from __future__ import annotations
@@ -97,12 +97,17 @@ def packed(batch: Batch, rows: torch.Tensor, lengths: torch.Tensor, multiple: in
     for key, value in batch.items():
         parts = [value[r, :n] for r, n in zip(rows.tolist(), lens)]
         if pad:
-            parts.append(value.new_zeros(pad))
+            parts.append(value.new_full((pad, *value.shape[2:]), _pad_value(key)))
         tensors[key] = torch.cat(parts).unsqueeze(0)
     tensors["position_ids"] = torch.cat([torch.arange(n) for n in seg_lens]).unsqueeze(0)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max(seg_lens), max_seqlen_kv=max(seg_lens))
     return MicroBatch(rows, tensors, params, torch.tensor(lens))
+
+
+def _pad_value(key: str) -> int:
+    """Padding of a batch tensor: 0, but -1 (no token) in MoE ``routing``."""
+    return -1 if key == "routing" else 0
 
 
 def pad_to(micro: MicroBatch, width: int) -> MicroBatch:
@@ -111,7 +116,9 @@ def pad_to(micro: MicroBatch, width: int) -> MicroBatch:
     extra = width - micro.tensors["tokens"].shape[1]
     if extra <= 0:
         return micro
-    tensors = {k: torch.nn.functional.pad(v, (0, extra)) for k, v in micro.tensors.items()}
+    # pad dim 1 (F.pad's spec runs from the last dim): [n, s] tensors and [n, s, layers, topk] routing
+    tensors = {k: torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, extra), value=_pad_value(k))
+               for k, v in micro.tensors.items()}
     params = micro.packed_seq_params
     if params is not None:
         from dataclasses import replace

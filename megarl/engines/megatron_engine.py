@@ -107,6 +107,27 @@ class MegatronEngine:
         # Micro-batches of different lengths need Megatron to exchange shapes between stages
         # (the interleaved schedule gets equal shapes instead, see micro_batches).
         state.model[0].config.variable_seq_lengths = not state.groups.layout.vpp
+        self.routers: Dict[int, list] = {}  # id(model chunk) -> its MoE routers' handles (track_routing)
+        self.routing_replay = False
+        self.routing_mismatch: Dict[str, float] = {}  # of the last log-prob pass with routing
+
+    def track_routing(self, replay: bool) -> None:
+        """Give this model's MoE routers replay handles (megarl.models.routing_replay). A batch's
+        ``routing`` (the rollout's experts) is then compared with the trainer's in
+        :meth:`forward_log_probs` (``routing_mismatch``), and with ``replay`` it is the routing of
+        both the log-prob and the update passes; the gating weights stay live."""
+        from megarl.models import routing_replay
+
+        self.routers = {id(c): h for c, h in zip(self.state.model, routing_replay.attach(self.state.model))}
+        self.routing_replay = replay
+
+    def _set_routing(self, count: bool) -> bool:
+        """Configure the routers for the next pass; True when it needs the batch's routing."""
+        for handles in self.routers.values():
+            for handle in handles:
+                handle.replay, handle.count = self.routing_replay, count
+                handle.mismatched = handle.live_mismatched = handle.compared = 0
+        return bool(self.routers) and (self.routing_replay or count)
 
     def micro_batches(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> List[MicroBatch]:
         layout = self.groups.layout
@@ -137,25 +158,38 @@ class MegatronEngine:
             micro = [batching.pad_to(m, width) for m in micro]
         return micro
 
-    def _run(self, micro: List[MicroBatch], loss_func, forward_only: bool):
+    def _run(self, micro: List[MicroBatch], loss_func, forward_only: bool, routing: bool = False):
+        """Megatron's schedule over ``micro``; ``routing``: give the routers each micro-batch's
+        recorded experts before its forward."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+        from megarl.models import routing_replay
+
+        layout = self.groups.layout
+        sp = (self.groups.tp_rank, layout.tp) if layout.sequence_parallel and layout.tp > 1 else (0, 1)
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if routing:
+                routing_replay.set_targets(self.routers.get(id(model), ()), mb.tensors["routing"], *sp)
             logits = model(mb.tensors["tokens"], mb.tensors["position_ids"], None,
                            packed_seq_params=mb.packed_seq_params)
             return logits, partial(loss_func, mb)
 
-        layout, model = self.groups.layout, self.state.model
+        model = self.state.model
         iterators = [iter(micro) for _ in model] if len(model) > 1 else iter(micro)
-        return get_forward_backward_func(layout.pp, layout.vpp)(
-            forward_step_func=forward_step, data_iterator=iterators,
-            model=model if len(model) > 1 else model[0], num_microbatches=len(micro),
-            seq_length=max(m.tensors["tokens"].shape[1] for m in micro),
-            micro_batch_size=max(m.tensors["tokens"].shape[0] for m in micro),
-            forward_only=forward_only, pg_collection=self.groups.pg,
-            p2p_communicator=P2PCommunicator(pp_group=self.groups.pg.pp, config=model[0].config))
+        try:
+            return get_forward_backward_func(layout.pp, layout.vpp)(
+                forward_step_func=forward_step, data_iterator=iterators,
+                model=model if len(model) > 1 else model[0], num_microbatches=len(micro),
+                seq_length=max(m.tensors["tokens"].shape[1] for m in micro),
+                micro_batch_size=max(m.tensors["tokens"].shape[0] for m in micro),
+                forward_only=forward_only, pg_collection=self.groups.pg,
+                p2p_communicator=P2PCommunicator(pp_group=self.groups.pg.pp, config=model[0].config))
+        finally:
+            for handles in self.routers.values():
+                routing_replay.clear(handles)
 
     def _head(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
         """(log-probs, entropy) of the labels from vocabulary-parallel logits, or (values, None)."""
@@ -181,9 +215,12 @@ class MegatronEngine:
 
         for chunk in self.state.model:
             chunk.eval()
-        outputs = self._run(micro, loss_func, forward_only=True)
+        routing = "routing" in batch and self._set_routing(count=True)
+        outputs = self._run(micro, loss_func, forward_only=True, routing=routing)
         for chunk in self.state.model:
             chunk.train()
+        if routing:
+            self.routing_mismatch = self._reduce_routing_mismatch()
         result = torch.zeros(2, rows, seq)
         if self.groups.is_last_stage:
             for mb, out in zip(micro, outputs):
@@ -230,7 +267,8 @@ class MegatronEngine:
                                  + [v.detach().float() for v in metrics.values()])
             return loss_sum, count.to(torch.int), {"report": report, "names": list(metrics)}
 
-        outputs = self._run(self.micro_batches(batch, lengths, how), loss_func, forward_only=False)
+        routing = "routing" in batch and self._set_routing(count=False)
+        outputs = self._run(self.micro_batches(batch, lengths, how), loss_func, forward_only=False, routing=routing)
         return outputs, self._step_if_finite(outputs)
 
     def _step_if_finite(self, outputs) -> Optional[float]:
@@ -285,6 +323,22 @@ class MegatronEngine:
             return torch.cat(parts)
 
         return {k: gather(v) for k, v in batch.items()}, gather(lengths)
+
+    def _reduce_routing_mismatch(self) -> Dict[str, float]:
+        """Fractions of the (token, MoE layer) top-k sets of the last log-prob pass, over the whole
+        model and batch, that differ from the recorded ones: ``routing_mismatch_frac`` the sets the
+        layers used (0 with replay), ``routing_live_mismatch_frac`` those the live router logits
+        choose (with replay: what the trainer would have chosen). Each rank counted its stage's
+        layers on its tokens (its sequence slice with sequence parallelism; tensor-parallel ranks
+        without it count alike, which leaves the fractions unchanged)."""
+        handles = [h for hs in self.routers.values() for h in hs]
+        counts = torch.tensor([float(sum(getattr(h, name) for h in handles))
+                               for name in ("mismatched", "live_mismatched", "compared")],
+                              device="cuda" if torch.cuda.is_available() else "cpu")
+        for group in (self.groups.pg.mp, self.groups.pg.dp_cp):
+            dist.all_reduce(counts, group=group)
+        fractions = (counts[:2] / counts[2].clamp(min=1)).tolist()
+        return {"routing_mismatch_frac": fractions[0], "routing_live_mismatch_frac": fractions[1]}
 
     def _reduce(self, outputs) -> Tuple[torch.Tensor, List[str]]:
         """One optimizer step's [loss sum, count, metrics...] over micro-batches and DP ranks, on

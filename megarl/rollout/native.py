@@ -6,13 +6,19 @@ depend only on relative positions, so the shift changes nothing). Finished rows 
 from the batch and its KV cache at every step. Each generation data-parallel replica (d·d_g of
 them) decodes a contiguous share of the rows; the responses are gathered so that every rank
 returns all of them.
+
+``dtype`` lets generation run in another precision than training (e.g. bf16 weights and
+activations while the actor trains in fp32): the hybrid engine casts each fp32 training shard
+into the bf16 generation tensors at every sync, and tokens are sampled from the bf16 logits cast
+to fp32 (log-softmax in fp32, as SGLang does). This is the train-inference mismatch that
+``algorithm.rollout_correction`` corrects.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,6 +26,7 @@ import torch.distributed as dist
 from megarl.hybrid import ModelSpec, Regrouping, Resharder
 from megarl.models import build_model
 from megarl.models.hf_config import MegatronModelArgs
+from megarl.models import routing_replay
 from megarl.parallel import LayoutError, build_placed_groups
 from megarl.rollout.sampling import generator_for, sample
 from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams
@@ -30,7 +37,12 @@ class NativeRollout(RolloutEngine):
 
     def __init__(self, model_cfg, args: MegatronModelArgs, regrouping: Regrouping,
                  train_chunks: List[torch.nn.Module], bucket_bytes: int = 256 << 20, max_batch_rows: int = 256,
-                 kv_cache: bool = True):
+                 kv_cache: bool = True, dtype: Optional[str] = None, record_routing: bool = False):
+        """``dtype``: the generation model's ``params_dtype`` (``float32``, ``bfloat16``); None = the
+        training model's (``model_cfg.params_dtype``). ``record_routing``: an MoE model's responses carry
+        the top-k experts of every token fed through it (``Response.routing``, for routing replay)."""
+        if dtype is not None:
+            model_cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
         gen = dataclasses.replace(regrouping.gen, sequence_parallel=False)  # decode steps are one token long
         if gen.pp != 1:
             raise ValueError(f"the native rollout runs without pipeline stages; set rollout.pp=1 (got {gen.pp})")
@@ -53,6 +65,11 @@ class NativeRollout(RolloutEngine):
         except LayoutError as err:
             raise ValueError(f"rollout layout {gen}: {err}") from None
         tensors = {n: t.data for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())}
+        self.routers = []  # pp = 1: every MoE layer, in MoE layer order
+        if record_routing and args.num_experts:
+            self.routers = sorted(routing_replay.attach([self.model])[0], key=lambda h: h.moe_index)
+            for handle in self.routers:
+                handle.record = True
         self.resharder = Resharder.create(ModelSpec.from_args(args, model_cfg.make_vocab_size_divisible_by),
                                           regrouping, train_chunks, bucket_bytes, outputs=tensors)
         self.weights = list(self.resharder.outputs.values())
@@ -122,6 +139,11 @@ class NativeRollout(RolloutEngine):
                             runtime_gather_output=True)  # [rows, 1 or s, padded vocab], gathered over tp
         return logits[:, -1, : self.vocab]
 
+    def _routing(self, rows: int) -> torch.Tensor:
+        """The last forward's top-k experts, [rows, s, moe_layers, topk] (the router saw [s, rows])."""
+        recorded = torch.stack([h.recorded for h in self.routers], dim=1).to("cpu", torch.int32)
+        return recorded.view(-1, rows, *recorded.shape[1:]).transpose(0, 1)
+
     @torch.no_grad()
     def _decode(self, prompts, rows, sampling: SamplingParams, seed: int) -> List[Response]:
         from megatron.core.inference.contexts import StaticInferenceContext
@@ -148,6 +170,10 @@ class NativeRollout(RolloutEngine):
         log_probs: List[List[float]] = [[] for _ in rows]
         finish = [""] * len(rows)
         logits = self._logits(tokens, blocked, context)
+        routing = None  # per row, the routing of each position fed: prompt, then each generated token but the last
+        if self.routers:
+            prefill = self._routing(len(rows))
+            routing = [[prefill[i, width - n:]] for i, n in enumerate(lengths)]
         position = width  # where the next token goes
         if context is not None:
             context.sequence_len_offset += width
@@ -183,6 +209,11 @@ class NativeRollout(RolloutEngine):
             else:
                 eye = torch.eye(position + 1, dtype=torch.bool, device=device)
                 logits = self._logits(tokens, ~(valid[:, None, None, :position + 1] | eye), None)
+            if routing is not None:
+                fed = self._routing(len(active))[:, -1:]  # the new token's position
+                for j, i in enumerate(active):
+                    routing[i].append(fed[j])
             position += 1
-        return [Response(p, s, produced[i], log_probs[i], finish[i], self.policy_version)
+        return [Response(p, s, produced[i], log_probs[i], finish[i], self.policy_version,
+                         torch.cat(routing[i]) if routing is not None else None)
                 for i, (p, s) in enumerate(rows)]

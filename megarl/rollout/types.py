@@ -56,6 +56,10 @@ class Response:
     log_probs: List[float]  # of each response token, at the sampling temperature, full vocabulary
     finish_reason: str  # "stop" or "length"
     policy_version: int = -1
+    # [prompt + response tokens - 1, moe_layers, topk] int: the experts each fed token was routed
+    # to, in the trainer's input positions (the last response token is never fed); MoE models
+    # with routing recorded only (routing replay), else None.
+    routing: Optional[torch.Tensor] = None
 
     @property
     def length(self) -> int:

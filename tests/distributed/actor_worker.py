@@ -3,8 +3,9 @@
 batch; saves the reduced gradients and the new weights as dist checkpoints and the metrics. A mode
 ending in ``+mb`` makes the update PPO's 4 mini-batches x 2 epochs (8 optimizer steps, shuffled),
 with the rows split over DP ranks in order, as the driver splits a batch.
-``compare``: one process reads them back whole and reports relative differences to the
-single-process run. Prints RESULT lines on rank 0."""
+``replay`` is the MoE model with routing replay of a routing that differs from its own (see
+:func:`recorded_routing`). ``compare``: one process reads them back whole and reports relative
+differences to the single-process run. Prints RESULT lines on rank 0."""
 
 import json
 import sys
@@ -28,7 +29,8 @@ from megarl.training.dist_ckpt import save_model
 from tests.distributed.parity_worker import _full_tensors, _rel, grads_as_weights
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
-          "critic": "configs/models/tiny-llama.json"}  # critic: the dense backbone with a value head
+          "critic": "configs/models/tiny-llama.json",  # critic: the dense backbone with a value head
+          "replay": "configs/models/tiny-qwen3-moe.json"}  # moe with routing replay of ROUTING
 LOSS = ActorLossConfig(policy_loss="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01)
 ROWS, SEQ = 8, 14
 MINI = "+mb"
@@ -54,6 +56,36 @@ def rl_batch(vocab: int):
     return batch, lengths
 
 
+ROUTING = "routing.pt"  # replay: the live routing of the batch with about half its (token, layer) sets changed
+
+
+def recorded_routing(work: Path, engine: MegatronEngine, batch, lengths) -> None:
+    """Single process: record the model's own routing of the whole batch (one micro-batch) and
+    save it with about half of its (token, layer) top-k sets changed to other experts."""
+    from megarl.engines.megatron_engine import MicroBatching
+
+    engine.track_routing(replay=False)
+    handles = sorted(sum(engine.routers.values(), []), key=lambda h: h.moe_index)
+    for handle in handles:
+        handle.record = True
+    Actor(engine, LOSS).compute_log_prob(batch, lengths, MicroBatching(micro_batch_size=ROWS))
+    live = torch.stack([h.recorded for h in handles], dim=1)  # [s * rows, layers, topk]
+    live = live.view(SEQ, ROWS, *live.shape[1:]).transpose(0, 1).clone()  # [rows, s, layers, topk]
+    gen = torch.Generator().manual_seed(3)
+    experts = megatron_args_from_hf(MODELS["replay"]).num_experts
+    other = torch.rand(experts, generator=gen).argsort()[: live.shape[-1]]
+    change = torch.rand(live.shape[:3], generator=gen) < 0.5
+    routing = torch.where(change[..., None], other, live)
+    padding = torch.arange(SEQ)[None, :] >= lengths[:, None]
+    live[padding], routing[padding] = -1, -1  # no token there
+    # its own routing, compared in micro-batches of 2 rows (other widths, other padding): no mismatch
+    Actor(engine, LOSS).compute_log_prob(batch | {"routing": live}, lengths, HOW["fixed"])
+    assert engine.routing_mismatch == {"routing_mismatch_frac": 0.0, "routing_live_mismatch_frac": 0.0}, \
+        engine.routing_mismatch
+    torch.save(routing, work / ROUTING)
+    engine.routers = {}
+
+
 def tag(spec: str) -> str:
     return spec.replace("@", "-").replace(",", "").replace(":", "-")
 
@@ -67,7 +99,7 @@ def run(work: Path, specs, reference: bool) -> None:
         groups = build_groups(layout)
         set_seed(9, groups)
         model_cfg = ModelConfig(hf_config=MODELS[name])
-        init = work / name / "init"
+        init = work / ("moe" if name == "replay" else name) / "init"
         critic = name == "critic"
         if reference and not init.exists():
             chunks = build_model(model_cfg, groups)
@@ -80,6 +112,11 @@ def run(work: Path, specs, reference: bool) -> None:
         vocab = megatron_args_from_hf(MODELS[name]).vocab_size
         engine = MegatronEngine(state, None if critic else vocab)
         batch, lengths = rl_batch(vocab)
+        if name == "replay":
+            if reference and not (work / ROUTING).exists():
+                recorded_routing(work, engine, batch, lengths)
+            batch["routing"] = torch.load(work / ROUTING)
+            engine.track_routing(replay=True)
         if mini:  # mini-batches are cut from the global order: DP ranks hold it in order
             rows = torch.arange(ROWS).chunk(dp)[groups.dp_rank]
         else:
@@ -98,6 +135,7 @@ def run(work: Path, specs, reference: bool) -> None:
             mine["old_log_probs"] = (logp + noise_old) * mine["loss_mask"]
             mine["ref_log_probs"] = (logp + noise_ref) * mine["loss_mask"]
         metrics = role.update(mine, lengths[rows], HOW[mode], mini)
+        metrics.update(engine.routing_mismatch)  # of the log-prob pass, against the replayed routing
         out = work / name / tag(spec)
         with grads_as_weights(state.model):
             save_model(state.model, out / "grads")
@@ -128,6 +166,8 @@ def compare(work: Path) -> None:
             for kind in ("grads", "weights"):
                 got = _full_tensors(model_cfg, groups, run_dir / kind, value_head=name == "critic")
                 record[kind] = max(_rel(got[k], ref[kind][k]) for k in ref[kind])
+                if kind == "grads" and name == "replay":
+                    record["router_grad_norm_min"] = min(float(v.norm()) for k, v in got.items() if "router" in k)
             print("RESULT " + json.dumps(record), flush=True)
     groups.destroy()
 

@@ -16,7 +16,7 @@ from tests.distributed.specs import parse
 
 WORKER = "tests/distributed/actor_worker.py"
 TOL = 1e-5
-REFERENCES = ["dense@1,1,1,1", "moe@1,1,1,1", "critic@1,1,1,1",
+REFERENCES = ["dense@1,1,1,1", "moe@1,1,1,1", "critic@1,1,1,1", "replay@1,1,1,1",
               "dense@1,1,1,1:dynamic+mb", "moe@1,1,1,1:dynamic+mb", "critic@1,1,1,1:dynamic+mb"]
 SPECS = {
     1: ["dense@1,1,1,1:dynamic", "dense@1,1,1,1:packed"],
@@ -25,8 +25,8 @@ SPECS = {
         "critic@2,1,1,1", "critic@1,2,1,1:packed", "critic@1,1,2,1:dynamic",
         "dense@1,2,1,1,2", "critic@1,2,1,1,2:packed",  # ,2 = two virtual pipeline stages
         "dense@2,1,1,1:dynamic+mb", "dense@1,2,1,1:dynamic+mb", "dense@1,1,2,1:dynamic+mb",
-        "moe@1,1,2,2:dynamic+mb", "critic@1,1,2,1:dynamic+mb"],
-    4: ["dense@2,2,1,1", "dense@2,2,1,1:dynamic-packed", "moe@2,2,1,1", "critic@2,2,1,1"],
+        "moe@1,1,2,2:dynamic+mb", "critic@1,1,2,1:dynamic+mb", "replay@2,1,1,1", "replay@1,1,2,2:packed"],
+    4: ["dense@2,2,1,1", "dense@2,2,1,1:dynamic-packed", "moe@2,2,1,1", "critic@2,2,1,1", "replay@2,2,1,1"],
 }
 
 
@@ -70,3 +70,18 @@ def test_clip_fractions_split_by_side_and_ratio_extrema_bracket_the_mean(records
 def test_update_is_layout_and_batching_invariant(records, metric):
     bad = {r["run"]: r[metric] for r in records if not r[metric] <= TOL}
     assert not bad, f"{metric} differs from the single-process update by more than {TOL}: {bad}"
+
+
+def test_routing_replay_uses_the_recorded_experts_and_keeps_router_gradients(records):
+    # replay@...: the batch's routing is the model's own with ~half its (token, layer) top-k sets
+    # changed; tp=2 runs it with sequence parallelism (each rank replays its sequence slice),
+    # e=2 packed, and tp=2·pp=2. The update invariance above covers these runs too.
+    replay = {r["run"]: r for r in records if r["run"].startswith("replay/")}
+    assert len(replay) == 4
+    reference = replay["replay/replay-1111"]["metrics"]["routing_live_mismatch_frac"]
+    assert reference > 0.3
+    for run, r in replay.items():
+        m = r["metrics"]
+        assert m["routing_mismatch_frac"] == 0.0, run  # the experts used are the recorded ones
+        assert abs(m["routing_live_mismatch_frac"] - reference) <= 1e-6, run  # counted on the right tokens
+        assert r["router_grad_norm_min"] > 1e-5, run  # every MoE layer's router is trained
