@@ -76,6 +76,11 @@ class RolloutLayoutConfig:
     """``native`` (Megatron with a KV cache; CPU and GPU) or ``sglang`` (GPU, extra ``sglang``)."""
     bucket_mb: int = 256
     """Hybrid-engine bucket: extra memory a weight sync may hold (MiB)."""
+    dtype: str = "auto"
+    """Generation precision of the native engine: ``float32``, ``bfloat16`` or ``auto`` (the actor's
+    model.params_dtype: fp32 on CPU, bf16 with CUDA). Training keeps its own; the weight sync casts
+    (fp32 -> bf16 rounds). A bf16 rollout of an fp32 actor is the train-inference mismatch that
+    algorithm.rollout_correction corrects (rollout/logp_max_abs_diff, rollout_correction/kl)."""
 
 
 @dataclass
@@ -156,10 +161,12 @@ class AlgorithmConfig:
     """The RL algorithm: advantage estimator, objective and sampling."""
 
     name: str = "grpo"
-    """``grpo``, ``ppo`` (GAE + critic), ``dapo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline`` or ``remax``."""
-    policy_loss: str = "ppo"
+    """A preset (megarl/algorithms/presets.py): ``grpo``, ``ppo`` (GAE + critic), ``dapo``, ``gspo``,
+    ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline`` or ``remax``."""
+    policy_loss: Optional[str] = None
     """``ppo`` (token-level clipped ratio, with clip_high and dual-clip) or ``gspo`` (the sequence-level
-    ratio of GSPO, Zheng et al. 2025, clipped at clip_low/clip_high; GSPO uses small ranges, e.g. 3e-4/4e-4)."""
+    ratio of GSPO, Zheng et al. 2025, clipped at clip_low/clip_high; GSPO uses small ranges, e.g. 3e-4/4e-4);
+    null = the preset's (gspo for name=gspo, else ppo)."""
     samples_per_prompt: int = 8
     """Responses sampled per prompt (the group of GRPO/RLOO/DAPO)."""
     reward_fn: str = "reverse_digits"
@@ -183,8 +190,11 @@ class AlgorithmConfig:
     """Response length limit."""
     kl_coef: float = 0.0
     """KL-to-reference weight (0 = no reference model)."""
-    kl_in_reward: bool = False
-    """Apply the KL as a per-token reward penalty (classic PPO) instead of a loss term."""
+    kl_in_reward: Optional[bool] = None
+    """Apply the KL as a per-token reward penalty (r_t - kl_coef * KL_t) instead of the actor's loss term.
+    Outcome estimators (grpo, dapo, gspo, rloo, reinforce_pp_baseline, remax) then score each sequence by
+    the sum of its token rewards, penalty included (as verl does); ppo and reinforce_pp read the token
+    rewards. null = the preset's (true for reinforce_pp, else false)."""
     kl_estimator: str = "k3"
     """k1, k2 or k3."""
     entropy_coef: float = 0.0
@@ -221,6 +231,18 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     """Passes over the step's batch; rows are reshuffled before each (seeded by trainer.seed and
     the step, the same on every rank)."""
+    rollout_correction: str = "none"
+    """Importance weights pi_old / pi_rollout of the rollout engine's samples in the policy loss:
+    ``none``, ``token_tis`` / ``seq_tis`` (per token / per response, truncated at the threshold:
+    Yao et al. 2025 TIS) or ``token_mis`` / ``seq_mis`` (weights above the threshold masked to 0:
+    MIS, Liu, Yao et al. 2025). rollout_correction/kl (k3 of KL(rollout || old)) is logged at any mode."""
+    rollout_correction_threshold: float = 2.0
+    """The bound C (> 1) on the importance weight of rollout_correction."""
+    routing_replay: bool = False
+    """MoE routing replay (R3): the old-log-prob and update passes route each token to the experts
+    the rollout chose (recorded per MoE layer), with the gating weights still computed from the live
+    router logits, so the router keeps its gradient. The reference model routes by itself. MoE
+    models only; moe/routing_mismatch_frac (trainer vs rollout top-k sets) is logged either way."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from megarl.controller.protocol import Batch
+from megarl.algorithms.presets import preset, resolve
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
 from megarl.hybrid import regroup
 from megarl.models.flops import gpu_peak_tflops
@@ -25,21 +26,20 @@ from megarl.rollout import Response, SamplingParams
 from megarl.runtime import init_distributed, peak_gpu_gb, peak_rss_gb, set_seed
 from megarl.training import lm
 
-CRITIC_ALGORITHMS = ("ppo",)
-
-
 def needs_reference(algo) -> bool:
     return algo.kl_coef > 0
 
 
 def needs_critic(algo) -> bool:
-    return algo.name in CRITIC_ALGORITHMS
+    return preset(algo).critic
 
 
 class RLWorker:
     """One rank of the colocated worker group."""
 
     def __init__(self, rank: int, world_size: int, config):
+        # the driver sends a resolved config; resolving again keeps a direct caller's defaults right
+        config = dataclasses.replace(config, algorithm=resolve(config.algorithm))
         self.rank, self.world_size, self.cfg = rank, world_size, config
 
     def rendezvous(self):
@@ -66,7 +66,9 @@ class RLWorker:
         loss = ActorLossConfig(
             policy_loss=algo.policy_loss, agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
-            entropy_coef=algo.entropy_coef, max_len=algo.max_new_tokens, temperature=algo.temperature)
+            entropy_coef=algo.entropy_coef, max_len=algo.max_new_tokens, temperature=algo.temperature,
+            rollout_correction=algo.rollout_correction,
+            rollout_correction_threshold=algo.rollout_correction_threshold)
         bad = cfg.trainer.max_bad_steps
         self.actor = Actor(MegatronEngine(state, args.vocab_size, max_bad_steps=bad), loss)
         self.reference = None
@@ -98,7 +100,11 @@ class RLWorker:
                              f"native engine; sglang needs GPUs (benchmarks/gpu/check_rollout.sh)")
         from megarl.rollout.native import NativeRollout
 
-        self.rollout = NativeRollout(cfg.model, args, regrouping, state.model, bucket_bytes=r.bucket_mb << 20)
+        self.rollout = NativeRollout(cfg.model, args, regrouping, state.model, bucket_bytes=r.bucket_mb << 20,
+                                     dtype=None if r.dtype == "auto" else r.dtype,
+                                     record_routing=bool(args.num_experts))
+        if args.num_experts:  # moe/routing_mismatch_frac is logged with and without replay
+            self.actor.engine.track_routing(replay=algo.routing_replay)
         self.how = MicroBatching(max_tokens=cfg.data.micro_batch_tokens)
         g = self.groups
         return {"rank": torch.distributed.get_rank(), "dp": layout.dp, "dp_rank": g.dp_rank,
@@ -166,12 +172,16 @@ class RLWorker:
     # ------------------------------------------------------------------ training roles
     @staticmethod
     def _inputs(batch: Batch):
-        """The engine's [rows, seq] tensors, and the row lengths (per-row fields stay behind)."""
-        return {k: v for k, v in batch.tensors.items() if v.dim() == 2}, batch["lengths"]
+        """The engine's [rows, seq] tensors (and MoE ``routing``), and the row lengths (per-row
+        fields stay behind)."""
+        return {k: v for k, v in batch.tensors.items() if v.dim() == 2 or k == "routing"}, batch["lengths"]
 
     def actor_compute_log_prob(self, batch: Batch) -> Batch:
         tensors, lengths = self._inputs(batch)
-        return Batch({"old_log_probs": self.actor.compute_log_prob(tensors, lengths, self.how)})
+        out = Batch({"old_log_probs": self.actor.compute_log_prob(tensors, lengths, self.how)})
+        if "routing" in tensors and self.actor.engine.routers:  # reduced over all ranks
+            out.meta["routing_metrics"] = {f"moe/{k}": v for k, v in self.actor.engine.routing_mismatch.items()}
+        return out
 
     def reference_compute_log_prob(self, batch: Batch) -> Batch:
         tensors, lengths = self._inputs(batch)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
 
-from megarl.algorithms.losses import POLICY_LOSSES
+from megarl.algorithms.correction import check_rollout_correction
+from megarl.algorithms.presets import resolve
 from megarl.checkpoint.load import check_pretrained, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, ParallelConfig, load_config
 from megarl.data.datasets import load_records, reverse_digits_records
@@ -25,10 +26,11 @@ from megarl.hybrid import regroup
 from megarl.models.builder import check_layout
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
-from megarl.trainer.steps import ESTIMATOR, PromptStream, Scorer
+from megarl.trainer.steps import PromptStream, Scorer
 from megarl.training.train_ckpt import OPTIMIZER_FORMATS
 
 LOOPS = ("sync", "one_step_off")
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")  # parallel.rollout.dtype
 
 
 @dataclass
@@ -63,11 +65,17 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         if getattr(cfg.parallel, role) not in (ParallelConfig(), cfg.parallel.actor):
             print(f"megarl: warning: parallel.{role} is ignored; colocated roles use parallel.actor's layout "
                   f"{layout}", file=sys.stderr, flush=True)
+    try:  # the algorithm's preset fills its defaults; every algorithm field is checked there
+        cfg.algorithm = resolve(cfg.algorithm)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     algo, data = cfg.algorithm, cfg.data
-    if algo.name not in ESTIMATOR:
-        raise ConfigError(f"algorithm.name='{algo.name}' must be one of {sorted(ESTIMATOR)}")
-    if algo.policy_loss not in POLICY_LOSSES.names():
-        raise ConfigError(f"algorithm.policy_loss='{algo.policy_loss}' must be one of {POLICY_LOSSES.names()}")
+    try:
+        check_rollout_correction(algo.rollout_correction, algo.rollout_correction_threshold)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if r.dtype not in ROLLOUT_DTYPES:
+        raise ConfigError(f"parallel.rollout.dtype='{r.dtype}' must be one of {ROLLOUT_DTYPES}")
     if cfg.trainer.checkpoint_format not in OPTIMIZER_FORMATS:
         raise ConfigError(f"trainer.checkpoint_format='{cfg.trainer.checkpoint_format}' must be one of "
                           f"{sorted(OPTIMIZER_FORMATS)}")
@@ -85,20 +93,18 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} must divide the {rows} rows per step "
                           f"(data.prompts_per_step x algorithm.samples_per_prompt) and be a multiple of the "
                           f"actor's dp={layout.dp}; null = the whole batch")
-    if algo.ppo_epochs < 1:
-        raise ConfigError(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
-    if not 0 < algo.temperature < float("inf"):  # also refuses NaN
-        # Responses are sampled, and the trainer's log-probs computed (logits / T), at this
-        # temperature: at 0 they are undefined and the run goes NaN; n greedy samples are one.
-        raise ConfigError(f"algorithm.temperature={algo.temperature:g} must be a positive number: RL samples at "
-                          f"it and the trainer divides logits by it. Greedy decoding is not a sampling "
-                          f"temperature here; for near-greedy samples use a small one, e.g. 0.1 (remax's "
-                          f"greedy baseline is generated internally)")
     if cfg.trainer.max_bad_steps < 1:
         raise ConfigError(f"trainer.max_bad_steps={cfg.trainer.max_bad_steps} must be >= 1")
-    if algo.name in ("grpo", "dapo", "rloo", "reinforce_pp_baseline") and algo.samples_per_prompt < 2:
-        raise ConfigError(f"algorithm.samples_per_prompt={algo.samples_per_prompt}: {algo.name} compares "
-                          f"samples of one prompt; use 2 or more")
+    if algo.routing_replay:
+        if not args.num_experts:
+            raise ConfigError("algorithm.routing_replay=true needs an MoE model; model.hf_config describes a dense "
+                              "one (no experts); set algorithm.routing_replay=false")
+        if cfg.model.recompute_granularity == "full" or layout.cp > 1:
+            # full recompute re-routes in the backward pass, out of step with the micro-batch being
+            # replayed; context parallelism reorders the sequence the routers see
+            raise ConfigError(f"algorithm.routing_replay=true does not support model.recompute_granularity="
+                              f"'{cfg.model.recompute_granularity}' or parallel.actor.cp={layout.cp}; use "
+                              f"selective or no recompute and cp=1")
     check_pretrained_sources(cfg)
     tokenizer = load_tokenizer(data.tokenizer, data.chat_template)
     if tokenizer.vocab_size > args.vocab_size:

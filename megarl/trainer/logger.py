@@ -116,9 +116,15 @@ class RunLogger:
         }
         if "baseline_scores" in batch.tensors:
             record["reward/baseline_mean"] = batch["baseline_scores"].mean().item()
+        if "kl_penalty" in batch.tensors:  # the KL in the reward: kl_coef * sum_t KL_t, per row
+            record["reward/kl_penalty_mean"] = batch["kl_penalty"].mean().item()
         if "old_log_probs" in batch.tensors:  # rollout vs trainer log-probs of the same tokens
             diff = ((batch["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max().item()
             record["rollout/logp_max_abs_diff"] = diff
+            gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+            record["rollout/logp_mean_abs_diff"] = (torch.where(mask.bool(), gap, 0.0).sum()
+                                                    / mask.sum().clamp(min=1)).item()
+        record.update(batch.meta.get("routing_metrics", {}))  # the old-log-prob pass vs the rollout (MoE)
         record.update({f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()})
         record.update(self.timings)
         record["memory/driver_peak_rss_gb"] = peak_rss_gb()

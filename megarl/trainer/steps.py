@@ -4,6 +4,7 @@ overlong shaping, ReMax's greedy baseline), the training batch, advantages."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import random
 from dataclasses import dataclass, field
@@ -12,14 +13,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS, kl_penalty_rewards
+from megarl.algorithms.presets import preset, resolve
 from megarl.controller.protocol import Batch
 from megarl.data.datasets import PromptRecord
 from megarl.rewards import RewardPool, RewardSample, reward_fn_path
 from megarl.rollout import Response, SamplingParams
-
-ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "ppo": "gae", "rloo": "rloo", "reinforce_pp": "reinforce_pp",
-             "reinforce_pp_baseline": "reinforce_pp_baseline", "remax": "remax"}
-
 
 class PromptStream:
     """Records in a seeded random order, epoch after epoch, tokenized once."""
@@ -175,11 +173,11 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
     responses = []
     for g, (_, _, group_responses, _, _) in enumerate(kept):
         for r in group_responses:
-            responses.append(Response(g, r.sample_index, r.token_ids, r.log_probs, r.finish_reason, r.policy_version))
+            responses.append(dataclasses.replace(r, prompt_index=g))
     sampled = Sampled([k[0] for k in kept], [k[1] for k in kept], responses,
                       torch.cat([k[3] for k in kept]), torch.cat([k[4] for k in kept]), rounds=rounds,
                       dropped_groups=dropped)
-    if algo.name == "remax":  # the greedy response of each prompt is the baseline (Li et al. 2023)
+    if preset(algo).greedy_baseline:  # the greedy response of each prompt is the baseline (ReMax)
         with phase("generate"):
             greedy = rollout.generate(sampled.prompt_ids, SamplingParams(
                 temperature=0, max_new_tokens=algo.max_new_tokens, stop_token_ids=list(eos_token_ids)))
@@ -195,7 +193,8 @@ SEQ_MULTIPLE = 8  # batch widths divide by any tp <= 8 (sequence parallelism spl
 
 def make_batch(sampled: Sampled, pad_id: int, policy_version: int) -> Batch:
     """Right-padded next-token batch: inputs ``tokens``, ``labels``, ``loss_mask`` on the
-    positions that predict response tokens, ``rollout_log_probs`` there, and per-row fields."""
+    positions that predict response tokens, ``rollout_log_probs`` there, and per-row fields; with
+    recorded MoE routing, ``routing`` [rows, seq, moe_layers, topk] (-1 past each row's tokens)."""
     rows = sampled.responses
     seqs = [sampled.prompt_ids[r.prompt_index] + r.token_ids for r in rows]
     width = -(-(max(len(s) for s in seqs) - 1) // SEQ_MULTIPLE) * SEQ_MULTIPLE
@@ -217,6 +216,12 @@ def make_batch(sampled: Sampled, pad_id: int, policy_version: int) -> Batch:
     }
     if sampled.baseline is not None:
         tensors["baseline_scores"] = sampled.baseline
+    if rows and all(r.routing is not None for r in rows):
+        routing = torch.full((len(rows), width, *rows[0].routing.shape[1:]), -1, dtype=torch.int32)
+        for i, (r, seq) in enumerate(zip(rows, seqs)):
+            assert r.routing.shape[0] == len(seq) - 1, (r.routing.shape, len(seq))
+            routing[i, : len(seq) - 1] = r.routing
+        tensors["routing"] = routing
     return Batch(tensors, policy_version=policy_version)
 
 
@@ -227,20 +232,27 @@ def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 
 def advantages(batch: Batch, algo) -> Batch:
-    """``advantages`` and ``returns`` ([rows, seq], zero off the response) for ``algo.name``."""
-    if algo.name not in ESTIMATOR:
-        raise ValueError(f"algorithm.name='{algo.name}' must be one of {sorted(ESTIMATOR)}")
+    """``advantages`` and ``returns`` ([rows, seq], zero off the response) for ``algo.name``'s preset.
+
+    With the KL in the reward, each response token's reward is r_t - kl_coef * KL_t (the score on
+    the last token); estimators of per-sequence scores read the sum of those rewards, and the
+    per-row penalty kl_coef * sum_t KL_t comes back as ``kl_penalty``."""
+    algo = resolve(algo)
+    p = preset(algo)
     mask = batch["loss_mask"]
     rewards = last_token_rewards(batch["scores"], mask)
+    scores = batch["scores"]
     out: Dict[str, torch.Tensor] = {}
     if algo.kl_coef and algo.kl_in_reward:
         kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch["old_log_probs"], batch["ref_log_probs"])
         rewards = kl_penalty_rewards(rewards, kl, algo.kl_coef, mask)
+        out["kl_penalty"] = torch.where(mask.bool(), algo.kl_coef * kl, 0.0).sum(-1)
+        scores = torch.where(mask.bool(), rewards, 0.0).sum(-1)
     inputs = AdvantageInputs(
-        response_mask=mask, token_rewards=rewards, scores=batch["scores"],
+        response_mask=mask, token_rewards=rewards, scores=scores,
         values=batch.tensors.get("values"), index=batch["index"], baseline_scores=batch.tensors.get("baseline_scores"),
-        gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_by_std, whiten=algo.name == "ppo")
-    out["advantages"], out["returns"] = ADVANTAGE_ESTIMATORS.get(ESTIMATOR[algo.name])(inputs)
+        gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_by_std, whiten=p.whiten)
+    out["advantages"], out["returns"] = ADVANTAGE_ESTIMATORS.get(p.estimator)(inputs)
     if "values" in batch.tensors:
         out["old_values"] = batch["values"]
     return Batch(out)

@@ -41,6 +41,7 @@ def test_grpo_first_step_ratio_is_one(grpo):
     assert first["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["actor/approx_kl"] == pytest.approx(0.0, abs=1e-7)
     assert first["actor/clip_frac"] == 0.0
+    assert 0 <= first["rollout_correction/kl"] <= 1e-9  # logged without a correction too
 
 
 def test_grpo_reward_rises(grpo):
@@ -69,12 +70,21 @@ def test_ppo_with_critic(tmp_path):
     assert all("critic/loss" in r and r["critic/grad_norm"] > 0 for r in rows)
 
 
-def test_gspo_trains_with_mini_batches(tmp_path):
+def test_gspo_trains_with_mini_batches(tmp_path, grpo):
+    """Also a bf16 rollout of the fp32 actor with token-level truncated importance sampling."""
     rows = history(tmp_path, "algorithm.policy_loss=gspo", "algorithm.clip_low=0.003", "algorithm.clip_high=0.004",
-                   "algorithm.ppo_mini_batch_size=64", "trainer.train_steps=3")
+                   "algorithm.ppo_mini_batch_size=64", "trainer.train_steps=3",
+                   "parallel.rollout.dtype=bfloat16", "algorithm.rollout_correction=token_tis")
     assert all(r["actor/optimizer_steps"] == 2 for r in rows)
     assert all(math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0 for r in rows)
     assert any(r["actor/clip_frac"] > 0 for r in rows)  # the second mini-batch's sequence ratios move
+    keys = ["rollout_correction/" + k for k in ("kl", "weight_mean", "weight_max", "ratio_max", "frac_truncated")]
+    assert all(math.isfinite(r[k]) for r in rows for k in keys)
+    assert all(r["rollout_correction/weight_max"] <= 2.0 and r["rollout_correction/weight_mean"] > 0 for r in rows)
+    # the bf16 rollout's mismatch to the fp32 trainer is far above the fp32 rollout's (grpo's first step)
+    fp32 = grpo[1][0]
+    assert rows[0]["rollout/logp_max_abs_diff"] > 10 * fp32["rollout/logp_max_abs_diff"]
+    assert rows[0]["rollout_correction/kl"] > 10 * fp32["rollout_correction/kl"]
 
 
 def test_dapo_dynamic_sampling_refills(tmp_path):
@@ -86,9 +96,15 @@ def test_dapo_dynamic_sampling_refills(tmp_path):
     assert max(r["sampling/rounds"] for r in rows) > 1
 
 
-def test_remax_greedy_baseline(tmp_path):
-    rows = history(tmp_path, "algorithm.name=remax", "trainer.train_steps=2", "algorithm.samples_per_prompt=2")
+def test_remax_greedy_baseline_with_kl_in_reward(tmp_path):
+    rows = history(tmp_path, "algorithm.name=remax", "trainer.train_steps=2", "algorithm.samples_per_prompt=2",
+                   "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true",
+                   "algorithm.entropy_coef=0.01", "optimizer.lr_warmup_steps=0")  # the policy moves at step 1
     assert all("reward/baseline_mean" in r for r in rows)
+    # the KL is in the scores the outcome estimator reads, and not also a loss term
+    assert all(math.isfinite(r["reward/kl_penalty_mean"]) and "actor/kl" not in r for r in rows)
+    assert rows[0]["reward/kl_penalty_mean"] == 0.0  # the first step's policy is the reference
+    assert rows[1]["reward/kl_penalty_mean"] != 0.0
 
 
 def test_one_step_off_staleness(tmp_path):
@@ -113,6 +129,9 @@ def test_one_step_off_staleness(tmp_path):
     (["parallel.actor.tp=1", "algorithm.ppo_mini_batch_size=1"], ConfigError, "multiple of the actor's dp=2"),
     (["algorithm.ppo_epochs=0"], ConfigError, "algorithm.ppo_epochs"),
     (["algorithm.policy_loss=trpo"], ConfigError, "algorithm.policy_loss='trpo' must be one of"),
+    (["algorithm.rollout_correction=tis"], ConfigError, "algorithm.rollout_correction='tis' must be one of"),
+    (["algorithm.rollout_correction_threshold=0.5"], ConfigError, "algorithm.rollout_correction_threshold=0.5"),
+    (["parallel.rollout.dtype=fp8"], ConfigError, "parallel.rollout.dtype='fp8' must be one of"),
 ])
 def test_invalid_configs_fail_before_workers(overrides, error, field):
     cfg = load_config([DEMO], overrides)

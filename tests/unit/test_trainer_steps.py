@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megarl.config import AlgorithmConfig
+from megarl.controller.protocol import Batch
 from megarl.data.datasets import PromptRecord
 from megarl.data.tokenizer import DigitTokenizer
 from megarl.rollout import Response
@@ -100,3 +101,74 @@ def test_advantages_are_zero_off_the_response(name):
     batch = make_batch(sampled, TOK.pad_token_id, 0)
     adv = advantages(batch, a)["advantages"]
     assert torch.all(adv[batch["loss_mask"] == 0] == 0) and adv.abs().sum() > 0
+
+
+def kl_batch(name, **kw):
+    """A scored batch of ``name`` with old and reference log-probs that differ per row."""
+    a = algo(name=name, **kw)
+    odd = stream(step=2)
+    sampled = sample_step(ScriptedRollout(), odd, Scorer(a, TOK), a, prompts_per_step=4, seed=0, eos_token_ids=[2])
+    batch = make_batch(sampled, TOK.pad_token_id, 0)
+    g = torch.Generator().manual_seed(0)
+    shape = batch["loss_mask"].shape
+    batch |= Batch({"old_log_probs": -torch.rand(shape, generator=g), "ref_log_probs": -torch.rand(shape, generator=g)})
+    if name == "remax":
+        batch |= Batch({"baseline_scores": torch.ones(len(batch))})
+    return batch
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline", "remax"])
+def test_kl_in_reward_reaches_outcome_estimators(name):
+    """Each outcome estimator scores a sequence by its token rewards' sum, KL penalty included:
+    the advantages equal the estimator applied to score - kl_coef * sum_t KL_t, and kl_coef moves them."""
+    from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS
+    from megarl.algorithms.presets import PRESETS
+
+    batch = kl_batch(name)
+    mask = batch["loss_mask"]
+    kl = KL_ESTIMATORS.get("k1")(batch["old_log_probs"], batch["ref_log_probs"])
+    off = advantages(batch, algo(name=name, kl_coef=0.5, kl_estimator="k1", kl_in_reward=False))["advantages"]
+    got = {}
+    for coef in (0.1, 0.5):
+        out = advantages(batch, algo(name=name, kl_coef=coef, kl_estimator="k1", kl_in_reward=True))
+        penalty = (coef * kl * mask).sum(-1)
+        assert torch.allclose(out["kl_penalty"], penalty, atol=1e-6)
+        inputs = AdvantageInputs(response_mask=mask, scores=batch["scores"] - penalty, index=batch["index"],
+                                 baseline_scores=batch.tensors.get("baseline_scores"))
+        expected, _ = ADVANTAGE_ESTIMATORS.get(PRESETS.get(name).estimator)(inputs)
+        assert torch.allclose(out["advantages"], expected, atol=1e-5)
+        got[coef] = out["advantages"]
+    assert (got[0.1] - got[0.5]).abs().max() > 1e-3  # kl_coef changes the advantages
+    assert (got[0.5] - off).abs().max() > 1e-3
+
+
+def test_kl_in_reward_for_token_estimators_stays_per_token():
+    """reinforce_pp reads the token rewards: its return at the first response token is the sum of
+    the rewards from there on, the per-token penalties included; its preset puts the KL there."""
+    batch = kl_batch("reinforce_pp")
+    a = algo(name="reinforce_pp", kl_coef=0.2, kl_estimator="k1")  # kl_in_reward: null -> the preset's (true)
+    out = advantages(batch, a)
+    mask = batch["loss_mask"]
+    kl = batch["old_log_probs"] - batch["ref_log_probs"]
+    first = mask.argmax(-1)
+    rows = torch.arange(len(batch))
+    assert torch.allclose(out["returns"][rows, first], batch["scores"] - (0.2 * kl * mask).sum(-1), atol=1e-5)
+
+
+def test_presets_resolve_defaults_and_refuse_by_field():
+    from megarl.algorithms.presets import PRESETS, resolve
+
+    assert resolve(algo(name="gspo")).policy_loss == "gspo"
+    assert resolve(algo(name="gspo", policy_loss="ppo")).policy_loss == "ppo"  # the user's choice wins
+    assert resolve(algo(name="grpo")).policy_loss == "ppo" and resolve(algo(name="grpo")).kl_in_reward is False
+    assert resolve(algo(name="reinforce_pp")).kl_in_reward is True
+    assert resolve(resolve(algo(name="ppo"))) == resolve(algo(name="ppo"))
+    assert PRESETS.get("ppo").critic and not any(PRESETS.get(n).critic for n in PRESETS.names() if n != "ppo")
+    for kw, field in [({"name": "sac"}, "algorithm.name='sac' must be one of"),
+                      ({"samples_per_prompt": 1}, "algorithm.samples_per_prompt=1: grpo compares"),
+                      ({"agg_mode": "sum"}, "algorithm.agg_mode='sum'"),
+                      ({"kl_estimator": "k4"}, "algorithm.kl_estimator='k4'"),
+                      ({"kl_coef": -1.0}, "algorithm.kl_coef=-1.0 must be >= 0"),
+                      ({"policy_loss": "trpo", "ppo_epochs": 0}, "policy_loss='trpo'.*ppo_epochs=0")]:
+        with pytest.raises(ValueError, match=field):
+            resolve(algo(**{"name": "grpo", **kw}))
