@@ -7,6 +7,10 @@ one step) under torchrun on this machine: ``dp_reshardable`` (Megatron's bucket 
 gather), ``reshardable`` (model space: each parameter's state gathered over dp, resumable in any
 layout), and ``reshardable`` with async save (the time the trainer is blocked, and the time until
 the background write is finalized). Best of ``--repeats``; ratios against ``dp_reshardable``.
+
+Beside each save, the run checkpoint's manifest as the trainer writes it once the files are on
+disk (``Checkpoints.commit``), timed with and without the SHA-256 of every file: ``hash %`` is
+the added time against the time until the checkpoint is written.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+    from megarl.checkpoint.integrity import write_manifest
     from megarl.config import ModelConfig, OptimizerConfig
     from megarl.parallel import Layout, build_groups
     from megarl.runtime import init_distributed, set_seed
@@ -47,7 +52,7 @@ def worker(args) -> None:
     lm.train_step(state, lm.dp_shard(reverse_digits_batch(0, 8, 4, seed=0), groups), 2)  # fills Adam's moments
     fresh = lm.build_train_state(model, OptimizerConfig(), groups, 4)
     queue = AsyncCallsQueue()
-    timings = {mode: {"blocked": [], "saved": [], "load": [], "mb": 0.0} for mode in MODES}
+    timings = {mode: {"blocked": [], "saved": [], "load": [], "sizes": [], "hashed": [], "mb": 0.0} for mode in MODES}
     for repeat in range(args.repeats):
         for mode in MODES:
             path = Path(args.work) / f"{mode}-{repeat}"
@@ -58,6 +63,12 @@ def worker(args) -> None:
             queue.maybe_finalize_async_calls(blocking=True)
             dist.barrier()
             saved = time.perf_counter() - start
+            if dist.get_rank() == 0:  # the driver's commit, after the files are complete
+                for key, hashes in (("sizes", False), ("hashed", True)):
+                    begin = time.perf_counter()
+                    write_manifest(path, hashes=hashes)
+                    timings[mode][key].append(time.perf_counter() - begin)
+            dist.barrier()
             start = time.perf_counter()
             load_train_state(fresh, path)
             dist.barrier()
@@ -101,11 +112,13 @@ def main() -> None:
     print(f"training state of {result['params'] / 1e6:.1f}M parameters (fp32 + Adam), layout t,p,d={result['layout']}, "
           f"{result['world']} processes; best of {args.repeats}")
     print(f"{'format':>20s} {'blocked s':>10s} {'written s':>10s} {'load s':>8s} {'MB':>7s} "
-          f"{'blocked/dp_r':>13s} {'load/dp_r':>10s}")
+          f"{'blocked/dp_r':>13s} {'load/dp_r':>10s} {'manifest s':>11s} {'+sha256 s':>10s} {'hash %':>7s}")
     for mode in MODES:
         b = best[mode]
+        overhead = 100 * (b["hashed"] - b["sizes"]) / b["saved"]
         print(f"{mode:>20s} {b['blocked']:10.2f} {b['saved']:10.2f} {b['load']:8.2f} {b['mb']:7.0f} "
-              f"{b['blocked'] / base['blocked']:13.2f} {b['load'] / base['load']:10.2f}")
+              f"{b['blocked'] / base['blocked']:13.2f} {b['load'] / base['load']:10.2f} {b['sizes']:11.3f} "
+              f"{b['hashed']:10.3f} {overhead:7.1f}")
 
 
 if __name__ == "__main__":

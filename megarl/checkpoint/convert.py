@@ -13,6 +13,7 @@ directory renamed into place at the end, so a failed run leaves no output behind
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -147,12 +148,17 @@ def _locate(by_key: Dict[str, List[Item]], stored: Dict, num_layers: int, ckpt_d
 
 
 def prepare_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
-                        hf_config_dir: Optional[str | Path] = None) -> McoreToHFPlan:
-    """Check the checkpoint's files, its config and its tensor names, and the output path
-    (reads metadata only: no tensors, no process group)."""
+                        hf_config_dir: Optional[str | Path] = None, hashes: bool = True) -> McoreToHFPlan:
+    """Check the checkpoint's files (with ``hashes``, their SHA-256 where a run checkpoint's
+    manifest covers them), its config and its tensor names, and the output path (no process
+    group)."""
+    from megarl.checkpoint.integrity import manifest_root, verify_manifest
     from megarl.training.dist_ckpt import tensor_keys, verify_dist_checkpoint
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    root = manifest_root(ckpt_dir) if hashes else None
+    if root is not None:  # a run checkpoint's role (step_N/actor): its files' hashes
+        verify_manifest(root, under=None if root == ckpt_dir else ckpt_dir.name)
     metadata = verify_dist_checkpoint(ckpt_dir)
     config_dir = Path(hf_config_dir) if hf_config_dir else ckpt_dir / HF_SUBDIR
     if not (config_dir / "config.json").is_file():
@@ -180,15 +186,19 @@ def prepare_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
 
 def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
                 max_shard_bytes: int = 2 * 10**9, hf_config_dir: Optional[str | Path] = None,
-                tokenizer_dir: Optional[str | Path] = None) -> None:
+                tokenizer_dir: Optional[str | Path] = None, hashes: bool = True) -> None:
     """Convert a Megatron dist checkpoint (any layout it was saved in, per-layer or stacked
     keys, local or Transformer Engine names) to HF safetensors. A failure removes the
     temporary output. Beside the weights go config.json (with ``architectures`` and their
     dtype), generation_config.json and the tokenizer of ``tokenizer_dir`` (default: the
-    config's directory), never the source's weights (:mod:`megarl.checkpoint.hf_files`)."""
+    config's directory), never the source's weights (:mod:`megarl.checkpoint.hf_files`).
+    ``hashes=False``: the caller has checked the files' hashes already."""
     from megarl.runtime import init_distributed
 
-    prepared = prepare_mcore_to_hf(ckpt_dir, out_dir, hf_config_dir)
+    # Rank 0 alone reads every file for its hash (the others would read them all again); when
+    # it fails, the launcher (torchrun, srun) stops the ranks waiting for it.
+    hashes = hashes and os.environ.get("RANK", "0") == "0"
+    prepared = prepare_mcore_to_hf(ckpt_dir, out_dir, hf_config_dir, hashes)
     out_dir = Path(out_dir)
     init_distributed()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -201,12 +211,11 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
 
 def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max_shard_bytes: int,
               tokenizer_dir: Optional[str | Path]) -> None:
-    import torch.distributed.checkpoint as dcp
-
+    from megarl.checkpoint.integrity import safe_reader
     from megarl.training.dist_ckpt import read_tensor
 
     config, config_dir, by_key = prepared.config, prepared.config_dir, prepared.by_key
-    reader = dcp.FileSystemReader(str(prepared.ckpt_dir))
+    reader = safe_reader(prepared.ckpt_dir)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -288,10 +288,15 @@ def _check_hf(directory: Path, args, vocab_multiple: int, value_head: bool, shar
 
 
 def _check_mcore(directory: Path, model_cfg, args, value_head: bool, field: str) -> None:
+    from megarl.checkpoint.integrity import manifest_root, verify_manifest
     from megarl.training.dist_ckpt import checkpoint_layer_keys, verify_dist_checkpoint
 
     try:
-        metadata = verify_dist_checkpoint(directory)  # every file present and long enough
+        root = manifest_root(directory)
+        if root is not None:  # a run checkpoint's role (step_N/actor): its files' hashes
+            verify_manifest(root, under=None if root == directory else directory.name)
+        # every file present and long enough; the metadata read through the allow-list
+        metadata = verify_dist_checkpoint(directory)
     except (ValueError, FileNotFoundError) as exc:
         raise ConversionError(f"{field}: {exc}") from None
     stored = metadata.state_dict_metadata

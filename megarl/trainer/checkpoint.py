@@ -1,15 +1,16 @@
 """Run checkpoints: every role's training state (Megatron dist checkpoints written by the
 workers), the driver's state (step, data position) and the config snapshot.
 
-Atomic: a checkpoint is written into ``step_N.tmp``, listed in a manifest (file sizes), renamed
-to ``step_N``, and only then named by the ``latest`` pointer (itself replaced atomically). A
-directory still ending in ``.tmp`` is never used. On resume a checkpoint whose files do not
-match its manifest is reported and the one before it is used. The last ``keep`` stay.
+Atomic: a checkpoint is written into ``step_N.tmp``, listed in a manifest (every file's size and
+SHA-256), renamed to ``step_N``, and only then named by the ``latest`` pointer (itself replaced
+atomically). A directory still ending in ``.tmp`` is never used. On resume a checkpoint whose
+files do not match its manifest, or whose dist-checkpoint metadata the allow-list refuses, is
+reported (naming the file) and the one before it is used; ``export-hf`` refuses it instead.
+The last ``keep`` stay.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -17,6 +18,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from megarl.checkpoint.hf_io import CheckpointFileError
+from megarl.checkpoint.integrity import load_dist_metadata, verify_manifest, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +51,9 @@ class Checkpoints:
     def commit(self, tmp: Path) -> Path:
         """Once every part of ``tmp`` is on disk: manifest, rename, ``latest``, keep-k."""
         final = tmp.with_name(tmp.name[: -len(".tmp")])
-        manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=0))
+        # Hashed here, once every worker's file is complete (async saves included): the files
+        # were just written and are read back from the page cache (benchmarks/checkpoint.py).
+        write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         pointer = self.root / "latest.tmp"
@@ -67,31 +72,32 @@ class Checkpoints:
 
     @staticmethod
     def verify(path: Path) -> None:
-        manifest = path / "manifest.json"
-        if not manifest.is_file():
-            raise CheckpointError(f"{path}: no manifest.json (not a complete megarl checkpoint)")
-        for name, size in json.loads(manifest.read_text()).items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{path}: {name} is missing")
-            if file.stat().st_size != size:
-                raise CheckpointError(f"{path}: {name} has {file.stat().st_size} bytes, the manifest says {size}")
+        """Raise :class:`CheckpointFileError` naming the first file of ``path`` that differs
+        from the manifest, or a dist checkpoint whose metadata the allow-list refuses."""
+        verify_manifest(path)
+        for metadata in sorted(path.rglob(".metadata")):
+            load_dist_metadata(metadata.parent)
+
+    def newest(self) -> Optional[Path]:
+        """The checkpoint ``latest`` names (else the newest complete one), unverified."""
+        pointer = self.root / "latest"
+        if pointer.is_file():
+            return self.root / pointer.read_text().strip()
+        complete = self.complete()
+        return complete[0] if complete else None
 
     def latest(self) -> Optional[Tuple[Path, Dict]]:
         """The newest usable checkpoint and its driver state, or None; unusable ones are
         reported (``latest`` first, then older ones)."""
-        candidates = self.complete()
-        pointer = self.root / "latest"
-        if pointer.is_file():
-            named = self.root / pointer.read_text().strip()
-            candidates = [named] + [c for c in candidates if c != named]
+        named = self.newest()
+        candidates = ([named] if named else []) + [c for c in self.complete() if c != named]
         for path in candidates:
             try:
                 if not path.is_dir():
                     raise CheckpointError(f"{path}: named by 'latest' but missing")
                 self.verify(path)
                 return path, torch.load(path / "driver.pt", weights_only=True)
-            except (CheckpointError, RuntimeError, OSError) as err:
+            except (CheckpointError, CheckpointFileError, RuntimeError, OSError) as err:
                 log.warning("checkpoint not usable, trying the previous one: %s", err)
                 print(f"megarl: checkpoint not usable, trying the previous one: {err}", flush=True)
         return None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from megarl.checkpoint.convert import mcore_to_hf
+from megarl.checkpoint.hf_io import CheckpointFileError
 from megarl.config import ConfigError, load_config
 from megarl.trainer.checkpoint import Checkpoints
 
@@ -41,18 +42,31 @@ def _existing(path: str, field: str, where: str) -> Path:
 
 
 def export_hf(run_dir, out_dir, dtype: str = "auto") -> Path:
-    """Write the newest usable checkpoint's actor to ``out_dir``; returns that checkpoint."""
-    found = Checkpoints(run_dir).latest()
-    if found is None:
-        raise FileNotFoundError(f"{run_dir} has no usable checkpoint (set trainer.save_interval to write them)")
-    path, _ = found
+    """Write the newest checkpoint's actor to ``out_dir``; returns that checkpoint. One whose
+    files differ from its manifest is refused (:class:`CheckpointFileError`, naming the file)
+    rather than silently exporting an older one."""
+    checkpoints = Checkpoints(run_dir)
+    path = checkpoints.newest()
+    if path is None:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint (set trainer.save_interval to write them)")
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}, named by {checkpoints.root / 'latest'}, is missing")
+    try:
+        checkpoints.verify(path)
+    except CheckpointFileError as exc:
+        older = [p.name for p in checkpoints.complete() if p != path]
+        hint = (f"; an older one may be intact: megarl convert mcore-to-hf {path.parent / older[0] / 'actor'} OUT "
+                f"--hf-config DIR" if older else "")
+        raise CheckpointFileError(f"{exc}{hint}") from None
     cfg = load_config([path / "config.yaml"])
     config, tokenizer = side_file_sources(cfg.model, cfg.data, str(path / "config.yaml"))
     if config.is_dir() or config.name == "config.json":  # an HF directory: its generation config, tokenizer
         config_dir = config if config.is_dir() else config.parent
-        mcore_to_hf(path / "actor", out_dir, dtype=dtype, hf_config_dir=config_dir, tokenizer_dir=tokenizer)
+        mcore_to_hf(path / "actor", out_dir, dtype=dtype, hf_config_dir=config_dir, tokenizer_dir=tokenizer,
+                    hashes=False)  # verified above
         return path
     with tempfile.TemporaryDirectory() as hf_dir:  # a lone json file (configs/models/tiny-llama.json)
         shutil.copy2(config, Path(hf_dir) / "config.json")
-        mcore_to_hf(path / "actor", out_dir, dtype=dtype, hf_config_dir=hf_dir, tokenizer_dir=tokenizer)
+        mcore_to_hf(path / "actor", out_dir, dtype=dtype, hf_config_dir=hf_dir, tokenizer_dir=tokenizer,
+                    hashes=False)  # verified above
     return path

@@ -23,6 +23,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 
 from megarl.checkpoint.hf_io import CheckpointFileError
+from megarl.checkpoint.integrity import load_dist_metadata, weights_only_loads
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -78,20 +79,16 @@ def sharded_state_dict(chunks: List[torch.nn.Module], layer_keys: str = "per_lay
 
 
 def verify_dist_checkpoint(path: str | Path):
-    """Check a dist checkpoint's files without reading any tensor: the metadata is readable,
-    and every file it points to exists and is as long as its last recorded tensor needs.
+    """Check a dist checkpoint's files without reading any tensor: the metadata is readable
+    (through :func:`~megarl.checkpoint.integrity.load_dist_metadata`'s allow-list), and every file it points to exists and is as long as its last recorded tensor needs.
     Returns torch's checkpoint ``Metadata``; raises :class:`CheckpointFileError` naming the
     file (and the tensor) otherwise."""
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"{path} is not a Megatron dist checkpoint (no metadata.json)")
-    try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # a truncated or corrupt pickle raises anything from EOFError on
-        raise CheckpointFileError(f"{path / '.metadata'} is unreadable (truncated or corrupt?): "
-                                  f"{type(exc).__name__}: {exc}") from exc
+    # Through the allow-list: megatron-core's own reader, which every load below then uses,
+    # unpickles the same file without one.
+    metadata = load_dist_metadata(path)
     needed: Dict[str, tuple] = {}  # file -> (bytes needed, the tensor that needs them)
     for index, info in (metadata.storage_data or {}).items():
         end = info.offset + info.length
@@ -121,7 +118,7 @@ def checkpoint_layer_keys(metadata) -> str:
 def read_tensor(reader, key: str, meta, layer: Optional[int] = None) -> torch.Tensor:
     """One tensor of a dist checkpoint, read by this process alone (no process group): whole,
     or with ``layer`` only that index of its leading (stacked layers) axis, without reading the
-    other layers. ``reader``: a ``FileSystemReader``; ``meta``: the key's storage metadata."""
+    other layers. ``reader``: :func:`megarl.checkpoint.integrity.safe_reader`'s; ``meta``: the key's storage metadata."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -196,7 +193,8 @@ def load_model(chunks: List[torch.nn.Module], path: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     metadata = verify_dist_checkpoint(path)
-    state = dist_checkpointing.load(sharded_state_dict(chunks, checkpoint_layer_keys(metadata)), str(path))
+    with weights_only_loads():
+        state = dist_checkpointing.load(sharded_state_dict(chunks, checkpoint_layer_keys(metadata)), str(path))
     per_chunk = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
     for chunk, loaded in zip(chunks, per_chunk):
         module = _unwrap(chunk)

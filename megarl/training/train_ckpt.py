@@ -31,6 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megarl.checkpoint.integrity import weights_only_loads
 from megarl.training.dist_ckpt import _unwrap, checkpoint_layer_keys, sharded_state_dict, verify_dist_checkpoint
 from megarl.training.lm import TrainState
 
@@ -172,7 +173,8 @@ def load_train_state(state: TrainState, path: Path) -> bool:
     if state.optimizer is not None:
         _materialize_adam_state(state.optimizer)
         sharded["optimizer"] = state.optimizer.sharded_state_dict(model, is_loading=True, metadata=_metadata(fmt))
-    loaded = dist_checkpointing.load(sharded, str(path))
+    with weights_only_loads():
+        loaded = dist_checkpointing.load(sharded, str(path))
     chunks = state.model
     per_chunk = [loaded["model"]] if len(chunks) == 1 else [loaded["model"][f"model{i}"] for i in range(len(chunks))]
     for chunk, weights in zip(chunks, per_chunk):

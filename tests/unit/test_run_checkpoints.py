@@ -1,6 +1,7 @@
 """Run checkpoints on disk: atomic rename and `latest` pointer, half-written directories never
 used, a corrupt or missing checkpoint reported and the previous one used, the last k kept."""
 
+import hashlib
 import json
 
 import torch
@@ -22,7 +23,8 @@ def test_save_is_atomic_and_pointed_to(tmp_path):
     path = save(ck, 2)
     assert path.name == "step_000002" and (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["actor/weights.bin"] == 100 and "driver.pt" in manifest
+    assert manifest["actor/weights.bin"] == {"bytes": 100, "sha256": hashlib.sha256(b"x" * 100).hexdigest()}
+    assert "driver.pt" in manifest
     found, driver = ck.latest()
     assert found == path and driver["step"] == 2
 
@@ -42,7 +44,7 @@ def test_corrupt_or_missing_falls_back_with_a_message(tmp_path, capsys):
     (newest / "actor" / "weights.bin").write_bytes(b"x" * 10)  # truncated
     path, driver = ck.latest()
     assert driver["step"] == 2
-    assert "step_000004: actor/weights.bin has 10 bytes, the manifest says 100" in capsys.readouterr().out
+    assert "step_000004/actor/weights.bin has 10 bytes, the manifest says 100" in capsys.readouterr().out
     (tmp_path / "checkpoints" / "latest").write_text("step_000009")  # points at nothing
     assert ck.latest()[1]["step"] == 2
     assert "named by 'latest' but missing" in capsys.readouterr().out
@@ -73,4 +75,17 @@ def test_begun_checkpoint_counts_only_once_committed(tmp_path):
     assert tmp.name == "step_000004.tmp" and ck.latest()[1]["step"] == 2
     (tmp / "actor" / "late.bin").write_bytes(b"y" * 7)  # finished after begin returned
     path = ck.commit(tmp)
-    assert ck.latest()[0] == path and json.loads((path / "manifest.json").read_text())["actor/late.bin"] == 7
+    assert ck.latest()[0] == path and json.loads((path / "manifest.json").read_text())["actor/late.bin"]["bytes"] == 7
+
+
+def test_flipped_bytes_fall_back_and_sizes_only_manifests_are_accepted_with_a_warning(tmp_path, capsys):
+    ck = Checkpoints(tmp_path, keep=3)
+    save(ck, 2)
+    newest = save(ck, 4)
+    (newest / "actor" / "weights.bin").write_bytes(b"x" * 50 + b"y" + b"x" * 49)  # same size
+    assert ck.latest()[1]["step"] == 2
+    assert f"{newest}/actor/weights.bin does not match its sha256" in capsys.readouterr().out
+    manifest = newest / "manifest.json"  # as megarl wrote it before hashes: sizes only
+    manifest.write_text(json.dumps({name: entry["bytes"] for name, entry in json.loads(manifest.read_text()).items()}))
+    assert ck.latest()[1]["step"] == 4
+    assert "records no content hashes" in capsys.readouterr().out
