@@ -20,6 +20,7 @@ from typing import List, Tuple
 
 from megarl.config import ConfigError, load_config, to_yaml
 from megarl.parallel.layout import Layout, LayoutError
+from megarl.runtime.processes import WorkerDied
 
 
 def _split(args: List[str]) -> Tuple[List[str], List[str]]:
@@ -111,6 +112,12 @@ def main(argv=None) -> int:
     except (ConfigError, LayoutError, ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerDied as exc:  # names the rank and node; the run resumes from its newest checkpoint
+        print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:  # Ctrl-C: the run's processes are already stopped on the way out
+        print(f"megarl {argv[0]}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -6,12 +6,52 @@ the same chunk) and collects results from tensor-parallel rank 0 of the last pip
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 from typing import Any, Dict, List, Optional
 
 import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, RayTaskError, WorkerCrashedError
 
+from megarl.config import ConfigError
 from megarl.controller.protocol import Batch
+from megarl.runtime.processes import WorkerDied, forks_die_with_this_process
+
+_DEATHS = (ActorDiedError, ActorUnavailableError, WorkerCrashedError, NodeDiedError)
+# how often the driver wakes while waiting on the ranks: a failure is acted on at most this late
+POLL_S = 1.0
+# how long a survivor's error waits for news of a dead peer (Ray reports a death within ~1 s)
+DEATH_NOTICE_S = 5.0
+# how long a multi-node run waits for its nodes' slots (Ray's autoscaler may be adding nodes)
+PLACEMENT_WAIT_S = 120.0
+
+
+def _where() -> tuple:
+    """(node IP, PID, Ray node ID) of the calling worker; its later forks die with it (no orphaned
+    writers). Several nodes may share an IP (containers, a test cluster): the node ID tells them apart."""
+    forks_die_with_this_process()
+    return ray.util.get_node_ip_address(), os.getpid(), ray.get_runtime_context().get_node_id()
+
+
+def _node_placement(world_size: int, nnodes: int, cpus: float, gpus: float):
+    """A placement group with one bundle per node (STRICT_SPREAD: each on a different node) holding
+    that node's ``world_size // nnodes`` ranks, so that rank r runs on node r // nproc_per_node, as
+    LOCAL_RANK, the plan and the layouts (TP innermost, within a node) assume. Raises ConfigError,
+    naming the nodes Ray has, when the cluster cannot hold them."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    per_node = world_size // nnodes
+    bundle = {"CPU": cpus * per_node, **({"GPU": gpus * per_node} if gpus else {})}
+    group = placement_group([bundle] * nnodes, strategy="STRICT_SPREAD")
+    if not group.wait(timeout_seconds=PLACEMENT_WAIT_S):
+        remove_placement_group(group)
+        nodes = "; ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]}): "
+                          f"{ {k: v for k, v in n['Resources'].items() if k in ('CPU', 'GPU')} }"
+                          for n in ray.nodes() if n["Alive"])
+        raise ConfigError(f"trainer.nnodes={nnodes}, trainer.nproc_per_node={per_node}: the Ray cluster has no "
+                          f"{nnodes} nodes with {bundle} free each after {PLACEMENT_WAIT_S:.0f}s; alive nodes: {nodes}")
+    return group
 
 
 def rendezvous_address(local: bool):
@@ -26,16 +66,73 @@ class WorkerGroup:
     """``world_size`` Ray actors of ``worker_cls`` forming one process group."""
 
     def __init__(self, worker_cls, world_size: int, config, cpus_per_worker: float = 1, gpus_per_worker: float = 0,
-                 env: Optional[Dict[str, str]] = None):
+                 env: Optional[Dict[str, str]] = None, nnodes: int = 1):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         remote = ray.remote(worker_cls)
         env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self.workers: List[Any] = []
+        self.placement = None  # one node's ranks per bundle; None: on one node, where Ray likes
+        if nnodes > 1:
+            self.placement = _node_placement(world_size, nnodes, cpus_per_worker, gpus_per_worker)
+
+        def strategy(rank: int):
+            if self.placement is None:
+                return "DEFAULT"
+            node = rank // (world_size // nnodes)
+            return PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=node)
+
         self.workers = [
-            remote.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker,
+            remote.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, scheduling_strategy=strategy(rank),
                            runtime_env={"env_vars": env}).remote(rank, world_size, config)
             for rank in range(world_size)]
+        self.where: List[tuple] = []  # (node IP, PID, node ID) per rank, to name a rank that fails
+        self.where = self._wait([w.__ray_call__.remote(lambda _: _where()) for w in self.workers])
         # Rank 0's node hosts the torch.distributed rendezvous (loopback when all is local).
-        master_addr, port = ray.get(self.workers[0].rendezvous.remote())
+        master_addr, port = self._wait([self.workers[0].rendezvous.remote()])[0]
         self.info: List[Dict[str, Any]] = self.call("setup", master_addr, port)
+
+    def describe(self) -> str:
+        return ", ".join(f"{rank}: pid {pid}@{node} (node {node_id[:8]})"
+                         for rank, (node, pid, node_id) in enumerate(self.where))
+
+    def _wait(self, futures: List[ray.ObjectRef]) -> List[Any]:
+        """Every rank's result, failing on the first rank that fails. ``ray.get`` of the whole
+        list would wait for all ranks, and the survivors of a dead rank can hang in a collective
+        until gloo's timeout; here the first error ends the wait."""
+        rank_of = {f: rank for rank, f in enumerate(futures)}
+        results: Dict[int, Any] = {}
+        pending = list(futures)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            failed = None
+            for future in ready:
+                try:
+                    results[rank_of[future]] = ray.get(future)
+                except _DEATHS as err:
+                    self._died(rank_of[future], err)
+                except RayTaskError as err:
+                    failed = failed or err
+            if failed is not None:
+                # a peer's death often surfaces first as a broken collective on a survivor: look
+                # briefly for the death, the root cause, before reporting the survivor's error
+                deadline = time.monotonic() + DEATH_NOTICE_S
+                while pending and time.monotonic() < deadline:
+                    late, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.monotonic())
+                    for future in late:
+                        try:
+                            ray.get(future)
+                        except _DEATHS as err:
+                            self._died(rank_of[future], err)
+                        except RayTaskError:
+                            pass
+                raise failed
+        return [results[rank] for rank in range(len(futures))]
+
+    def _died(self, rank: int, err: Exception) -> None:
+        node, pid, node_id = self.where[rank] if rank < len(self.where) else ("?", "?", "?")
+        raise WorkerDied(f"rank {rank} (pid {pid} on node {node}) died (Ray node {node_id[:8]}): "
+                         f"{type(err).__name__}: {str(err).strip().splitlines()[0]}") from None
 
     @property
     def dp(self) -> int:
@@ -43,7 +140,7 @@ class WorkerGroup:
 
     def call(self, method: str, *args, **kwargs) -> List[Any]:
         """Run ``method`` on every rank (SPMD) and return every rank's result."""
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self._wait([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
     def call_first(self, method: str, *args, **kwargs) -> Any:
         """Run on every rank; return rank 0's result."""
@@ -55,16 +152,28 @@ class WorkerGroup:
         chunks = batch.chunk(self.dp)
         futures = [getattr(w, method).remote(chunks[info["dp_rank"]], **kwargs)
                    for w, info in zip(self.workers, self.info)]
-        results = ray.get(futures)
+        results = self._wait(futures)
         collected = sorted(((info["dp_rank"], r) for info, r in zip(self.info, results) if info["collect"]),
                            key=lambda x: x[0])
         outputs = [r for _, r in collected]
         return Batch.concat(outputs) if isinstance(outputs[0], Batch) else outputs[0]
 
     def shutdown(self) -> None:
+        """Kill every rank (idempotent); a rank stuck in a collective does not delay it."""
         for worker in self.workers:
-            ray.kill(worker)
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead, or Ray itself is going away
+                pass
         self.workers = []
+        if self.placement is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.placement)
+            except Exception:  # noqa: BLE001 - Ray itself is going away: the group goes with it
+                pass
+            self.placement = None
 
 
 class Proxy:

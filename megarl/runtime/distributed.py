@@ -42,10 +42,39 @@ def init_distributed(timeout_s: int = 600) -> int:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    torch.distributed.init_process_group(
-        backend=backend, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _store_on_master_addr(timeout)
+    if store is None:
+        torch.distributed.init_process_group(backend=backend, timeout=timeout)
+    else:
+        torch.distributed.init_process_group(backend=backend, timeout=timeout, store=store,
+                                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return torch.distributed.get_rank()
+
+
+def _store_on_master_addr(timeout: datetime.timedelta):
+    """The rendezvous store, listening on ``MASTER_ADDR`` only (torch's own listens on every
+    interface): loopback for a run on one machine, the cluster interface otherwise. None (torch's
+    default) under torchrun, whose agent already hosts the store, or when ``MASTER_ADDR`` is a
+    host name rather than an address."""
+    import ipaddress
+    import socket
+
+    addr = os.environ["MASTER_ADDR"]
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    rank, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+    listen_fd = None
+    if rank == 0:
+        server = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET,
+                                      backlog=128)
+        listen_fd = server.detach()  # the store owns the socket from here
+    return torch.distributed.TCPStore(addr, port, int(os.environ["WORLD_SIZE"]), rank == 0, timeout,
+                                      master_listen_fd=listen_fd)
 
 
 def _free_port() -> int:

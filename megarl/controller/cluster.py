@@ -1,0 +1,83 @@
+"""The Ray session of one run: a private Ray on loopback, or a user's cluster; every process of the
+run tagged, and none left behind when it ends, however it ends (see :mod:`megarl.runtime.processes`).
+
+A private Ray listens on loopback only: Ray (2.60) binds its gRPC servers (GCS, raylet, object
+manager, the core worker in the driver and in each worker) and its agents to the node IP, and the
+node IP is 127.0.0.1 here. Ray's token authentication stays as Ray defaults it (on, unless the
+user sets ``RAY_AUTH_MODE``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Dict, Optional
+
+from megarl.runtime.processes import RUN_TAG, kill_tagged, new_run_id, run_processes, start_watchdog
+
+# Ray resolves a node IP given as 127.0.0.1 to the machine's external address, unless cluster
+# support is off (the switch Ray keeps for single-machine use on macOS/Windows; read at import).
+_LOCAL_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+class RaySession:
+    """Starts Ray for ``trainer`` (a :class:`TrainerConfig`) with ``num_cpus`` slots when private;
+    :meth:`close` stops it and kills whatever of the run is still alive."""
+
+    def __init__(self, trainer, num_cpus: int):
+        self.run_id = new_run_id()
+        self.private = not trainer.ray_address
+        changes: Dict[str, str] = {RUN_TAG: self.run_id}
+        if self.private:
+            changes.update(_LOCAL_ONLY)
+        self._saved: Dict[str, Optional[str]] = {k: os.environ.get(k) for k in changes}
+        os.environ.update(changes)  # Ray's processes inherit these from the driver
+        # workers on other nodes get the tag through their runtime_env; gloo talks over loopback
+        self.worker_env = {RUN_TAG: self.run_id, **({"GLOO_SOCKET_IFNAME": "lo"} if self.private else {})}
+        self.watchdog = start_watchdog(self.run_id)
+        import ray
+        from ray._private import ray_constants
+
+        self._cluster_support = ray_constants.ENABLE_RAY_CLUSTER
+        try:
+            if self.private:
+                ray_constants.ENABLE_RAY_CLUSTER = False  # when ray was imported before the switch was set
+                ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                         configure_logging=False, log_to_driver=False)
+            else:  # a cluster started by launch/slurm/train.sbatch or by hand
+                ray.init(address=trainer.ray_address, _node_ip_address=trainer.node_ip_address,
+                         configure_logging=False, log_to_driver=False)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Idempotent; a second Ctrl-C during it is ignored, so the cleanup always finishes."""
+        import ray
+
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            # Ray's agents and forked writers may outlive ray.shutdown by minutes; on a cluster
+            # only this node's processes of the run are visible here (the workers' forks die
+            # with them: see WorkerGroup). The agents are known by ancestry, before their parent
+            # (the raylet) ends and they are re-parented.
+            ours = run_processes(self.run_id)
+            ray.shutdown()
+            kill_tagged(self.run_id, grace_s=2.0, also=ours)
+            if self.watchdog is not None:
+                self.watchdog.kill()
+                self.watchdog.wait()
+                self.watchdog = None
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = self._cluster_support
+            for key, value in self._saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,158 @@
+"""Every process of a run carries a tag, so that none outlives it: the driver, Ray's private
+cluster, the workers, their forked checkpoint writers and the reward workers.
+
+The tag is the environment variable ``MEGARL_RUN_ID=<uuid>``: children inherit it (Ray's
+processes from the driver that starts them, workers also through their ``runtime_env``), and
+``/proc/<pid>/environ`` shows it. A watchdog process outside the run kills what is left when the
+driver ends, even by SIGKILL, when nothing in the driver can run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import List
+
+RUN_TAG = "MEGARL_RUN_ID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class WorkerDied(RuntimeError):
+    """A rank's process or node is gone; the run cannot continue (it resumes from a checkpoint).
+    ``megarl train`` exits with code 3."""
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def tagged_pids(value: str, name: str = RUN_TAG) -> List[int]:
+    """PIDs of this user's processes whose environment holds ``name=value`` (not this process)."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:  # gone, or another user's
+            continue
+    return found
+
+
+def descendants(pid: int) -> List[int]:
+    """Live descendants of ``pid`` (Ray's agents lose our tag: they rewrite their environment
+    block with their process title, so a run also knows its processes by ancestry)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat and stat[0] != "Z":
+                children.setdefault(int(stat[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def run_processes(run_id: str) -> set:
+    """Identities of the run's processes: the tagged ones and their descendants."""
+    tagged = tagged_pids(run_id)
+    return {identity(p) for t in tagged for p in [t, *descendants(t)]} - {None}
+
+
+def identity(pid: int):
+    """(pid, start time): a PID reused by an unrelated process later does not match."""
+    stat = _stat(pid)
+    return (pid, stat[19]) if stat else None
+
+
+def kill_tagged(value: str, name: str = RUN_TAG, grace_s: float = 0.0, also=()) -> List[int]:
+    """SIGKILL every process tagged ``name=value``, and those of ``also`` (identities) still the
+    same process, alive after ``grace_s`` seconds (they may be exiting on their own); returns the
+    PIDs killed."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        pids = set(tagged_pids(value, name)) | {i[0] for i in also if identity(i[0]) == i}
+        pids = [p for p in pids if not _zombie(p) and p != os.getpid()]
+        if not pids or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def _stat(pid: int):
+    """The fields of /proc/<pid>/stat after the command name: state, ppid, ...; None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _zombie(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is None or stat[0] == "Z"
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the thread that forked it exits (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def forks_die_with_this_process() -> None:
+    """Processes this one forks from now on (megatron's async checkpoint writer, multiprocessing
+    helpers) die with it, instead of living on as orphans when a worker is killed. Idempotent."""
+    global _fork_hook_installed
+    if not _fork_hook_installed:
+        os.register_at_fork(after_in_child=die_with_parent)
+        _fork_hook_installed = True
+
+
+_fork_hook_installed = False
+
+
+def start_watchdog(run_id: str) -> subprocess.Popen:
+    """A process that waits for this one to end (however it ends), then kills the run's
+    leftovers. It runs in its own session without the run's tag, so neither a Ctrl-C nor the
+    cleanup kills it."""
+    env = {k: v for k, v in os.environ.items() if k != RUN_TAG}
+    return subprocess.Popen([sys.executable, "-m", "megarl.runtime.processes", str(os.getpid()), run_id],
+                            env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def _watch(pid: int, run_id: str) -> None:
+    """Until ``pid`` ends, note the run's processes every second (Ray's agents are untagged);
+    then kill what is left of them and of the tagged processes."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = None
+    known = set()
+    while fd is not None and not select.select([fd], [], [], 1.0)[0]:  # readable once it has exited
+        known |= run_processes(run_id)
+    # the driver's own cleanup (or Ray's) may still be finishing: give it a moment
+    killed = kill_tagged(run_id, grace_s=3.0, also=known)
+    if killed:
+        print(f"megarl: killed {len(killed)} process(es) left by run {run_id}: {killed}", file=sys.stderr,
+              flush=True)
+
+
+if __name__ == "__main__":
+    _watch(int(sys.argv[1]), sys.argv[2])
