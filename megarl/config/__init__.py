@@ -1,6 +1,6 @@
 """Typed configuration: the schema tree and its YAML/override loader."""
 
-from megarl.config.loader import ConfigError, load_config, to_yaml
+from megarl.config.loader import ConfigError, load_config, to_yaml, validate
 from megarl.config.schema import (
     AlgorithmConfig,
     DataConfig,
@@ -17,5 +17,5 @@ from megarl.config.schema import (
 __all__ = [
     "AlgorithmConfig", "ConfigError", "DataConfig", "LayoutsConfig", "LoggingConfig",
     "MegarlConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutLayoutConfig",
-    "TrainerConfig", "load_config", "to_yaml",
+    "TrainerConfig", "load_config", "to_yaml", "validate",
 ]

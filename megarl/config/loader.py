@@ -1,15 +1,21 @@
 """Compose a MegarlConfig from YAML files and ``key=value`` overrides, checked against the schema.
 
-Unknown keys and values of the wrong type raise :class:`ConfigError` naming the full key.
+Unknown keys, values of the wrong type and values outside a field's declared bounds (see
+``schema.bounded``) raise :class:`ConfigError` naming the full key; a YAML syntax error names the
+file and line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import operator
 from pathlib import Path
-from typing import Iterable, Sequence, Type, TypeVar
+from typing import Iterable, Iterator, Sequence, Type, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+import yaml
 
 from megarl.config.schema import MegarlConfig
 
@@ -25,6 +31,44 @@ def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
     msg = getattr(exc, "msg", None) or str(exc)
     first = str(msg).splitlines()[0]
     return ConfigError(f"{source}: config key '{key}': {first}")
+
+
+def _load_yaml(path: Path):
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {_problem(exc)}") from None
+
+
+def _problem(exc: yaml.YAMLError) -> str:
+    return getattr(exc, "problem", None) or str(exc).splitlines()[0]
+
+
+_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+
+
+def validate(cfg) -> None:
+    """Check every field's declared bounds (``schema.bounded``) over the tree; one ConfigError
+    lists every field out of bounds. NaN and infinity are out of any bounds."""
+    problems = list(_out_of_bounds(cfg, ""))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _out_of_bounds(cfg, prefix: str) -> Iterator[str]:
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _out_of_bounds(value, key + ".")
+            continue
+        bounds = f.metadata.get("bounds")
+        if value is None or not bounds:
+            continue
+        if not math.isfinite(value) or not all(_BOUNDS[op][0](value, limit) for op, limit in bounds.items()):
+            wanted = " and ".join(f"{_BOUNDS[op][1]} {limit:g}" for op, limit in bounds.items())
+            yield f"{key}={value} must be {wanted}"
 
 
 def load_config(
@@ -43,7 +87,7 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            cfg = OmegaConf.merge(cfg, _load_yaml(path))
         except OmegaConfBaseException as exc:
             raise _explain(exc, str(path)) from None
     overrides = list(overrides)
@@ -52,9 +96,18 @@ def load_config(
             raise ConfigError(f"override '{item}' is not of the form key=value")
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-        return OmegaConf.to_object(cfg)
+        out = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         raise _explain(exc, "override") from None
+    except yaml.YAMLError:  # an override's value is parsed as YAML too: name the one that fails
+        for item in overrides:
+            try:
+                OmegaConf.from_dotlist([item])
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"override '{item}': invalid YAML value: {_problem(exc)}") from None
+        raise
+    validate(out)
+    return out
 
 
 def to_yaml(cfg) -> str:

@@ -7,7 +7,15 @@ are checked against this tree by :mod:`megarl.config.loader`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
+
+
+def bounded(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None,
+            le: Optional[float] = None, lt: Optional[float] = None) -> Any:
+    """A field whose value (unless null) must satisfy these bounds (>=, >, <=, <); the loader's
+    ``validate`` checks every declared bound before anything starts, naming the field."""
+    bounds = {op: v for op, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    return field(default=default, metadata={"bounds": bounds})
 
 
 @dataclass
@@ -25,7 +33,7 @@ class ModelConfig:
     """Path to a Hugging Face ``config.json`` (or its directory); its ``model_type`` picks the
     architecture. null = ``path``'s config when ``path`` is set, else configs/models/tiny-llama.json
     (random init)."""
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = bounded(128, ge=1)
     """Pad the vocabulary up to a multiple of this (tokens); the padded size must divide by every tp used."""
     params_dtype: str = "auto"
     """``float32``, ``bfloat16``, ``float16`` or ``auto`` (bf16 with CUDA, fp32 on CPU); pretrained
@@ -36,7 +44,7 @@ class ModelConfig:
     """Activation recompute: null, ``selective`` or ``full``."""
     moe_token_dispatcher: str = "alltoall"
     """MoE token dispatcher: ``alltoall`` or ``allgather``."""
-    moe_aux_loss_coeff: Optional[float] = None
+    moe_aux_loss_coeff: Optional[float] = bounded(None, ge=0)
     """Load-balancing loss weight; null takes the HF config's ``router_aux_loss_coef`` (0 when absent)."""
 
 
@@ -44,19 +52,19 @@ class ModelConfig:
 class ParallelConfig:
     """A training layout (Megatron rank order tp-cp-ep-dp-pp). ``dp=0`` derives dp from the world size."""
 
-    tp: int = 1
+    tp: int = bounded(1, ge=1)
     """Tensor-parallel size; must divide attention heads, query groups and FFN width."""
-    pp: int = 1
+    pp: int = bounded(1, ge=1)
     """Pipeline-parallel size; must divide the number of layers (times vpp)."""
-    dp: int = 0
+    dp: int = bounded(0, ge=0)
     """Data-parallel size; 0 = world_size / (tp*pp*cp)."""
-    ep: int = 1
+    ep: int = bounded(1, ge=1)
     """Expert-parallel size (MoE); must divide the number of experts and tp*cp*dp/etp."""
-    etp: Optional[int] = None
+    etp: Optional[int] = bounded(None, ge=1)
     """Expert-tensor-parallel size (MoE); null = tp (Megatron's default); must divide the expert FFN width."""
-    cp: int = 1
+    cp: int = bounded(1, ge=1)
     """Context-parallel size (sequence split across ranks)."""
-    vpp: Optional[int] = None
+    vpp: Optional[int] = bounded(None, ge=1)
     """Virtual pipeline stages per rank (interleaved 1F1B); null = none; needs pp > 1."""
     sequence_parallel: bool = True
     """Megatron sequence parallelism when tp > 1 (required for MoE with tp > 1)."""
@@ -66,15 +74,15 @@ class ParallelConfig:
 class RolloutLayoutConfig:
     """The generation layout of the actor's weights (3D-HybridEngine target)."""
 
-    tp: int = 1
+    tp: int = bounded(1, ge=1)
     """Generation tensor-parallel size t_g; t_g*p_g must divide actor tp*pp."""
-    pp: int = 1
+    pp: int = bounded(1, ge=1)
     """Generation pipeline-parallel size p_g."""
-    ep: int = 1
+    ep: int = bounded(1, ge=1)
     """Generation expert-parallel size e_g (MoE)."""
     engine: str = "native"
     """``native`` (Megatron with a KV cache; CPU and GPU) or ``sglang`` (GPU, extra ``sglang``)."""
-    bucket_mb: int = 256
+    bucket_mb: int = bounded(256, ge=1)
     """Hybrid-engine bucket: extra memory a weight sync may hold (MiB)."""
     dtype: str = "auto"
     """Generation precision of the native engine: ``float32``, ``bfloat16`` or ``auto`` (the actor's
@@ -100,23 +108,23 @@ class LayoutsConfig:
 class OptimizerConfig:
     """Adam(W) with Megatron's (distributed) optimizer and an LR schedule."""
 
-    lr: float = 1e-3
-    """Peak learning rate."""
-    min_lr: float = 0.0
+    lr: float = bounded(1e-3, ge=0)
+    """Peak learning rate; 0 freezes the weights (parity checks)."""
+    min_lr: float = bounded(0.0, ge=0)
     """Floor of the decay schedule."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """Decoupled weight decay (AdamW)."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
     """Adam first-moment decay."""
-    adam_beta2: float = 0.999
+    adam_beta2: float = bounded(0.999, ge=0, lt=1)
     """Adam second-moment decay."""
-    adam_eps: float = 1e-8
+    adam_eps: float = bounded(1e-8, gt=0)
     """Adam denominator epsilon."""
-    clip_grad: float = 1.0
+    clip_grad: float = bounded(1.0, ge=0)
     """Global gradient-norm clip; 0 disables."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = bounded(0, ge=0)
     """Linear warmup, in optimizer steps."""
     lr_decay_style: str = "constant"
     """``constant``, ``linear`` or ``cosine``."""
@@ -139,20 +147,20 @@ class DataConfig:
     digit tokenizer (built-in task)."""
     chat_template: bool = True
     """Format prompts with the tokenizer's chat template when it has one."""
-    builtin_size: int = 4096
+    builtin_size: int = bounded(4096, ge=1)
     """Prompts generated for the built-in task."""
-    prompts_per_step: int = 16
+    prompts_per_step: int = bounded(16, ge=1)
     """Prompts per RL step; times algorithm.samples_per_prompt must divide by the actor's dp."""
-    micro_batch_tokens: int = 1024
+    micro_batch_tokens: int = bounded(1024, ge=1)
     """Token budget of one micro-batch in log-prob and update passes."""
-    num_digits: int = 6
+    num_digits: int = bounded(6, ge=1)
     """Built-in reverse-the-digits task: digits per problem (train-lm sequences are 2*num_digits+2 tokens)."""
-    label_noise: float = 0.0
+    label_noise: float = bounded(0.0, ge=0, le=1)
     """``megarl train-lm``: probability that an answer digit of the built-in task is replaced by a
     random one (noisy demonstrations; ``make demo``'s warm start); 0 = clean."""
-    global_batch_size: int = 16
+    global_batch_size: int = bounded(16, ge=1)
     """Sequences per optimizer step over all data-parallel ranks; must divide by dp*micro_batch_size."""
-    micro_batch_size: int = 2
+    micro_batch_size: int = bounded(2, ge=1)
     """Sequences per micro-batch on one data-parallel rank."""
 
 
@@ -167,26 +175,26 @@ class AlgorithmConfig:
     """``ppo`` (token-level clipped ratio, with clip_high and dual-clip) or ``gspo`` (the sequence-level
     ratio of GSPO, Zheng et al. 2025, clipped at clip_low/clip_high; GSPO uses small ranges, e.g. 3e-4/4e-4);
     null = the preset's (gspo for name=gspo, else ppo)."""
-    samples_per_prompt: int = 8
+    samples_per_prompt: int = bounded(8, ge=1)
     """Responses sampled per prompt (the group of GRPO/RLOO/DAPO)."""
     reward_fn: str = "reverse_digits"
     """A registered verifier (reverse_digits, gsm8k, math, countdown, exact_match) or ``module:function``
     (trusted code, run in reward worker processes): ``fn(response, answer)``, optionally also taking
     ``prompt=`` and ``extra=`` (the dataset row's other fields) as keywords."""
-    reward_timeout_s: float = 10.0
+    reward_timeout_s: float = bounded(10.0, gt=0)
     """Per-sample reward time limit in seconds, from that sample's own start in a worker; a sample past
     it has its worker killed. A timeout, an exception, a non-number or NaN/inf scores 0 and is counted
     (reward/timeouts, reward/failures)."""
-    reward_workers: int = 4
+    reward_workers: int = bounded(4, ge=1)
     """Reward worker processes, started once per run (ignored with reward_fn=model)."""
     temperature: float = 1.0
     """Sampling temperature (the trainer's log-probs use the same); must be > 0: greedy decoding is
     not an RL sampling mode (use a small value, e.g. 0.1, for near-greedy samples)."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling (1 = off)."""
-    top_k: int = 0
+    top_k: int = bounded(0, ge=0)
     """Top-k sampling (0 = off)."""
-    max_new_tokens: int = 16
+    max_new_tokens: int = bounded(16, ge=1)
     """Response length limit."""
     kl_coef: float = 0.0
     """KL-to-reference weight (0 = no reference model)."""
@@ -197,31 +205,31 @@ class AlgorithmConfig:
     rewards. null = the preset's (true for reinforce_pp, else false)."""
     kl_estimator: str = "k3"
     """k1, k2 or k3."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus weight."""
-    clip_low: float = 0.2
+    clip_low: float = bounded(0.2, ge=0)
     """PPO clip range below 1."""
-    clip_high: float = 0.2
+    clip_high: float = bounded(0.2, ge=0)
     """PPO clip range above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
     agg_mode: str = "token-mean"
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
     norm_by_std: bool = True
     """GRPO: divide by the group's std (false = Dr. GRPO)."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, ge=0, le=1)
     """Discount (GAE, REINFORCE++)."""
-    lam: float = 0.95
+    lam: float = bounded(0.95, ge=0, le=1)
     """GAE lambda."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample more prompts until the step is full."""
-    max_sampling_rounds: int = 4
+    max_sampling_rounds: int = bounded(4, ge=1)
     """Dynamic sampling: generation rounds per step at most (then train on what there is)."""
-    overlong_buffer: int = 0
+    overlong_buffer: int = bounded(0, ge=0)
     """DAPO overlong shaping: penalise responses within this many tokens of max_new_tokens (0 = off)."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = bounded(1.0, ge=0)
     """Penalty at max_new_tokens (linear from 0 at the buffer's start)."""
-    critic_lr: Optional[float] = None
+    critic_lr: Optional[float] = bounded(None, ge=0)
     """Critic learning rate (PPO); null = optimizer.lr."""
-    ppo_mini_batch_size: Optional[int] = None
+    ppo_mini_batch_size: Optional[int] = bounded(None, ge=0)
     """Sequences per optimizer step over all DP ranks, for the actor and the critic; null = the
     step's whole batch (one optimizer step per epoch). Must divide prompts_per_step *
     samples_per_prompt and be a multiple of the actor's dp. The old log-probs (and values) stay
@@ -249,13 +257,13 @@ class AlgorithmConfig:
 class TrainerConfig:
     """The outer loop."""
 
-    train_steps: int = 60
+    train_steps: int = bounded(60, ge=1)
     """Optimizer steps to run."""
-    nproc_per_node: int = 2
+    nproc_per_node: int = bounded(2, ge=1)
     """Processes a local launch starts (``megarl train-lm`` spawns torchrun with this many)."""
     seed: int = 1234
     """Seed of model init, data and sampling."""
-    log_interval: int = 10
+    log_interval: int = bounded(10, ge=1)
     """Print metrics every this many steps."""
     run_dir: str = "runs/latest"
     """Where logs, metrics and checkpoints go."""
@@ -263,13 +271,17 @@ class TrainerConfig:
     """``megarl train-lm``: write the final weights here as a Megatron dist checkpoint with an ``hf/``
     folder (config.json, generation config, tokenizer), as ``megarl convert hf-to-mcore`` does; must
     not exist yet; null = do not save."""
-    nnodes: int = 1
+    nnodes: int = bounded(1, ge=1)
     """Nodes of a Ray cluster run (world = nnodes * nproc_per_node)."""
     ray_address: Optional[str] = None
     """null = start a private Ray on this machine bound to loopback; ``auto`` or host:port = join a cluster."""
-    save_interval: int = 0
+    node_ip_address: Optional[str] = None
+    """With ``ray_address``: the driver's address on the cluster network (worker nodes get theirs from
+    ``ray start --node-ip-address``; rank 0's hosts the rendezvous); null = Ray's choice. A private
+    Ray ignores it (loopback)."""
+    save_interval: int = bounded(0, ge=0)
     """Checkpoint every this many steps (0 = never); the run resumes from the newest one."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = bounded(2, ge=1)
     """Checkpoints kept (oldest removed first)."""
     resume: bool = True
     """Continue from the newest usable checkpoint in run_dir/checkpoints when there is one."""
@@ -282,7 +294,7 @@ class TrainerConfig:
     save); the checkpoint becomes ``latest`` once every rank has finished writing."""
     loop: str = "sync"
     """``sync`` (on-policy) or ``one_step_off`` (rollout of step k+1 from the weights before update k)."""
-    max_bad_steps: int = 3
+    max_bad_steps: int = bounded(3, ge=1)
     """Optimizer steps in a row of one model (actor or critic) whose loss or gradients are not finite
     on some rank before the run stops with NonFiniteUpdateError; each such step is skipped on every
     rank (no weight, optimizer-state or LR-schedule change) and counted in actor/skipped_steps,
@@ -303,10 +315,10 @@ class LoggingConfig:
     """Show a console progress bar."""
     tensorboard: bool = False
     """Also write TensorBoard event files to <run_dir>/tensorboard (extra ``tensorboard``)."""
-    rollout_dump_interval: int = 0
+    rollout_dump_interval: int = bounded(0, ge=0)
     """Write every N-th step's samples (token ids and text of prompt and response, rewards, the
     rollout's and the trainer's per-token log-probs) to <run_dir>/rollouts/step_<N>.jsonl; 0 = never."""
-    gpu_peak_tflops: Optional[float] = None
+    gpu_peak_tflops: Optional[float] = bounded(None, gt=0)
     """Per-GPU dense bf16 peak TFLOP/s for MFU; null = by GPU name (A100 312, H100/H200 989, B200 2250), none on CPU."""
 
 

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any, List, Optional
 from megarl.algorithms.correction import check_rollout_correction
 from megarl.algorithms.presets import resolve
 from megarl.checkpoint.load import check_pretrained, locate, resolve_model_config
-from megarl.config import ConfigError, MegarlConfig, ParallelConfig, load_config
+from megarl.config import ConfigError, MegarlConfig, ParallelConfig, load_config, validate
 from megarl.data.datasets import load_records, reverse_digits_records
 from megarl.data.tokenizer import load_tokenizer
 from megarl.hybrid import regroup
@@ -31,6 +32,8 @@ from megarl.training.train_ckpt import OPTIMIZER_FORMATS
 
 LOOPS = ("sync", "one_step_off")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")  # parallel.rollout.dtype
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +51,7 @@ def world_size(cfg: MegarlConfig) -> int:
 
 def prepare(cfg: MegarlConfig) -> Prepared:
     """Validate the whole configuration and load the data (no process started)."""
+    validate(cfg)  # a config built in code; load_config checks those it composes
     cfg = resolve_paths(cfg)
     world = world_size(cfg)
     if cfg.trainer.nnodes > 1 and not cfg.trainer.ray_address:
@@ -89,12 +93,10 @@ def prepare(cfg: MegarlConfig) -> Prepared:
                           f"{algo.samples_per_prompt} = {rows} rows do not split over the actor's dp={layout.dp}; "
                           f"make the product a multiple of {layout.dp}")
     mini = algo.ppo_mini_batch_size
-    if mini is not None and (mini < 0 or (mini and (rows % mini or mini % layout.dp))):
+    if mini and (rows % mini or mini % layout.dp):
         raise ConfigError(f"algorithm.ppo_mini_batch_size={mini} must divide the {rows} rows per step "
                           f"(data.prompts_per_step x algorithm.samples_per_prompt) and be a multiple of the "
                           f"actor's dp={layout.dp}; null = the whole batch")
-    if cfg.trainer.max_bad_steps < 1:
-        raise ConfigError(f"trainer.max_bad_steps={cfg.trainer.max_bad_steps} must be >= 1")
     if algo.routing_replay:
         if not args.num_experts:
             raise ConfigError("algorithm.routing_replay=true needs an MoE model; model.hf_config describes a dense "
@@ -122,38 +124,57 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         records = reverse_digits_records(data.builtin_size, data.num_digits, cfg.trainer.seed)
     room = args.max_position_embeddings - algo.max_new_tokens
     stream = PromptStream(records, tokenizer, cfg.trainer.seed, room)
-    check_prompt_tokens(stream, records, args.vocab_size)
+    check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
     return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer)
 
 
-def check_prompt_tokens(stream: PromptStream, records, vocab_size: int) -> None:
-    """The first prompt of each dataset file renders (chat template), fits the model's positions
-    and uses only token ids the model has; so do the EOS and pad ids. A tokenizer that does not
-    belong to the model fails here, naming the file, instead of in a worker."""
-    import jinja2
-
-    first = {}
-    for record in records:  # source: "file:row" or "task:index"
-        first.setdefault(record.source.rsplit(":", 1)[0], record)
-    for source, record in first.items():
-        try:
-            ids = stream.token_ids(record)
-        except (jinja2.TemplateError, TypeError, KeyError) as err:
-            raise ConfigError(f"{record.source}: the prompt does not render with data.tokenizer's chat "
-                              f"template: {err}") from None
-        except ValueError as err:  # too long (the message names the row), or characters it cannot encode
-            where = "" if str(err).startswith(record.source) else f"{record.source}: "
-            raise ConfigError(f"{where}{err}") from None
-        outside = sorted({i for i in ids if not 0 <= i < vocab_size})
-        if outside:
-            raise ConfigError(f"{source}: the prompt of {record.source} has token id(s) {outside[:5]} outside the "
-                              f"model's vocabulary of {vocab_size}; data.tokenizer does not belong to the model")
+def check_prompt_tokens(stream: PromptStream, vocab_size: int, bad_rows: Optional[str] = None) -> None:
+    """Every prompt renders (chat template), fits the model's positions and uses only token ids the
+    model has; so do the EOS and pad ids. A bad row fails here, naming its ``file:row``, before any
+    worker starts, or with ``bad_rows="skip"`` (data.bad_rows; None: the built-in task's records,
+    never skipped) is logged and dropped from the stream. The token ids stay cached for the run
+    (10k short chat prompts through an HF chat template: about 0.9 s on one CPU core)."""
+    kept = []
+    for record in stream.records:  # source: "file:row" or "task:index"
+        problem = _prompt_problem(stream, record, vocab_size)
+        if problem is None:
+            kept.append(record)
+        elif bad_rows == "skip":
+            log.warning("skipping %s: %s", record.source, problem)
+        else:
+            hint = " (set data.bad_rows=skip to skip such rows)" if bad_rows == "fail" else ""
+            raise ConfigError(f"{record.source}: {problem}{hint}")
+    if len(kept) < len(stream.records):
+        log.warning("skipped %d of %d prompts (data.bad_rows=skip)", len(stream.records) - len(kept),
+                    len(stream.records))
+        if not kept:
+            raise ConfigError("every prompt of data.train_files was skipped (data.bad_rows=skip); see the log above")
+        stream.records = kept
     tok = stream.tokenizer
     for name, ids in (("EOS", tok.eos_token_ids), ("pad", [tok.pad_token_id])):
         outside = [i for i in ids if not 0 <= i < vocab_size]
         if outside:
             raise ConfigError(f"the tokenizer's {name} id(s) {outside} are outside the model's vocabulary of "
                               f"{vocab_size} (data.tokenizer does not belong to the model)")
+
+
+def _prompt_problem(stream: PromptStream, record, vocab_size: int) -> Optional[str]:
+    """Why ``record``'s prompt cannot be used, or None."""
+    import jinja2
+
+    try:
+        ids = stream.token_ids(record)
+    except (jinja2.TemplateError, TypeError, KeyError) as err:
+        return f"the prompt does not render with data.tokenizer's chat template: {err}"
+    except ValueError as err:  # too long (the message names the row), or characters it cannot encode
+        return str(err).removeprefix(f"{record.source}: ")
+    if not ids:
+        return "the prompt has no tokens"
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        outside = sorted({i for i in ids if not 0 <= i < vocab_size})
+        return (f"the prompt has token id(s) {outside[:5]} outside the model's vocabulary of {vocab_size}; "
+                f"data.tokenizer does not belong to the model")
+    return None
 
 
 def resolve_paths(cfg: MegarlConfig) -> MegarlConfig:
@@ -212,8 +233,22 @@ class Roles:
 
 
 def run(prepared: Prepared) -> List[dict]:
-    import ray
+    """Train, holding ``trainer.run_dir``'s lock from before Ray starts to the end: a second run on
+    the directory refuses (RunDirInUse) having written nothing. A run that raises, or is
+    interrupted, is marked FAILED, or KILLED, in MLflow."""
+    from megarl.trainer.logger import end_unfinished_mlflow_run
+    from megarl.trainer.run_dir import lock_run_dir
 
+    with lock_run_dir(prepared.cfg.trainer.run_dir):
+        try:
+            return _run_locked(prepared)
+        except BaseException as err:
+            end_unfinished_mlflow_run(err)
+            raise
+
+
+def _run_locked(prepared: Prepared) -> List[dict]:
+    from megarl.controller.cluster import RaySession
     from megarl.controller.group import Proxy, WorkerGroup
     from megarl.controller.rl_worker import RLWorker, needs_critic, needs_reference
     from megarl.trainer import loop, one_step_off
@@ -225,13 +260,16 @@ def run(prepared: Prepared) -> List[dict]:
 
     cfg = prepared.cfg
     world = world_size(cfg)
-    if cfg.trainer.ray_address:  # a cluster started by launch/slurm/train.sbatch or by hand
-        ray.init(address=cfg.trainer.ray_address, configure_logging=False, log_to_driver=False)
-    else:  # a private Ray on this machine, bound to loopback
-        ray.init(num_cpus=world, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 configure_logging=False, log_to_driver=False)
+    session = RaySession(cfg.trainer, num_cpus=world)  # private on loopback, or trainer.ray_address
     gpus = 1 if torch.cuda.is_available() else 0
-    group = WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus)
+    try:
+        group = WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus, env=session.worker_env,
+                            nnodes=cfg.trainer.nnodes)
+    except BaseException:
+        prepared.scorer.close()
+        session.close()
+        raise
+    print(f"megarl: workers (rank: pid@node) {group.describe()}", file=sys.stderr, flush=True)
     try:
         roles = Roles(
             actor=Proxy(group, "actor", dp_verbs=("compute_log_prob", "update")),
@@ -284,7 +322,7 @@ def run(prepared: Prepared) -> List[dict]:
     finally:
         prepared.scorer.close()  # the reward workers, even one stuck in a hanging function
         group.shutdown()
-        ray.shutdown()
+        session.close()  # Ray, then any process of the run still alive
 
 
 def plan(prepared: Prepared) -> str:

@@ -29,10 +29,10 @@ def resolve_reward_fn(name: str) -> RewardFn:
         return REWARD_FUNCTIONS.get(name)
     try:
         fn = load_fn(name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"reward.fn='{name}': cannot import ({err})") from None
+    except Exception as err:  # the module may fail in any way as it is imported (trusted, user code)
+        raise ValueError(f"algorithm.reward_fn='{name}': cannot import ({type(err).__name__}: {err})") from None
     if not callable(fn):
-        raise ValueError(f"reward.fn='{name}' is not callable")
+        raise ValueError(f"algorithm.reward_fn='{name}' is not callable")
     return fn
 
 

@@ -1,5 +1,6 @@
 """What a run shows and keeps: a console progress bar, per-phase timings, model TFLOP/s and MFU,
-metrics to MLflow (a sqlite store in the run directory unless a tracking URI is set), to
+metrics to MLflow (a sqlite store and artifacts, config.yaml among them, in the run directory
+unless a tracking URI is set; a run that raises is FAILED, an interrupted one KILLED), to
 ``metrics.jsonl`` and optionally to TensorBoard, and a reward-curve PNG at the end."""
 
 from __future__ import annotations
@@ -7,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from megarl.config import to_yaml
 from megarl.controller.protocol import Batch
 from megarl.models.flops import forward_flops
 from megarl.models.hf_config import megatron_args_from_hf
@@ -74,14 +77,20 @@ class RunLogger:
         if cfg.logging.mlflow:
             import mlflow
 
-            uri = cfg.logging.mlflow_tracking_uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
-            mlflow.set_tracking_uri(uri)
+            if cfg.logging.mlflow_tracking_uri:  # the server's store decides where artifacts go
+                mlflow.set_tracking_uri(cfg.logging.mlflow_tracking_uri)
+            else:  # everything in the run directory, artifacts too (MLflow's default is ./mlruns)
+                mlflow.set_tracking_uri(f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}")
+                if mlflow.get_experiment_by_name(cfg.logging.experiment) is None:
+                    mlflow.create_experiment(cfg.logging.experiment,
+                                             artifact_location=(self.run_dir / "mlartifacts").resolve().as_uri())
             mlflow.set_experiment(cfg.logging.experiment)
             if mlflow_run_id:
                 mlflow.start_run(run_id=mlflow_run_id)
             else:
                 mlflow.start_run(run_name=self.run_dir.name)
                 mlflow.log_params(_flat("", cfg))
+                mlflow.log_text(to_yaml(cfg), "config.yaml")
             self.mlflow = mlflow
             self.mlflow_run_id = mlflow.active_run().info.run_id
         self.world_size = cfg.trainer.nnodes * cfg.trainer.nproc_per_node
@@ -205,6 +214,14 @@ class RunLogger:
         if self.bar:
             self.bar.close()
         return png
+
+
+def end_unfinished_mlflow_run(error: BaseException) -> None:
+    """Mark the MLflow run that ``error`` left open KILLED (an interrupt: KeyboardInterrupt, or a
+    signal handler's SystemExit) or FAILED; MLflow's own exit hook would mark it FINISHED."""
+    mlflow = sys.modules.get("mlflow")  # not imported: no run was opened
+    if mlflow is not None and mlflow.active_run() is not None:
+        mlflow.end_run("KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED")
 
 
 def _tensorboard_writer(log_dir: Path, start_step: int):

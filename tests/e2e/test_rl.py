@@ -132,12 +132,21 @@ def test_one_step_off_staleness(tmp_path):
     (["algorithm.rollout_correction=tis"], ConfigError, "algorithm.rollout_correction='tis' must be one of"),
     (["algorithm.rollout_correction_threshold=0.5"], ConfigError, "algorithm.rollout_correction_threshold=0.5"),
     (["parallel.rollout.dtype=fp8"], ConfigError, "parallel.rollout.dtype='fp8' must be one of"),
+    (["algorithm.reward_fn=nope"], ValueError, "algorithm.reward_fn: unknown reward function 'nope'"),
+    (["algorithm.reward_fn=no_such_module:fn"], ValueError, "algorithm.reward_fn='no_such_module:fn': cannot import"),
+    # sizes and rates out of the bounds declared in the schema: named by load_config
+    (["optimizer.lr=-0.01"], ConfigError, "optimizer.lr=-0.01 must be >= 0"),
+    (["data.prompts_per_step=0"], ConfigError, "data.prompts_per_step=0 must be >= 1"),
+    (["trainer.nproc_per_node=0"], ConfigError, "trainer.nproc_per_node=0 must be >= 1"),
+    (["trainer.keep_checkpoints=0"], ConfigError, "trainer.keep_checkpoints=0 must be >= 1"),
+    (["optimizer.adam_beta2=1.0", "algorithm.top_p=0"], ConfigError,
+     "optimizer.adam_beta2=1.0 must be >= 0 and < 1; algorithm.top_p=0.0 must be > 0 and <= 1"),
+    (["optimizer.clip_grad=nan"], ConfigError, "optimizer.clip_grad=nan must be >= 0"),
 ])
 def test_invalid_configs_fail_before_workers(overrides, error, field):
-    cfg = load_config([DEMO], overrides)
     start = time.perf_counter()
     with pytest.raises(error, match=field.replace(".", r"\.").replace("*", r"\*")):
-        prepare(cfg)
+        prepare(load_config([DEMO], overrides))
     assert time.perf_counter() - start < 5
 
 
