@@ -21,8 +21,11 @@ from megarl.runtime.processes import WorkerDied, forks_die_with_this_process
 _DEATHS = (ActorDiedError, ActorUnavailableError, WorkerCrashedError, NodeDiedError)
 # how often the driver wakes while waiting on the ranks: a failure is acted on at most this late
 POLL_S = 1.0
-# how long a survivor's error waits for news of a dead peer (Ray reports a death within ~1 s)
+# how long a survivor's error waits for news of a dead peer: Ray reports a dead process within
+# ~1 s, a lost node once the GCS's health checks of its raylet have failed (5 x 3 s by default).
+# The wait ends early once every rank has answered, so only a run with a silent rank pays it.
 DEATH_NOTICE_S = 5.0
+NODE_DEATH_NOTICE_S = 30.0
 # how long a multi-node run waits for its nodes' slots (Ray's autoscaler may be adding nodes)
 PLACEMENT_WAIT_S = 120.0
 
@@ -71,8 +74,8 @@ class WorkerGroup:
 
         remote = ray.remote(worker_cls)
         env = {"OMP_NUM_THREADS": "1", **(env or {})}
-        self.workers: List[Any] = []
         self.placement = None  # one node's ranks per bundle; None: on one node, where Ray likes
+        self.death_notice_s = DEATH_NOTICE_S if nnodes == 1 else NODE_DEATH_NOTICE_S
         if nnodes > 1:
             self.placement = _node_placement(world_size, nnodes, cpus_per_worker, gpus_per_worker)
 
@@ -116,7 +119,7 @@ class WorkerGroup:
             if failed is not None:
                 # a peer's death often surfaces first as a broken collective on a survivor: look
                 # briefly for the death, the root cause, before reporting the survivor's error
-                deadline = time.monotonic() + DEATH_NOTICE_S
+                deadline = time.monotonic() + self.death_notice_s
                 while pending and time.monotonic() < deadline:
                     late, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.monotonic())
                     for future in late:
