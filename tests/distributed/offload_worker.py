@@ -1,6 +1,7 @@
 """Worker for test_offload.py: two identical training states, one offloaded to host memory
-between steps. Checks the storages really are freed, come back bit-identical, and that training
-continues bit-identically. Prints RESULT lines on rank 0."""
+between steps, all kinds at once, each kind alone, and through the RL loop's PhaseOffload. Checks
+the storages really are freed (only those of the kinds asked for), come back bit-identical, and
+that training continues bit-identically. Prints RESULT lines on rank 0."""
 
 import json
 
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ModelConfig, OptimizerConfig
-from megarl.engines.offload import _storages, offload
+from megarl.engines.offload import KINDS, PhaseOffload, _storages, _storages_by_kind, offload
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
 from megarl.training import lm
@@ -50,15 +51,34 @@ if __name__ == "__main__":
         offloaded_mb = handle.nbytes / 2**20
         handle.reload()
         restored = all(torch.equal(a, b) for a, b in zip(before, snapshot(moved)))
+        kinds_ok = {}  # each kind alone frees its storages (there are some) and no other kind's
+        for kind in KINDS:
+            by_kind = _storages_by_kind(moved)
+            handle = offload(moved, (kind,))
+            kinds_ok[kind] = bool(by_kind[kind]) and all(
+                (s.nbytes() == 0) == (k == kind) for k in KINDS for s in by_kind[k])
+            handle.reload()
+        restored = restored and all(torch.equal(a, b) for a, b in zip(before, snapshot(moved)))
+        phases = PhaseOffload([moved], params=True, grads=True, optimizer=True)
+        first = phases.enter_generate()  # the sync before step 1: offload only
+        phase_freed = all(s.nbytes() == 0 for s in phases.handles[0].storages)
+        phases.enter_train()
+        resident = all(p.untyped_storage().nbytes() > 0 for chunk in moved.model for p in chunk.parameters())
+        phase_metrics = phases.enter_generate()
+        phases.enter_train()
+        restored = restored and all(torch.equal(a, b) for a, b in zip(before, snapshot(moved)))
         for step in (1, 2):
             for state, out in ((plain, losses[0]), (moved, losses[1])):
                 out.append(lm.train_step(state, batch(step), 2)["loss"])
         same_params = all(torch.equal(a, b) for a, b in zip(snapshot(plain), snapshot(moved)))
-        ok = torch.tensor([float(freed and restored and same_params and losses[0] == losses[1])])
+        ok = torch.tensor([float(freed and restored and same_params and losses[0] == losses[1]
+                                 and all(kinds_ok.values()) and phase_freed and resident)])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps({"layout": str(layout), "freed": freed, "restored": restored,
                                           "same_after_training": same_params, "losses": losses,
-                                          "offloaded_mb": offloaded_mb,
+                                          "offloaded_mb": offloaded_mb, "kinds_ok": kinds_ok,
+                                          "phase_freed": phase_freed, "resident": resident,
+                                          "first_metrics": first, "phase_metrics": phase_metrics,
                                           "all_ranks_ok": bool(ok.item())}), flush=True)
         groups.destroy()
