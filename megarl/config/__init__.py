@@ -8,6 +8,7 @@ from megarl.config.schema import (
     LoggingConfig,
     MegarlConfig,
     ModelConfig,
+    OffloadConfig,
     OptimizerConfig,
     ParallelConfig,
     RolloutLayoutConfig,
@@ -16,6 +17,6 @@ from megarl.config.schema import (
 
 __all__ = [
     "AlgorithmConfig", "ConfigError", "DataConfig", "LayoutsConfig", "LoggingConfig",
-    "MegarlConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RolloutLayoutConfig",
+    "MegarlConfig", "ModelConfig", "OffloadConfig", "OptimizerConfig", "ParallelConfig", "RolloutLayoutConfig",
     "TrainerConfig", "load_config", "to_yaml", "validate",
 ]

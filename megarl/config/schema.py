@@ -254,6 +254,21 @@ class AlgorithmConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """What the trained roles (actor, critic; the reference's parameters) move to host memory while
+    the rollout generates (colocated placement): offloaded after each weight sync, reloaded before
+    the training phases, bit-exactly. On GPUs this frees device memory for the rollout (e.g. the KV
+    cache); on CPU the copy is exercised alike but host memory does not drop."""
+
+    params: bool = False
+    """Offload parameters (Megatron DDP's param buffers, and fp32 main params that are views of them)."""
+    grads: bool = False
+    """Offload the gradient buffers."""
+    optimizer: bool = False
+    """Offload the optimizer state: moments and separate fp32 main parameters (bf16 training)."""
+
+
+@dataclass
 class TrainerConfig:
     """The outer loop."""
 
@@ -294,6 +309,10 @@ class TrainerConfig:
     save); the checkpoint becomes ``latest`` once every rank has finished writing."""
     loop: str = "sync"
     """``sync`` (on-policy) or ``one_step_off`` (rollout of step k+1 from the weights before update k)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Trained state moved to host memory while the rollout generates (colocated). memory/host_peak_gb/<phase>
+    and memory/gpu_peak_gb/<phase> (generate, train; max over ranks) are logged either way, time/offload_s and
+    time/reload_s when something is offloaded."""
     max_bad_steps: int = bounded(3, ge=1)
     """Optimizer steps in a row of one model (actor or critic) whose loss or gradients are not finite
     on some rank before the run stops with NonFiniteUpdateError; each such step is skipped on every

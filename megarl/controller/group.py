@@ -1,7 +1,9 @@
 """Worker groups: one Ray actor per rank, all ranks one ``torch.distributed`` world.
 
 A group dispatches a :class:`Batch` by data-parallel rank (every TP/PP rank of one DP index gets
-the same chunk) and collects results from tensor-parallel rank 0 of the last pipeline stage.
+the same chunk) and collects results from tensor-parallel rank 0 of the last pipeline stage. A
+:class:`RoleProxy` is a role as the driver sees it: the verbs its class declares
+(megarl.protocol), each dispatched as declared.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, RayTaskError, WorkerCrashedError
 
 from megarl.config import ConfigError
-from megarl.controller.protocol import Batch
+from megarl.protocol import Batch, Dispatch, Verb
 from megarl.runtime.processes import WorkerDied, forks_die_with_this_process
 
 _DEATHS = (ActorDiedError, ActorUnavailableError, WorkerCrashedError, NodeDiedError)
@@ -149,17 +151,26 @@ class WorkerGroup:
         """Run on every rank; return rank 0's result."""
         return self.call(method, *args, **kwargs)[0]
 
-    def call_dp(self, method: str, batch: Batch, **kwargs) -> Any:
-        """Each rank gets its DP index's chunk; results (Batch or dict) of the collecting ranks,
-        in DP order: Batches concatenated, dicts from DP rank 0 (already reduced)."""
+    def call_one(self, method: str, *args, **kwargs) -> Any:
+        """Run on rank 0 alone; its result."""
+        return self._wait([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
+
+    def call_dp(self, method: str, batch: Batch, *lead, **kwargs) -> Any:
+        """Each rank runs ``method(*lead, chunk)`` with its DP index's chunk; results (Batch or
+        dict) of the collecting ranks, in DP order: Batches concatenated, dicts from DP rank 0
+        (already reduced)."""
         chunks = batch.chunk(self.dp)
-        futures = [getattr(w, method).remote(chunks[info["dp_rank"]], **kwargs)
+        futures = [getattr(w, method).remote(*lead, chunks[info["dp_rank"]], **kwargs)
                    for w, info in zip(self.workers, self.info)]
         results = self._wait(futures)
         collected = sorted(((info["dp_rank"], r) for info, r in zip(self.info, results) if info["collect"]),
                            key=lambda x: x[0])
         outputs = [r for _, r in collected]
         return Batch.concat(outputs) if isinstance(outputs[0], Batch) else outputs[0]
+
+    def roles(self) -> Dict[str, "RoleProxy"]:
+        """A proxy for each role the workers hold (``info["verbs"]``: role -> its declared verbs)."""
+        return {name: RoleProxy(self, name, verbs) for name, verbs in self.info[0]["verbs"].items()}
 
     def shutdown(self) -> None:
         """Kill every rank (idempotent); a rank stuck in a collective does not delay it."""
@@ -179,17 +190,20 @@ class WorkerGroup:
             self.placement = None
 
 
-class Proxy:
-    """A role as the loop sees it: verbs that run on the group, by DP chunk or SPMD."""
+class RoleProxy:
+    """A role as the loop sees it: ``proxy.update(batch)`` runs the role's declared verb on the
+    group (each worker's ``call(role, verb, ...)``), dispatched as declared."""
 
-    def __init__(self, group: WorkerGroup, prefix: str, dp_verbs=(), spmd_verbs=()):
-        self._group, self._prefix = group, prefix
-        self._dp, self._spmd = set(dp_verbs), set(spmd_verbs)
+    def __init__(self, group: WorkerGroup, role: str, verbs: Dict[str, Verb]):
+        self._group, self._role, self._verbs = group, role, verbs
 
-    def __getattr__(self, verb: str):
-        method = f"{self._prefix}_{verb}"
-        if verb in self._dp:
-            return lambda batch, **kw: self._group.call_dp(method, batch, **kw)
-        if verb in self._spmd:
-            return lambda *a, **kw: self._group.call_first(method, *a, **kw)
-        raise AttributeError(f"role '{self._prefix}' has no verb '{verb}'")
+    def __getattr__(self, name: str):
+        verbs = self.__dict__.get("_verbs", {})  # empty while unpickling, before __init__'s fields
+        spec = verbs.get(name)
+        if spec is None:
+            raise AttributeError(f"role '{self.__dict__.get('_role')}' has no verb '{name}'; "
+                                 f"its verbs: {', '.join(sorted(verbs))}")
+        if spec.dispatch is Dispatch.DP:
+            return lambda batch, **kw: self._group.call_dp("call", batch, self._role, name, **kw)
+        call = self._group.call_first if spec.dispatch is Dispatch.ALL else self._group.call_one
+        return lambda *args, **kw: call("call", self._role, name, *args, **kw)

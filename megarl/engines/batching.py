@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-Batch = Dict[str, torch.Tensor]
+Tensors = Dict[str, torch.Tensor]  # an engine batch: name -> [rows, seq] (see the module docstring)
 
 
 @dataclass
@@ -21,7 +21,7 @@ class MicroBatch:
     """Rows of a batch and the tensors fed to the model for them."""
 
     rows: torch.Tensor  # [n] indices into the batch
-    tensors: Batch  # [n, s] (padded) or [1, T] (packed)
+    tensors: Tensors  # [n, s] (padded) or [1, T] (packed)
     packed_seq_params: Optional[object] = None  # megatron PackedSeqParams when packed
     lengths: Optional[torch.Tensor] = None  # [n] real tokens of each row
 
@@ -42,11 +42,11 @@ def balance_across_dp(lengths: torch.Tensor, dp: int) -> List[torch.Tensor]:
     return [torch.tensor(sorted(rows), dtype=torch.long) for rows in assigned]
 
 
-def take_rows(batch: Batch, rows: torch.Tensor) -> Batch:
+def take_rows(batch: Tensors, rows: torch.Tensor) -> Tensors:
     return {k: v[rows] for k, v in batch.items()}
 
 
-def fixed_micro_batches(batch: Batch, micro_batch_size: int) -> List[torch.Tensor]:
+def fixed_micro_batches(batch: Tensors, micro_batch_size: int) -> List[torch.Tensor]:
     """Row groups of ``micro_batch_size`` in order."""
     rows = batch["tokens"].shape[0]
     if rows % micro_batch_size:
@@ -72,7 +72,7 @@ def token_budget_micro_batches(lengths: torch.Tensor, max_tokens: int) -> List[t
     return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
 
 
-def padded(batch: Batch, rows: torch.Tensor, lengths: torch.Tensor, multiple: int) -> MicroBatch:
+def padded(batch: Tensors, rows: torch.Tensor, lengths: torch.Tensor, multiple: int) -> MicroBatch:
     """The rows, cut to their longest real length (rounded up to ``multiple``)."""
     longest = int(lengths[rows].max())
     longest = -(-longest // multiple) * multiple
@@ -83,7 +83,7 @@ def padded(batch: Batch, rows: torch.Tensor, lengths: torch.Tensor, multiple: in
     return MicroBatch(rows, {k: v[rows, :longest] for k, v in batch.items()}, lengths=lengths[rows])
 
 
-def packed(batch: Batch, rows: torch.Tensor, lengths: torch.Tensor, multiple: int) -> MicroBatch:
+def packed(batch: Tensors, rows: torch.Tensor, lengths: torch.Tensor, multiple: int) -> MicroBatch:
     """The rows' real tokens end to end in one row; a padding segment makes the total divide
     by ``multiple`` (sequence parallelism). Positions restart at every sequence."""
     from megatron.core.packed_seq_params import PackedSeqParams

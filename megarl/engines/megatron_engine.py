@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 
 from megarl.engines import batching
-from megarl.engines.batching import Batch, MicroBatch
+from megarl.engines.batching import MicroBatch, Tensors
 from megarl.engines.vocab_parallel import log_prob_and_entropy
 from megarl.training.lm import TrainState
 
 # (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metric sums);
 # for a value head: (values [n, s], None, tensors). A metric named ``*_max`` / ``*_min`` is an
 # extremum, reduced with max / min instead of summed and divided by the count.
-LossFn = Callable[[torch.Tensor, torch.Tensor, Batch], Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]]
+LossFn = Callable[[torch.Tensor, torch.Tensor, Tensors], Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -129,7 +129,7 @@ class MegatronEngine:
                 handle.mismatched = handle.live_mismatched = handle.compared = 0
         return bool(self.routers) and (self.routing_replay or count)
 
-    def micro_batches(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> List[MicroBatch]:
+    def micro_batches(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching) -> List[MicroBatch]:
         layout = self.groups.layout
         multiple = layout.tp * layout.cp if layout.sequence_parallel and layout.tp > 1 else 1
         if how.max_tokens:
@@ -200,7 +200,7 @@ class MegatronEngine:
                                     group=group, temperature=temperature)
 
     @torch.no_grad()
-    def forward_log_probs(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching,
+    def forward_log_probs(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching,
                           temperature: float = 1.0) -> Dict[str, torch.Tensor]:
         """Log-probs of ``batch['labels']`` and entropies (or ``values`` for a value head),
         [rows, seq], on every rank of this data-parallel replica (zeros past each row's length)."""
@@ -229,7 +229,7 @@ class MegatronEngine:
         self._broadcast_from_last_stage(result)
         return {keys[0]: result[0]} if self.vocab_size is None else {keys[0]: result[0], keys[1]: result[1]}
 
-    def update(self, batch: Batch, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
+    def update(self, batch: Tensors, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
                temperature: float = 1.0, mini: Optional[MiniBatches] = None) -> Dict[str, float]:
         """Optimizer steps on this DP rank's rows, one per mini-batch and epoch (see
         :class:`MiniBatches`); returns the global loss and metrics over all steps: means over
@@ -251,7 +251,7 @@ class MegatronEngine:
             grad_norms.append(grad_norm)
         return self._metrics(reports, grad_norms)
 
-    def _optimizer_step(self, batch: Batch, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
+    def _optimizer_step(self, batch: Tensors, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
                         temperature: float):
         """One forward-backward over ``batch`` and one optimizer step: (outputs, grad norm), the
         grad norm None when the step was skipped (see :meth:`_step_if_finite`)."""
@@ -308,7 +308,7 @@ class MegatronEngine:
         state.scheduler.step(increment=1)
         return float(grad_norm or 0.0)
 
-    def _gather_dp(self, batch: Batch, lengths: torch.Tensor) -> Tuple[Batch, torch.Tensor]:
+    def _gather_dp(self, batch: Tensors, lengths: torch.Tensor) -> Tuple[Tensors, torch.Tensor]:
         """Every DP rank's rows, in DP-rank order (the driver's global order)."""
         group, dp = self.groups.pg.dp, self.groups.layout.dp
         rows = torch.tensor([lengths.shape[0]])

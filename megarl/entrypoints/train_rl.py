@@ -249,8 +249,8 @@ def run(prepared: Prepared) -> List[dict]:
 
 def _run_locked(prepared: Prepared) -> List[dict]:
     from megarl.controller.cluster import RaySession
-    from megarl.controller.group import Proxy, WorkerGroup
-    from megarl.controller.rl_worker import RLWorker, needs_critic, needs_reference
+    from megarl.controller.group import WorkerGroup
+    from megarl.controller.rl_worker import RLWorker
     from megarl.trainer import loop, one_step_off
     from megarl.config import to_yaml
     from megarl.trainer.checkpoint import Checkpoints
@@ -271,13 +271,10 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         raise
     print(f"megarl: workers (rank: pid@node) {group.describe()}", file=sys.stderr, flush=True)
     try:
-        roles = Roles(
-            actor=Proxy(group, "actor", dp_verbs=("compute_log_prob", "update")),
-            rollout=Proxy(group, "rollout", spmd_verbs=("generate", "update_weights", "release_memory", "resume_memory")),
-            reference=Proxy(group, "reference", dp_verbs=("compute_log_prob",)) if needs_reference(cfg.algorithm) else None,
-            critic=Proxy(group, "critic", dp_verbs=("compute_values", "update")) if needs_critic(cfg.algorithm) else None)
-        if cfg.algorithm.reward_fn == "model":
-            prepared.scorer.model = Proxy(group, "reward_model", dp_verbs=("compute_scores",))
+        proxies = group.roles()  # the roles the workers built for this algorithm, with their verbs
+        roles = Roles(actor=proxies["actor"], rollout=proxies["rollout"], reference=proxies.get("reference"),
+                      critic=proxies.get("critic"))
+        prepared.scorer.model = proxies.get("reward_model")
         checkpoints = Checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
         found = checkpoints.latest() if cfg.trainer.resume else None
         done, run_id = 0, None

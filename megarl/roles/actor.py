@@ -1,7 +1,7 @@
 """The actor: the policy's log-probs and its update (policy loss + KL to the reference +
 entropy bonus), over a :class:`MegatronEngine`.
 
-Batch tensors, [rows, seq], right-padded: ``tokens``, ``labels`` (next tokens), ``position_ids``,
+Input tensors, [rows, seq], right-padded: ``tokens``, ``labels`` (next tokens), ``position_ids``,
 ``loss_mask`` (1 on response tokens), ``old_log_probs``, ``ref_log_probs``, ``advantages``. The
 old log-probs stay fixed over all the mini-batches and epochs of one update.
 """
@@ -18,8 +18,9 @@ from megarl.algorithms.correction import rollout_correction_weights
 from megarl.algorithms.kl import LOG_RATIO_BOUND, clamp_log_ratio
 from megarl.algorithms.losses import POLICY_LOSSES, entropy_bonus, kl_loss, loss_denominators
 from megarl.algorithms.masked import masked_mean
-from megarl.engines.batching import Batch
+from megarl.engines.batching import Tensors
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
+from megarl.protocol import Dispatch, verb
 
 
 @dataclass
@@ -59,10 +60,11 @@ class Actor:
         self.engine = engine
         self.cfg = loss
 
-    def compute_log_prob(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
+    @verb(Dispatch.DP, output="old_log_probs")
+    def compute_log_prob(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
         return self.engine.forward_log_probs(batch, lengths, how, self.cfg.temperature)["log_probs"]
 
-    def _loss(self, logp: torch.Tensor, entropy: torch.Tensor, t: Batch):
+    def _loss(self, logp: torch.Tensor, entropy: torch.Tensor, t: Tensors):
         cfg, mask = self.cfg, t["loss_mask"]
         tokens, seqs = loss_denominators(mask)
         # Sums here; Megatron divides by the count summed over micro-batches and DP ranks.
@@ -95,7 +97,7 @@ class Actor:
         extrema = {k: v for k, v in correction.items() if k.endswith("_max")}  # max-reduced, not weighted
         return loss, count, metrics | extrema | self._ratio_extras(logp.detach(), t, count)
 
-    def _ratio_extras(self, logp: torch.Tensor, t: Batch, count: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _ratio_extras(self, logp: torch.Tensor, t: Tensors, count: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Token-level ratio extrema (``*_max``/``*_min``: the engine reduces them with max/min)
         and, for ppo, which side of the clip removed a token's gradient: ``clip_frac_high``
         (A > 0, ratio > 1 + clip_high), ``clip_frac_low`` (A < 0, ratio < 1 - clip_low); their
@@ -113,7 +115,8 @@ class Actor:
             extras["clip_frac_low"] = masked_mean(low.to(ratio.dtype), mask) * count
         return extras
 
-    def update(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching,
+    @verb(Dispatch.DP, optimizer_steps=True)
+    def update(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching,
                mini: Optional[MiniBatches] = None) -> Dict[str, float]:
         """Optimizer steps over ``batch`` (this DP rank's rows), one per mini-batch and epoch."""
         if how.packed and self.cfg.rollout_correction.startswith("seq_"):  # the loss sees rows as [1, T]

@@ -1,7 +1,7 @@
 """The critic: per-token values from a value head on the policy's backbone, and its update
 with the clipped value loss (PPO2), over a :class:`MegatronEngine` built with ``value_head``.
 
-Batch tensors, [rows, seq]: ``tokens``, ``position_ids``, ``loss_mask``, ``old_values``,
+Input tensors, [rows, seq]: ``tokens``, ``position_ids``, ``loss_mask``, ``old_values``,
 ``returns``.
 """
 
@@ -13,8 +13,9 @@ from typing import Dict, Optional
 import torch
 
 from megarl.algorithms.losses import loss_denominators, value_loss
-from megarl.engines.batching import Batch
+from megarl.engines.batching import Tensors
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
+from megarl.protocol import Dispatch, verb
 
 
 @dataclass
@@ -38,10 +39,11 @@ class Critic:
         self.engine = engine
         self.cfg = loss
 
-    def compute_values(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
+    @verb(Dispatch.DP, output="values")
+    def compute_values(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
         return self.engine.forward_log_probs(batch, lengths, how)["values"]
 
-    def _loss(self, values: torch.Tensor, _unused, t: Batch):
+    def _loss(self, values: torch.Tensor, _unused, t: Tensors):
         mask = t["loss_mask"]
         tokens, seqs = loss_denominators(mask)
         count = tokens if self.cfg.agg_mode == "token-mean" else seqs
@@ -49,7 +51,8 @@ class Critic:
                                    self.cfg.agg_mode, global_tokens=1, global_seqs=1, max_len=self.cfg.max_len)
         return loss, count, {k: v * count for k, v in metrics.items()}
 
-    def update(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching,
+    @verb(Dispatch.DP, optimizer_steps=True, metrics_prefix="critic/")
+    def update(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching,
                mini: Optional[MiniBatches] = None) -> Dict[str, float]:
         """Optimizer steps over ``batch`` (this DP rank's rows), one per mini-batch and epoch;
         the old values stay fixed over all of them."""

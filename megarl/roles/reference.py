@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from megarl.engines.batching import Batch
+from megarl.engines.batching import Tensors
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.protocol import Dispatch, verb
 
 
 class Reference:
@@ -17,5 +18,6 @@ class Reference:
         self.engine = engine
         self.temperature = temperature
 
-    def compute_log_prob(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
+    @verb(Dispatch.DP, output="ref_log_probs")
+    def compute_log_prob(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
         return self.engine.forward_log_probs(batch, lengths, how, self.temperature)["log_probs"]

@@ -8,8 +8,9 @@ from typing import Optional
 
 import torch
 
-from megarl.engines.batching import Batch
+from megarl.engines.batching import Tensors
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.protocol import Dispatch, verb
 
 
 def score_positions(tokens: torch.Tensor, lengths: torch.Tensor, pad_token_id: Optional[int]) -> torch.Tensor:
@@ -36,7 +37,8 @@ class RewardModel:
                              "(lm.build_frozen_state(value_head=True))")
         self.engine, self.pad_token_id = engine, pad_token_id
 
-    def compute_scores(self, batch: Batch, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
+    @verb(Dispatch.DP, output="scores")
+    def compute_scores(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
         """[rows]: the scalar head at each row's scored position (:func:`score_positions`)."""
         values = self.engine.forward_log_probs(batch, lengths, how)["values"]  # [rows, seq]
         where = score_positions(batch["tokens"], lengths, self.pad_token_id)

@@ -16,9 +16,9 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 
 from megarl.config import to_yaml
-from megarl.controller.protocol import Batch
 from megarl.models.flops import forward_flops
 from megarl.models.hf_config import megatron_args_from_hf
+from megarl.protocol import Batch
 from megarl.runtime import peak_rss_gb
 
 

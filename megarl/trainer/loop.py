@@ -1,15 +1,15 @@
 """The RL loop of the single controller (HybridFlow): each phase is one verb on a role.
 
-generate → reward → old log-prob → reference log-prob → values → advantages → critic update →
-actor update → weight sync → metrics. Roles run on their worker groups; nothing here touches a
-process group.
+generate → reward → (the training half, :func:`train_on`: old log-prob → reference log-prob →
+values → advantages → critic update → actor update) → weight sync → metrics. Roles run on their
+worker groups; nothing here touches a process group.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from megarl.trainer.steps import advantages, make_batch, sample_step
+from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, train_on
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
@@ -20,23 +20,8 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
         sampled = sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
                               seed=cfg.trainer.seed + step, eos_token_ids=eos_token_ids, phase=log.phase)
         roles.rollout.release_memory()  # the training roles get the device (hybrid engine)
-        batch = make_batch(sampled, pad_token_id, policy_version=step - 1)
-        with log.phase("old_log_prob"):
-            batch |= roles.actor.compute_log_prob(batch)
-        if roles.reference:
-            with log.phase("ref_log_prob"):
-                batch |= roles.reference.compute_log_prob(batch)
-        if roles.critic:
-            with log.phase("values"):
-                batch |= roles.critic.compute_values(batch)
-        batch |= advantages(batch, algo)
-        metrics = {"sampling/rounds": sampled.rounds, "sampling/dropped_groups": sampled.dropped_groups,
-                   **sampled.reward_metrics}
-        if roles.critic:
-            with log.phase("critic_update"):
-                metrics |= roles.critic.update(batch)
-        with log.phase("actor_update"):
-            metrics |= roles.actor.update(batch)
+        batch, metrics = train_on(make_batch(sampled, pad_token_id, policy_version=step - 1), roles, algo, log)
+        metrics = sampling_metrics(sampled) | metrics
         with log.phase("weight_sync"):
             roles.rollout.resume_memory()
             metrics |= roles.rollout.update_weights(step)

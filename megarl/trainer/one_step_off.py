@@ -1,6 +1,7 @@
 """One-step-off-policy loop: the rollout of step k+1 is drawn from the weights before update k,
 so generation can run beside training (split placement); the trained batch is one policy
-version stale, and the measured staleness is logged.
+version stale, and the measured staleness is logged. The training half is the synchronous
+loop's (:func:`train_on`); only the schedule of generation and weight sync differs.
 
 With colocated placement the two calls queue on the same workers (no overlap); the staleness,
 and so the algorithm, is the same. A resumed run draws its first batch afresh (staleness 0).
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megarl.trainer.steps import advantages, make_batch, sample_step
+from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, train_on
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
@@ -24,26 +25,15 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
     roles.rollout.update_weights(start_step - 1)
     pending, pending_version = draw(start_step), start_step - 1
     for step in range(start_step, cfg.trainer.train_steps + 1):
-        batch, reward_metrics = make_batch(pending, pad_token_id, policy_version=pending_version), pending.reward_metrics
+        sampled, version = pending, pending_version
         if step < cfg.trainer.train_steps:  # drawn from version step-1, before this step's update
             pending, pending_version = draw(step + 1), step - 1
-        with log.phase("old_log_prob"):
-            batch |= roles.actor.compute_log_prob(batch)
-        if roles.reference:
-            with log.phase("ref_log_prob"):
-                batch |= roles.reference.compute_log_prob(batch)
-        if roles.critic:
-            with log.phase("values"):
-                batch |= roles.critic.compute_values(batch)
-        batch |= advantages(batch, algo)
-        metrics = {"sampling/staleness": (step - 1) - batch.policy_version,  # actor version - batch version
-                   **reward_metrics}
-        if roles.critic:
-            with log.phase("critic_update"):
-                metrics |= roles.critic.update(batch)
-        with log.phase("actor_update"):
-            metrics |= roles.actor.update(batch)
+        roles.rollout.release_memory()  # the training roles get the device (hybrid engine)
+        batch, metrics = train_on(make_batch(sampled, pad_token_id, policy_version=version), roles, algo, log)
+        metrics = {"sampling/staleness": (step - 1) - version,  # actor version - batch version
+                   **sampling_metrics(sampled), **metrics}
         with log.phase("weight_sync"):
+            roles.rollout.resume_memory()
             metrics |= roles.rollout.update_weights(step)
         log.step(step, batch, metrics)
         if after_step:

@@ -8,14 +8,14 @@ import dataclasses
 
 import random
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS, kl_penalty_rewards
 from megarl.algorithms.presets import preset, resolve
-from megarl.controller.protocol import Batch
 from megarl.data.datasets import PromptRecord
+from megarl.protocol import Batch
 from megarl.rewards import RewardPool, RewardSample, reward_fn_path
 from megarl.rollout import Response, SamplingParams
 
@@ -256,3 +256,31 @@ def advantages(batch: Batch, algo) -> Batch:
     if "values" in batch.tensors:
         out["old_values"] = batch["values"]
     return Batch(out)
+
+
+def sampling_metrics(sampled: Sampled) -> Dict[str, float]:
+    """What drawing the step's batch took: dynamic-sampling rounds, dropped groups, reward failures."""
+    return {"sampling/rounds": sampled.rounds, "sampling/dropped_groups": sampled.dropped_groups,
+            **sampled.reward_metrics}
+
+
+def train_on(batch: Batch, roles, algo, log) -> Tuple[Batch, Dict[str, float]]:
+    """The training half of a step, the same under every schedule: old log-prob → reference
+    log-prob → values → advantages → critic update → actor update. Returns the batch with the
+    columns each phase added, and the updates' metrics. ``log.phase`` times each phase."""
+    with log.phase("old_log_prob"):
+        batch |= roles.actor.compute_log_prob(batch)
+    if roles.reference:
+        with log.phase("ref_log_prob"):
+            batch |= roles.reference.compute_log_prob(batch)
+    if roles.critic:
+        with log.phase("values"):
+            batch |= roles.critic.compute_values(batch)
+    batch |= advantages(batch, algo)
+    metrics: Dict[str, float] = {}
+    if roles.critic:
+        with log.phase("critic_update"):
+            metrics |= roles.critic.update(batch)
+    with log.phase("actor_update"):
+        metrics |= roles.actor.update(batch)
+    return batch, metrics

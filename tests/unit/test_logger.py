@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megarl.config import MegarlConfig
-from megarl.controller.protocol import Batch
 from megarl.models.flops import forward_flops
 from megarl.models.hf_config import megatron_args_from_hf
+from megarl.protocol import Batch
 from megarl.trainer.logger import RunLogger
 
 

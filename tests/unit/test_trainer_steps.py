@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megarl.config import AlgorithmConfig
-from megarl.controller.protocol import Batch
 from megarl.data.datasets import PromptRecord
 from megarl.data.tokenizer import DigitTokenizer
+from megarl.protocol import Batch
 from megarl.rollout import Response
 from megarl.trainer.steps import (PromptStream, Scorer, advantages, make_batch, overlong_penalty, sample_step,
                                   varied_groups)

@@ -1,0 +1,42 @@
+"""The rollout as a role: the verbs the RL loop calls on a :class:`RolloutEngine` (native or
+SGLang), with the weight sync's cost as metrics."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from megarl.engines.offload import PhaseOffload
+from megarl.protocol import Dispatch, verb
+from megarl.rollout.types import Response, RolloutEngine, SamplingParams
+
+
+class Rollout:
+    """Generation for the loop; every verb is collective over the world (the hybrid engine)."""
+
+    def __init__(self, engine: RolloutEngine, phases: Optional[PhaseOffload] = None):
+        self.engine = engine
+        self.phases = phases  # colocated: the trained states off the device while generating, memory per phase
+
+    @verb(Dispatch.ALL)
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
+        return self.engine.generate(prompts, sampling)
+
+    @verb(Dispatch.ALL)
+    def update_weights(self, policy_version: int) -> Dict[str, float]:
+        """Sync the actor's weights; the sync's seconds and the bytes this rank received."""
+        self.engine.update_weights(policy_version)
+        s = self.engine.resharder.last
+        metrics = {"sync/seconds": s.seconds, "sync/bytes_received": s.bytes_received}
+        if self.phases is not None:
+            metrics.update(self.phases.enter_generate())
+        return metrics
+
+    @verb(Dispatch.ALL)
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+        if self.phases is not None:
+            self.phases.enter_train()
+
+    @verb(Dispatch.ALL)
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
