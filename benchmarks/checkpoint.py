@@ -8,9 +8,13 @@ gather), ``reshardable`` (model space: each parameter's state gathered over dp, 
 layout), and ``reshardable`` with async save (the time the trainer is blocked, and the time until
 the background write is finalized). Best of ``--repeats``; ratios against ``dp_reshardable``.
 
-Beside each save, the run checkpoint's manifest as the trainer writes it once the files are on
-disk (``Checkpoints.commit``), timed with and without the SHA-256 of every file: ``hash %`` is
-the added time against the time until the checkpoint is written.
+Beside each save (written without hashes), the hashing, before and after. Before: the driver
+alone hashes every file as it writes the manifest (``driver %``: the time it adds to the sizes-only
+manifest, against the time until the checkpoint is written). After (what the trainer does): each
+rank hashes the files it wrote (``record_hashes``, in parallel; in an async save the background
+writer makes the same call after writing), then the driver merges their digests into the
+manifest and hashes the rest (``ranks %``: the slowest rank plus the merge, against the same).
+``--repeats 1`` is the quick run.
 """
 
 from __future__ import annotations
@@ -32,16 +36,17 @@ MODES = ("dp_reshardable", "reshardable", "reshardable+async")
 
 
 def worker(args) -> None:
+    import torch
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from megarl.checkpoint.integrity import write_manifest
+    from megarl.checkpoint.integrity import record_hashes, write_manifest
     from megarl.config import ModelConfig, OptimizerConfig
     from megarl.parallel import Layout, build_groups
     from megarl.runtime import init_distributed, set_seed
     from megarl.training import lm
     from megarl.training.tasks import reverse_digits_batch
-    from megarl.training.train_ckpt import load_train_state, save_train_state
+    from megarl.training.train_ckpt import load_train_state, own_files, save_train_state
 
     init_distributed()
     tp, pp, dp = (int(x) for x in args.layout.split(","))
@@ -52,13 +57,15 @@ def worker(args) -> None:
     lm.train_step(state, lm.dp_shard(reverse_digits_batch(0, 8, 4, seed=0), groups), 2)  # fills Adam's moments
     fresh = lm.build_train_state(model, OptimizerConfig(), groups, 4)
     queue = AsyncCallsQueue()
-    timings = {mode: {"blocked": [], "saved": [], "load": [], "sizes": [], "hashed": [], "mb": 0.0} for mode in MODES}
+    keys = ("blocked", "saved", "load", "sizes", "hashed", "rank_hash", "merged")
+    timings = {mode: {"mb": 0.0, **{key: [] for key in keys}} for mode in MODES}
     for repeat in range(args.repeats):
         for mode in MODES:
             path = Path(args.work) / f"{mode}-{repeat}"
             dist.barrier()
             start = time.perf_counter()
-            save_train_state(state, path, mode.split("+")[0], async_queue=queue if "async" in mode else None)
+            save_train_state(state, path, mode.split("+")[0], async_queue=queue if "async" in mode else None,
+                             hash_files=False)
             blocked = time.perf_counter() - start
             queue.maybe_finalize_async_calls(blocking=True)
             dist.barrier()
@@ -68,6 +75,16 @@ def worker(args) -> None:
                     begin = time.perf_counter()
                     write_manifest(path, hashes=hashes)
                     timings[mode][key].append(time.perf_counter() - begin)
+            dist.barrier()
+            begin = time.perf_counter()
+            record_hashes(path, own_files(path, dist.get_rank()), dist.get_rank())
+            slowest = torch.tensor([time.perf_counter() - begin])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            timings[mode]["rank_hash"].append(slowest.item())
+            if dist.get_rank() == 0:
+                begin = time.perf_counter()
+                write_manifest(path)
+                timings[mode]["merged"].append(time.perf_counter() - begin)
             dist.barrier()
             start = time.perf_counter()
             load_train_state(fresh, path)
@@ -112,14 +129,15 @@ def main() -> None:
     print(f"training state of {result['params'] / 1e6:.1f}M parameters (fp32 + Adam), layout t,p,d={result['layout']}, "
           f"{result['world']} processes; best of {args.repeats}")
     print(f"{'format':>20s} {'blocked s':>10s} {'written s':>10s} {'load s':>8s} {'MB':>7s} "
-          f"{'blocked/dp_r':>13s} {'load/dp_r':>10s} {'manifest s':>11s} {'+sha256 s':>10s} {'hash %':>7s}")
+          f"{'blocked/dp_r':>13s} {'load/dp_r':>10s} {'manifest s':>11s} | {'driver sha s':>12s} {'driver %':>9s} "
+          f"| {'rank sha s':>10s} {'merge s':>8s} {'ranks %':>8s}")
     for mode in MODES:
         b = best[mode]
-        overhead = 100 * (b["hashed"] - b["sizes"]) / b["saved"]
+        driver = 100 * (b["hashed"] - b["sizes"]) / b["saved"]
+        ranks = 100 * (b["rank_hash"] + b["merged"] - b["sizes"]) / b["saved"]
         print(f"{mode:>20s} {b['blocked']:10.2f} {b['saved']:10.2f} {b['load']:8.2f} {b['mb']:7.0f} "
-              f"{b['blocked'] / base['blocked']:13.2f} {b['load'] / base['load']:10.2f} {b['sizes']:11.3f} "
-              f"{b['hashed']:10.3f} {overhead:7.1f}")
-
+              f"{b['blocked'] / base['blocked']:13.2f} {b['load'] / base['load']:10.2f} {b['sizes']:11.3f} | "
+              f"{b['hashed']:12.3f} {driver:9.1f} | {b['rank_hash']:10.3f} {b['merged']:8.3f} {ranks:8.1f}")
 
 if __name__ == "__main__":
     main()

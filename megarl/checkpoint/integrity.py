@@ -7,6 +7,10 @@ one core (blake2b: 0.6 GB/s on the same machine), and ``sha256sum -c`` can check
 The hash detects corruption (bit rot, a partial copy, flipped bytes), not tampering: whoever
 can rewrite a file can rewrite the manifest too; the allow-list is what keeps a crafted
 checkpoint from running code.
+
+Hashed where the files are written: each rank records the digests of the files it wrote in a
+sidecar (``.hashes/rank_<r>.json``, inside the async writer for an async save), in parallel
+over the ranks; ``write_manifest`` merges them and hashes only what no rank recorded.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -27,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 HASH = "sha256"
+HASHES_DIR = ".hashes"  # the ranks' sidecars, merged into the manifest and removed by write_manifest
 
 
 def file_digest(path: Path) -> str:
@@ -40,14 +46,64 @@ def _digests(files: List[Path]) -> List[str]:
         return list(pool.map(file_digest, files))
 
 
+def record_hashes(directory: Path, files: List[Path], rank: int) -> None:
+    """Leave the SHA-256 of ``files`` (complete, under ``directory``) in
+    ``directory/.hashes/rank_<rank>.json`` for :func:`write_manifest`. Never raises: a file
+    whose digest is not recorded is hashed by ``write_manifest`` instead."""
+    try:
+        entries = {}
+        for file, digest in zip(files, _digests(files)):
+            st = file.stat()  # size and mtime tell write_manifest the file is still the one hashed
+            entries[str(file.relative_to(directory))] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                                          HASH: digest}
+        (directory / HASHES_DIR).mkdir(exist_ok=True)
+        tmp = directory / HASHES_DIR / f"rank_{rank}.json.tmp"
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, tmp.with_suffix(""))
+    except OSError as exc:
+        log.warning("rank %d could not record its checkpoint hashes (the driver hashes them): %s", rank, exc)
+
+
+def write_then_record_hashes(write, directory: Path, rank: int, files, *args, **kwargs) -> None:
+    """``write(*args, **kwargs)`` (an async save's writer), then :func:`record_hashes` of
+    ``files()``: this rank's files, hashed in the background process that wrote them."""
+    write(*args, **kwargs)
+    record_hashes(directory, files(), rank)
+
+
+def _recorded_hashes(directory: Path) -> Dict[str, dict]:
+    """The ranks' sidecars under ``directory`` (file -> size, mtime, digest); removes them."""
+    recorded = {}
+    for sidecars in sorted(d for d in directory.rglob(HASHES_DIR) if d.is_dir()):
+        for sidecar in sorted(sidecars.glob("rank_*.json")):
+            try:
+                entries = json.loads(sidecar.read_text())
+            except ValueError:  # torn by a crash: its files are hashed here
+                continue
+            base = sidecars.parent.relative_to(directory)
+            recorded.update({str(base / name): entry for name, entry in entries.items()})
+        shutil.rmtree(sidecars)
+    return recorded
+
+
 def write_manifest(directory: Path, hashes: bool = True) -> Dict[str, dict]:
     """Record every file under ``directory`` (its size and, with ``hashes``, its SHA-256) in
-    ``directory/manifest.json``, written atomically. ``hashes=False`` exists for the benchmark's
+    ``directory/manifest.json``, written atomically. A digest a rank recorded
+    (:func:`record_hashes`) is taken when the file still has the size and mtime it was hashed
+    at; every other file is hashed here. ``hashes=False`` exists for the benchmark's
     side-by-side timing."""
+    recorded = _recorded_hashes(directory)
     files = [f for f in sorted(directory.rglob("*")) if f.is_file() and f.name != MANIFEST]
     entries = {str(f.relative_to(directory)): {"bytes": f.stat().st_size} for f in files}
     if hashes:
-        for entry, digest in zip(entries.values(), _digests(files)):
+        missing = []
+        for file, (name, entry) in zip(files, entries.items()):
+            known = recorded.get(name)
+            if known and (known["bytes"], known["mtime_ns"]) == (entry["bytes"], file.stat().st_mtime_ns):
+                entry[HASH] = known[HASH]
+            else:
+                missing.append((file, entry))
+        for (_, entry), digest in zip(missing, _digests([file for file, _ in missing])):
             entry[HASH] = digest
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(entries, indent=0))

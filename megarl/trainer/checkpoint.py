@@ -51,8 +51,9 @@ class Checkpoints:
     def commit(self, tmp: Path) -> Path:
         """Once every part of ``tmp`` is on disk: manifest, rename, ``latest``, keep-k."""
         final = tmp.with_name(tmp.name[: -len(".tmp")])
-        # Hashed here, once every worker's file is complete (async saves included): the files
-        # were just written and are read back from the page cache (benchmarks/checkpoint.py).
+        # Once every worker's file is complete (async saves included): the workers hashed their
+        # own files in parallel as they wrote them (save_train_state); this merges their digests
+        # and hashes the rest (driver.pt, config.yaml, an async save's .metadata) here.
         write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -25,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
 
-from megarl.checkpoint.integrity import weights_only_loads
+from megarl.checkpoint.integrity import record_hashes, weights_only_loads, write_then_record_hashes
 from megarl.training.dist_ckpt import _unwrap, checkpoint_layer_keys, sharded_state_dict, verify_dist_checkpoint
 from megarl.training.lm import TrainState
 
@@ -72,11 +73,14 @@ def _optimizers(optimizer):
 
 
 def save_train_state(state: TrainState, path: Path, optimizer_format: str = "reshardable",
-                     async_queue=None) -> None:
+                     async_queue=None, hash_files: bool = True) -> None:
     """Write ``state`` under ``path`` (created on rank 0; every rank must see it).
 
     ``async_queue``: a Megatron ``AsyncCallsQueue``; the tensor files are then written in the
-    background and are complete once the queue's calls are finalized."""
+    background and are complete once the queue's calls are finalized.
+    ``hash_files``: each rank records the SHA-256 of the files it wrote for the checkpoint's
+    manifest (:func:`megarl.checkpoint.integrity.record_hashes`), with an async save in the
+    background writer; ``False`` exists for the benchmark's side-by-side timing."""
     from megatron.core import dist_checkpointing
 
     metadata = _metadata(optimizer_format)
@@ -96,9 +100,26 @@ def save_train_state(state: TrainState, path: Path, optimizer_format: str = "res
              "adam_step": _adam_step(state.optimizer) if state.optimizer is not None else None}
     torch.save(local, path / f"rank_{rank}.pt")
     request = dist_checkpointing.save(sharded, str(path), async_sharded_save=async_queue is not None)
+    files = partial(own_files, path, rank)
     if async_queue is not None:
+        if hash_files and request.async_fn is not None:  # hashed by the background writer, once written
+            request = request._replace(async_fn=partial(write_then_record_hashes, request.async_fn, path, rank, files))
+        elif hash_files:
+            record_hashes(path, files(), rank)
         async_queue.schedule_async_request(request)
+    elif hash_files:
+        record_hashes(path, files(), rank)
     torch.distributed.barrier()
+
+
+def own_files(path: Path, rank: int) -> List[Path]:
+    """The files this rank has written under ``path``: its tensor files (torch's dist-checkpoint
+    writer names them ``__<rank>_<i>.distcp``), its ``rank_<r>.pt``, and on rank 0 the shared
+    files written so far (an async save's ``.metadata`` and ``metadata.json`` come at finalize:
+    the driver hashes them, they are small)."""
+    shared = [LAYOUT_FILE, "common.pt", ".metadata", "metadata.json"] if rank == 0 else []
+    return (sorted(path.glob(f"__{rank}_*.distcp")) + [path / f"rank_{rank}.pt"]
+            + [path / name for name in shared if (path / name).is_file()])
 
 
 def _materialize_adam_state(optimizer) -> None:

@@ -46,3 +46,7 @@ def test_async_save_holds_the_weights_of_its_moment():
     (r,) = results("async")
     assert r["pending_after_save"] == 1 and r["finalized"] == [0], r
     assert r["exact_layout"] and r["resumed"] == r["reference"], r
+    # every rank hashed its files in its background writer; only what rank 0 writes at
+    # finalize (after the writers) is left to the driver's manifest
+    assert r["hashes"] == {"ranks": [f"rank_{i}" for i in range(4)], "uncovered": [".metadata", "metadata.json"],
+                           "wrong": []}, r["hashes"]

@@ -121,6 +121,7 @@ def async_case():
     pending_after_save = queue.get_num_unfinalized_calls()
     reference = train(state, range(2, STEPS))  # overlaps the write
     finalized = queue.maybe_finalize_async_calls(blocking=True)
+    hashes = recorded_hashes(path) if dist.get_rank() == 0 else None
     state.groups.destroy()
     state = build(model, layout, seed=99, distributed=True)
     exact = load_train_state(state, path)
@@ -128,7 +129,23 @@ def async_case():
     state.groups.destroy()
     remove(path)
     return {"pending_after_save": pending_after_save, "finalized": finalized, "exact_layout": exact,
-            "reference": reference, "resumed": resumed}
+            "reference": reference, "resumed": resumed, "hashes": hashes}
+
+
+def recorded_hashes(path):
+    """What the ranks' background writers recorded (integrity.record_hashes): the ranks that
+    left a sidecar, the files none covers, and the recorded digests that differ from the files."""
+    import hashlib
+
+    from megarl.checkpoint.integrity import HASHES_DIR
+
+    recorded = {}
+    sidecars = sorted((path / HASHES_DIR).glob("rank_*.json"))
+    for sidecar in sidecars:
+        recorded.update(json.loads(sidecar.read_text()))
+    files = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and HASHES_DIR not in f.parts)
+    wrong = [f for f, e in recorded.items() if hashlib.sha256((path / f).read_bytes()).hexdigest() != e["sha256"]]
+    return {"ranks": [s.stem for s in sidecars], "uncovered": [f for f in files if f not in recorded], "wrong": wrong}
 
 
 if __name__ == "__main__":

@@ -76,3 +76,28 @@ def test_manifest_hashes_and_names_the_changed_file(tmp_path):
     verify_manifest(tmp_path, under="actor")  # only the actor's files
     with pytest.raises(CheckpointFileError, match=r"driver\.pt does not match its sha256"):
         verify_manifest(tmp_path)
+
+
+def test_manifest_takes_the_ranks_recorded_hashes_and_hashes_the_rest(tmp_path):
+    from megarl.checkpoint.integrity import HASHES_DIR, record_hashes
+
+    role = tmp_path / "actor"
+    role.mkdir()
+    for name, data in (("__0_0.distcp", b"a" * 100), ("__1_0.distcp", b"b" * 100), (".metadata", b"m" * 10)):
+        (role / name).write_bytes(data)
+    (tmp_path / "driver.pt").write_bytes(b"d")
+    record_hashes(role, [role / "__0_0.distcp"], rank=0)
+    record_hashes(role, [role / "__1_0.distcp"], rank=1)
+    sidecar = role / HASHES_DIR / "rank_1.json"
+    recorded = json.loads(sidecar.read_text())
+    # a digest a rank recorded is taken as is (not recomputed): a marker digest shows it
+    recorded["__1_0.distcp"]["sha256"] = "f" * 64
+    sidecar.write_text(json.dumps(recorded))
+    (role / "__0_0.distcp").write_bytes(b"c" * 99)  # changed after rank 0 hashed it: hashed again
+    entries = write_manifest(tmp_path)
+    assert not (role / HASHES_DIR).exists() and not any(HASHES_DIR in name for name in entries)
+    assert sorted(entries) == ["actor/.metadata", "actor/__0_0.distcp", "actor/__1_0.distcp", "driver.pt"]
+    assert entries["actor/__1_0.distcp"] == {"bytes": 100, "sha256": "f" * 64}
+    assert entries["actor/__0_0.distcp"]["sha256"] == hashlib.sha256(b"c" * 99).hexdigest()
+    assert entries["actor/.metadata"]["sha256"] == hashlib.sha256(b"m" * 10).hexdigest()  # no rank recorded it
+    assert entries["driver.pt"]["sha256"] == hashlib.sha256(b"d").hexdigest()
