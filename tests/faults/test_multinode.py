@@ -27,6 +27,7 @@ import pytest
 
 from megarl.runtime.processes import RUN_TAG, descendants, identity, kill_tagged, tagged_pids
 from tests.distributed.launch import ROOT
+from tests.faults.driver import stderr, wait_exit
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 CLUSTER_TAG = "MEGARL_TEST_CLUSTER"
@@ -112,22 +113,6 @@ def start(cluster, run_dir, *extra):
                             cwd=ROOT, env=cluster.env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     proc.log = log
     return proc
-
-
-def stderr(proc) -> str:
-    proc.log.seek(0)
-    return proc.log.read()
-
-
-def wait_exit(proc, limit_s: float) -> float:
-    start_t = time.monotonic()
-    try:
-        proc.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise AssertionError(f"the driver did not exit within {limit_s}s:\n{stderr(proc)[-3000:]}")
-    return time.monotonic() - start_t
 
 
 def ranks_by_node(proc) -> dict:

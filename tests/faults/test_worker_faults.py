@@ -19,6 +19,7 @@ import time
 
 from megarl.runtime.processes import RUN_TAG, run_processes, tagged_pids
 from tests.distributed.launch import ROOT
+from tests.faults.driver import stderr, wait_exit
 
 ARGS = ["configs/grpo_demo.yaml", "trainer.train_steps=50", "logging.progress_bar=false", "data.prompts_per_step=4",
         "algorithm.samples_per_prompt=4", "logging.mlflow=false"]
@@ -34,11 +35,6 @@ def start(run_dir, *extra):
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     proc.log = log
     return proc
-
-
-def stderr(proc) -> str:
-    proc.log.seek(0)
-    return proc.log.read()
 
 
 def wait_for_first_step(proc, run_dir) -> None:
@@ -60,17 +56,6 @@ def run_tag(pid: int) -> str:
     with open(f"/proc/{pid}/environ", "rb") as f:
         entries = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
     return entries[RUN_TAG.encode()].decode()
-
-
-def wait_exit(proc, limit_s: float) -> float:
-    start_t = time.monotonic()
-    try:
-        proc.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise AssertionError(f"the driver did not exit within {limit_s}s:\n{stderr(proc)[-3000:]}")
-    return time.monotonic() - start_t
 
 
 def wait_gone(tag: str, limit_s: float, name: str = RUN_TAG) -> float:
