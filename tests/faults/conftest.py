@@ -23,14 +23,22 @@ from megarl.runtime.processes import descendants, identity, kill_tagged, tagged_
 TAG = "MEGARL_TEST_CASE"
 SURVIVOR_WAIT_S = 15.0  # a run's own cleanup (and its watchdog's 3 s grace) ends well within this
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _subreaper(on: bool) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def process_tag():
+    """The module's tag, and pytest as a subreaper while the module runs (only then: orphans of
+    the rest of the suite go to init as usual, instead of waiting here as zombies)."""
     value, previous = uuid.uuid4().hex, os.environ.get(TAG)
     os.environ[TAG] = value
+    _subreaper(True)
     yield value
+    _reap_zombie_children()
+    _subreaper(False)
     if previous is None:
         os.environ.pop(TAG, None)
     else:
