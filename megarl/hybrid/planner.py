@@ -155,6 +155,21 @@ def _full_tensors(model: ModelSpec) -> List[LocalTensor]:
             for i, spec in enumerate(model.tensors)]
 
 
+def training_slices(spec: TensorSpec, target: LocalTensor, train: Layout) -> Iterator[Tuple[int, int, int]]:
+    """(start, stop, j): the ranges of ``target``'s pieces that lie in tensor-parallel slice j of
+    the training layout (fused blocks split per block), in order."""
+    parts = 1 if spec.dim is None else (train.etp if spec.expert is not None else train.tp)
+    block = spec.shape[spec.split_dim] // spec.blocks
+    width = block // parts
+    for piece in target.pieces:
+        for b in range(spec.blocks):
+            for j in range(parts):
+                lo = max(piece.start, b * block + j * width)
+                hi = min(piece.stop, b * block + (j + 1) * width)
+                if lo < hi:
+                    yield lo, hi, j
+
+
 class _Coverer:
     """Finds, for each range a rank must end with, the training ranks it comes from."""
 
@@ -181,17 +196,9 @@ class _Coverer:
         dp = self.rg.train.coords(rank)["dp"]
         for target in self.targets(rank):
             spec = self.model.tensors[target.spec]
-            parts = 1 if spec.dim is None else (self.rg.train.etp if spec.expert is not None else self.rg.train.tp)
-            block = spec.shape[spec.split_dim] // spec.blocks
-            width = block // parts
-            for piece in target.pieces:
-                for b in range(spec.blocks):
-                    for j in range(parts):
-                        lo = max(piece.start, b * block + j * width)
-                        hi = min(piece.stop, b * block + (j + 1) * width)
-                        if lo < hi:
-                            src = self._pick(rank, self.train.holders(spec, j), near, dp, spec)
-                            yield Segment(target.spec, src, rank, lo, hi)
+            for lo, hi, j in training_slices(spec, target, self.rg.train):
+                src = self._pick(rank, self.train.holders(spec, j), near, dp, spec)
+                yield Segment(target.spec, src, rank, lo, hi)
 
     def _pick(self, rank: int, holders: List[int], near: set, dp: int, spec: TensorSpec) -> int:
         if not holders:
@@ -243,7 +250,19 @@ def plan_reshard(model: ModelSpec, regrouping: Regrouping, mode: str = "micro_dp
     for rank in range(world):
         for seg in cov.segments(rank):
             (local[rank] if seg.src == rank else remote).append(seg)
-    remote.sort(key=lambda s: (s.tensor, s.dst, s.start))
+    buckets = bucket_segments(model, remote, bucket_elems)
+    return ReshardPlan(
+        model=model, regrouping=regrouping, mode=mode,
+        sources={r: cov.train.local_tensors(r) for r in range(world)},
+        targets={r: cov.targets(r) for r in range(world)},
+        gen={r: cov.gen.local_tensors(regrouping.gen_rank[r]) for r in range(world)},
+        local=dict(local), buckets=buckets)
+
+
+def bucket_segments(model: ModelSpec, remote: List[Segment], bucket_elems: int) -> List[List[Segment]]:
+    """Transfers in buckets that move at most ``bucket_elems`` elements into and out of any one
+    rank (send plus receive buffers); larger ranges are cut along their dim."""
+    remote = sorted(remote, key=lambda s: (s.tensor, s.dst, s.start))
     buckets: List[List[Segment]] = [[]]
     load: Dict[int, int] = defaultdict(int)
     for seg in remote:
@@ -259,9 +278,4 @@ def plan_reshard(model: ModelSpec, regrouping: Regrouping, mode: str = "micro_dp
             buckets[-1].append(piece)
             load[piece.src] += size
             load[piece.dst] += size
-    return ReshardPlan(
-        model=model, regrouping=regrouping, mode=mode,
-        sources={r: cov.train.local_tensors(r) for r in range(world)},
-        targets={r: cov.targets(r) for r in range(world)},
-        gen={r: cov.gen.local_tensors(regrouping.gen_rank[r]) for r in range(world)},
-        local=dict(local), buckets=[b for b in buckets if b])
+    return [b for b in buckets if b]

@@ -58,7 +58,6 @@ def _store_on_master_addr(timeout: datetime.timedelta):
     default) under torchrun, whose agent already hosts the store, or when ``MASTER_ADDR`` is a
     host name rather than an address."""
     import ipaddress
-    import socket
 
     addr = os.environ["MASTER_ADDR"]
     try:
@@ -67,14 +66,20 @@ def _store_on_master_addr(timeout: datetime.timedelta):
         return None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None
-    rank, port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+    return bound_store(addr, int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]),
+                       timeout)
+
+
+def bound_store(addr: str, port: int, world_size: int, rank: int, timeout: datetime.timedelta):
+    """A TCPStore whose master (rank 0) listens on ``addr`` (an IP address) only."""
+    import socket
+
     listen_fd = None
     if rank == 0:
         server = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET,
                                       backlog=128)
         listen_fd = server.detach()  # the store owns the socket from here
-    return torch.distributed.TCPStore(addr, port, int(os.environ["WORLD_SIZE"]), rank == 0, timeout,
-                                      master_listen_fd=listen_fd)
+    return torch.distributed.TCPStore(addr, port, world_size, rank == 0, timeout, master_listen_fd=listen_fd)
 
 
 def _free_port() -> int:

@@ -1,0 +1,247 @@
+"""Weight sync of split placement: the actor's training ranks send, the rollout's own ranks receive.
+
+Trainer and rollout are two worker groups, each its own ``torch.distributed`` world with its
+own Megatron layout. A third process group spans both (:func:`connect`): training rank ``r`` is
+its rank ``r``, rollout rank ``v`` is ``trainer_world + v``. :func:`plan_transfer` lists, for
+every rollout rank, the ranges of its generation shard and the training rank each comes from:
+each rollout rank receives exactly its generation shard, once (it holds no training copy, so
+nothing is local), and the rollout's data-parallel replicas draw on different training
+replicas, which spreads the sending. The plan is pure, so both sides compute it alike without
+talking; :class:`ShardSender` and :class:`ShardReceiver` move the bytes bucket by bucket, in the
+receiver's dtype (a bf16 rollout receives bf16).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view
+from megarl.hybrid.planner import Segment, bucket_segments, training_slices
+from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
+from megarl.parallel.layout import Layout
+
+CONNECT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class TransferPlan:
+    """Every transfer of one split-placement sync (see the module docstring for rank numbers)."""
+
+    model: ModelSpec
+    train: Layout  # over the trainer's ranks
+    gen: Layout  # over the rollout's ranks (position v = rollout world rank v)
+    sources: Dict[int, List[LocalTensor]]  # training rank -> its training tensors
+    shards: Dict[int, List[LocalTensor]]  # rollout rank -> its generation shard
+    buckets: List[List[Segment]]  # src: training rank, dst: offset + rollout rank
+
+    @property
+    def offset(self) -> int:
+        return self.train.world_size
+
+    @property
+    def world_size(self) -> int:
+        return self.train.world_size + self.gen.world_size
+
+    def elems(self, seg: Segment) -> int:
+        return self.model.tensors[seg.tensor].slice_numel(seg.stop - seg.start)
+
+    def received(self, rollout_rank: int) -> int:
+        """Elements rollout rank ``rollout_rank`` receives per sync."""
+        dst = self.offset + rollout_rank
+        return sum(self.elems(s) for b in self.buckets for s in b if s.dst == dst)
+
+    def sent(self, train_rank: int) -> int:
+        return sum(self.elems(s) for b in self.buckets for s in b if s.src == train_rank)
+
+    def shard_elems(self, rollout_rank: int) -> int:
+        return self.model.local_numel(self.shards[rollout_rank])
+
+
+@functools.lru_cache(maxsize=8)
+def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: int = 1 << 24) -> TransferPlan:
+    """Plan the sync from ``train`` (the actor's layout) to ``gen`` (the rollout's, pp = 1)."""
+    if train.cp != 1:
+        raise ValueError(f"actor cp={train.cp}: weight sync from context-parallel layouts is not supported")
+    if gen.pp != 1:
+        raise ValueError(f"the rollout layout {gen} has pipeline stages; split placement generates with pp=1")
+    if bucket_elems < 1:
+        raise ValueError(f"bucket size {bucket_elems} must be positive")
+    train_at, gen_at = Placement(model, train), Placement(model, gen)
+    segments: List[Segment] = []
+    shards = {v: gen_at.local_tensors(v) for v in range(gen.world_size)}
+    for v, targets in shards.items():
+        replica = gen.coords(v)["dp"] % train.dp  # the training replica this rollout replica reads
+        for target in targets:
+            spec = model.tensors[target.spec]
+            for lo, hi, j in training_slices(spec, target, train):
+                holders = train_at.holders(spec, j)
+                if not holders:
+                    raise AssertionError(f"no training rank holds {spec.key}")
+                same = [h for h in holders if train.coords(h)["dp"] == replica] or holders
+                segments.append(Segment(target.spec, same[v % len(same)], train.world_size + v, lo, hi))
+    return TransferPlan(model, train, gen, {r: train_at.local_tensors(r) for r in range(train.world_size)},
+                        shards, bucket_segments(model, segments, bucket_elems))
+
+
+def connect(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
+    """The process group spanning trainer and rollout ranks (rank 0, a trainer rank, hosts the
+    store). Collective over both groups: every member calls it at once. Gloo on CPU, NCCL on GPUs."""
+    from megarl.runtime.distributed import bound_store
+
+    store = bound_store(address, port, world_size, rank, CONNECT_TIMEOUT)
+    prefixed = dist.PrefixStore("megarl/weights", store)
+    if torch.cuda.is_available():
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, CONNECT_TIMEOUT)
+
+
+def _tag(bucket: int, dtype: torch.dtype) -> int:
+    return bucket * 8 + _DTYPE_CODES[dtype]
+
+
+class _Side:
+    """What sender and receiver share: the plan, the spanning group, the agreed dtypes."""
+
+    def __init__(self, plan: TransferPlan, rank: int):
+        self.plan, self.rank = plan, rank  # rank in the spanning group
+        self.group: Optional[dist.ProcessGroup] = None
+        self.dtypes: List[torch.dtype] = []
+        self.last = SyncStats()
+        self.versions: Dict[int, int] = {}  # the colocated Resharder's interface (nothing to skip here)
+
+    def _agree_dtypes(self, codes: torch.Tensor) -> None:
+        """Rollout rank 0's dtype of every tensor, broadcast: the dtype each transfer uses."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = self.plan.offset, 0
+        self.group.broadcast([codes], opts).wait()
+        self.dtypes = [_CODE_DTYPES.get(int(c), torch.float32) for c in codes]
+
+    def _pairs(self, bucket: List[Segment], mine) -> Dict[Tuple[int, int], List[Segment]]:
+        """This rank's segments of ``bucket``, by (peer, dtype)."""
+        out: Dict[Tuple[int, int], List[Segment]] = {}
+        for seg in bucket:
+            peer = mine(seg)
+            if peer is not None:
+                out.setdefault((peer, _DTYPE_CODES[self.dtypes[seg.tensor]]), []).append(seg)
+        return out
+
+
+class ShardSender(_Side):
+    """A training rank's side: packs the ranges each rollout rank needs from its training tensors."""
+
+    def __init__(self, plan: TransferPlan, rank: int, train_chunks: List[torch.nn.Module]):
+        super().__init__(plan, rank)
+        chunks = [getattr(c, "module", c) for c in train_chunks]
+        named = [dict(c.named_parameters()) | dict(c.named_buffers()) for c in chunks]
+        self.train: Dict[int, Tuple[LocalTensor, torch.Tensor]] = {}
+        for local in plan.sources[rank]:
+            tensor = named[local.chunk].get(local.name)
+            if tensor is None or tuple(tensor.shape) != local.shape:
+                got = None if tensor is None else tuple(tensor.shape)
+                raise ValueError(f"training rank {rank}: tensor '{local.name}' (chunk {local.chunk}) is {got}, "
+                                 f"the transfer plan expects {local.shape} in layout {plan.train}")
+            self.train[local.spec] = (local, tensor.detach())
+
+    def connect(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self._agree_dtypes(torch.zeros(len(self.plan.model.tensors), dtype=torch.int32))
+
+    @torch.no_grad()
+    def sync(self) -> SyncStats:
+        """Send this rank's share of one sync; returns once the last bucket is on its way out
+        and the one before is delivered (at most two buckets of buffers live)."""
+        begin, stats = time.perf_counter(), SyncStats()
+        model, in_flight = self.plan.model, []
+        for index, bucket in enumerate(self.plan.buckets):
+            works, bufs = [], []
+            for (dst, code), segs in self._pairs(bucket, lambda s: s.dst if s.src == self.rank else None).items():
+                dtype = _CODE_DTYPES[code]
+                buf = torch.cat([_view(self.train[s.tensor][1], model.tensors[s.tensor], self.train[s.tensor][0],
+                                       s.start, s.stop).reshape(-1).to(dtype) for s in segs])
+                works.append(self.group.send([buf], dst, _tag(index, dtype)))
+                bufs.append(buf)
+                stats.bytes_sent += buf.numel() * buf.element_size()
+            stats.peak_extra_bytes = max(stats.peak_extra_bytes, sum(b.numel() * b.element_size() for b in bufs)
+                                         + sum(b.numel() * b.element_size() for _, bs in in_flight for b in bs))
+            in_flight.append((works, bufs))
+            if len(in_flight) > 1:
+                for work in in_flight.pop(0)[0]:
+                    work.wait()
+        for works, _ in in_flight:
+            for work in works:
+                work.wait()
+        stats.tensors_moved = len(self.train)
+        stats.seconds = time.perf_counter() - begin
+        self.last = stats
+        return stats
+
+
+class ShardReceiver(_Side):
+    """A rollout rank's side: receives its generation shard into ``outputs`` (local name ->
+    tensor, e.g. the generation model's parameters, filled in place)."""
+
+    def __init__(self, plan: TransferPlan, rollout_rank: int, outputs: Dict[str, torch.Tensor]):
+        super().__init__(plan, plan.offset + rollout_rank)
+        self.shard = {t.spec: t for t in plan.shards[rollout_rank]}
+        self.outputs = dict(outputs)
+        for t in self.shard.values():
+            out = self.outputs.get(t.name)
+            if out is None or tuple(out.shape) != t.shape:
+                got = None if out is None else tuple(out.shape)
+                raise ValueError(f"rollout rank {rollout_rank}: generation tensor '{t.name}' is {got}, the "
+                                 f"transfer plan expects {t.shape} in layout {plan.gen}")
+
+    def connect(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        codes = torch.zeros(len(self.plan.model.tensors), dtype=torch.int32)
+        for spec, t in self.shard.items():
+            codes[spec] = _DTYPE_CODES[self.outputs[t.name].dtype]
+        self._agree_dtypes(codes)
+
+    @torch.no_grad()
+    def sync(self) -> Dict[str, torch.Tensor]:
+        """Receive one sync into the outputs (which it returns); the two newest buckets are in flight."""
+        if self.group is None:
+            raise RuntimeError("the rollout is not connected to the trainer's ranks (connect() first)")
+        begin, stats = time.perf_counter(), SyncStats()
+        model = self.plan.model
+        pending = []
+
+        def finish(handle) -> None:
+            for work, buf, segs in handle:
+                work.wait()
+                offset = 0
+                for seg in segs:
+                    local = self.shard[seg.tensor]
+                    dest = _view(self.outputs[local.name], model.tensors[seg.tensor], local, seg.start, seg.stop)
+                    dest.copy_(buf[offset:offset + dest.numel()].view(dest.shape))
+                    offset += dest.numel()
+
+        for index, bucket in enumerate(self.plan.buckets):
+            handle = []
+            for (src, code), segs in self._pairs(bucket, lambda s: s.src if s.dst == self.rank else None).items():
+                dtype = _CODE_DTYPES[code]
+                buf = torch.empty(sum(self.plan.elems(s) for s in segs), dtype=dtype,
+                                  device=next(iter(self.outputs.values())).device)
+                handle.append((self.group.recv([buf], src, _tag(index, dtype)), buf, segs))
+                stats.bytes_received += buf.numel() * buf.element_size()
+            pending.append(handle)
+            if len(pending) > 1:
+                finish(pending.pop(0))
+        for handle in pending:
+            finish(handle)
+        stats.tensors_moved = len(self.shard)
+        stats.seconds = time.perf_counter() - begin
+        self.last = stats
+        return self.outputs
+
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's generation shard (what one sync must receive, no more)."""
+        return sum(self.outputs[t.name].numel() * self.outputs[t.name].element_size() for t in self.shard.values())
