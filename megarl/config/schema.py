@@ -84,6 +84,9 @@ class RolloutLayoutConfig:
     """``native`` (Megatron with a KV cache; CPU and GPU) or ``sglang`` (GPU, extra ``sglang``)."""
     bucket_mb: int = bounded(256, ge=1)
     """Hybrid-engine bucket: extra memory a weight sync may hold (MiB)."""
+    nproc: int = bounded(0, ge=0)
+    """Split placement (trainer.placement=split): the rollout's own ranks (its layout: tp above, dp =
+    nproc / tp, pp = 1), besides the trainer's nnodes x nproc_per_node; ignored when colocated."""
     dtype: str = "auto"
     """Generation precision of the native engine: ``float32``, ``bfloat16`` or ``auto`` (the actor's
     model.params_dtype: fp32 on CPU, bf16 with CUDA). Training keeps its own; the weight sync casts
@@ -98,9 +101,9 @@ class LayoutsConfig:
     actor: ParallelConfig = field(default_factory=ParallelConfig)
     """The actor's training layout (``megarl train-lm``: the model's)."""
     critic: ParallelConfig = field(default_factory=ParallelConfig)
-    """The critic's; colocated placement (``megarl train``) runs it in the actor's layout and warns if this differs."""
+    """The critic's; ``megarl train`` runs it in the actor's layout on the trainer's ranks (set it equal or leave it unset)."""
     reference: ParallelConfig = field(default_factory=ParallelConfig)
-    """The reference policy's; colocated placement runs it in the actor's layout and warns if this differs."""
+    """The reference policy's; ``megarl train`` runs it in the actor's layout (set it equal or leave it unset)."""
     rollout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
 
 
@@ -307,8 +310,17 @@ class TrainerConfig:
     async_save: bool = False
     """Write checkpoint tensors from a background process while training goes on (Megatron's async
     save); the checkpoint becomes ``latest`` once every rank has finished writing."""
+    placement: str = "colocated"
+    """``colocated``: every role on the same ranks, the rollout time-sharing them with training (the
+    3D-HybridEngine). ``split``: the rollout gets its own parallel.rollout.nproc ranks and worker group,
+    and each sync sends every rollout rank its generation shard from the training ranks that hold it."""
     loop: str = "sync"
-    """``sync`` (on-policy) or ``one_step_off`` (rollout of step k+1 from the weights before update k)."""
+    """``sync`` (on-policy) or ``one_step_off`` (the rollout of step k+1 is drawn from the weights before
+    update k; with split placement it is generated and scored while step k trains)."""
+    max_staleness: int = bounded(0, ge=0)
+    """With loop=one_step_off and split placement: 0 = the fixed one-step lag; N >= 1 = streaming, the
+    rollout keeps drawing batches up to N policy versions ahead of the actor and the trainer takes them as
+    they finish. Staleness above 1 needs algorithm.rollout_correction (the stale samples' importance weights)."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Trained state moved to host memory while the rollout generates (colocated). memory/host_peak_gb/<phase>
     and memory/gpu_peak_gb/<phase> (generate, train; max over ranks) are logged either way, time/offload_s and

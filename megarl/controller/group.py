@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, RayTaskError, WorkerCrashedError
@@ -102,37 +102,11 @@ class WorkerGroup:
                          for rank, (node, pid, node_id) in enumerate(self.where))
 
     def _wait(self, futures: List[ray.ObjectRef]) -> List[Any]:
-        """Every rank's result, failing on the first rank that fails. ``ray.get`` of the whole
-        list would wait for all ranks, and the survivors of a dead rank can hang in a collective
-        until gloo's timeout; here the first error ends the wait."""
-        rank_of = {f: rank for rank, f in enumerate(futures)}
-        results: Dict[int, Any] = {}
-        pending = list(futures)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            failed = None
-            for future in ready:
-                try:
-                    results[rank_of[future]] = ray.get(future)
-                except _DEATHS as err:
-                    self._died(rank_of[future], err)
-                except RayTaskError as err:
-                    failed = failed or err
-            if failed is not None:
-                # a peer's death often surfaces first as a broken collective on a survivor: look
-                # briefly for the death, the root cause, before reporting the survivor's error
-                deadline = time.monotonic() + self.death_notice_s
-                while pending and time.monotonic() < deadline:
-                    late, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.monotonic())
-                    for future in late:
-                        try:
-                            ray.get(future)
-                        except _DEATHS as err:
-                            self._died(rank_of[future], err)
-                        except RayTaskError:
-                            pass
-                raise failed
-        return [results[rank] for rank in range(len(futures))]
+        return wait_groups([(self, futures)])[0]
+
+    def submit(self, method: str, *args, **kwargs) -> List[ray.ObjectRef]:
+        """Start ``method`` on every rank; :func:`wait_groups` (or :meth:`call`) collects it."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
     def _died(self, rank: int, err: Exception) -> None:
         node, pid, node_id = self.where[rank] if rank < len(self.where) else ("?", "?", "?")
@@ -145,7 +119,7 @@ class WorkerGroup:
 
     def call(self, method: str, *args, **kwargs) -> List[Any]:
         """Run ``method`` on every rank (SPMD) and return every rank's result."""
-        return self._wait([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self._wait(self.submit(method, *args, **kwargs))
 
     def call_first(self, method: str, *args, **kwargs) -> Any:
         """Run on every rank; return rank 0's result."""
@@ -188,6 +162,49 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - Ray itself is going away: the group goes with it
                 pass
             self.placement = None
+
+
+def wait_groups(pending: Sequence[Tuple[WorkerGroup, List[ray.ObjectRef]]]) -> List[List[Any]]:
+    """Each group's results, every rank's, failing on the first rank that fails in any group.
+    ``ray.get`` of the whole list would wait for all ranks, and the survivors of a dead rank can
+    hang in a collective until gloo's timeout; here the first error ends the wait. Groups joined in
+    one collective (split placement's weight sync) are waited on together for the same reason."""
+    where = {}  # future -> (group index, rank)
+    for g, (_, futures) in enumerate(pending):
+        where.update({f: (g, rank) for rank, f in enumerate(futures)})
+    results: Dict[tuple, Any] = {}
+    left = [f for _, futures in pending for f in futures]
+    notice = max(group.death_notice_s for group, _ in pending)
+
+    def died(future, err):
+        g, rank = where[future]
+        pending[g][0]._died(rank, err)
+
+    while left:
+        ready, left = ray.wait(left, num_returns=len(left), timeout=POLL_S)
+        failed = None
+        for future in ready:
+            try:
+                results[where[future]] = ray.get(future)
+            except _DEATHS as err:
+                died(future, err)
+            except RayTaskError as err:
+                failed = failed or err
+        if failed is not None:
+            # a peer's death often surfaces first as a broken collective on a survivor: look
+            # briefly for the death, the root cause, before reporting the survivor's error
+            deadline = time.monotonic() + notice
+            while left and time.monotonic() < deadline:
+                late, left = ray.wait(left, num_returns=1, timeout=deadline - time.monotonic())
+                for future in late:
+                    try:
+                        ray.get(future)
+                    except _DEATHS as err:
+                        died(future, err)
+                    except RayTaskError:
+                        pass
+            raise failed
+    return [[results[(g, rank)] for rank in range(len(futures))] for g, (_, futures) in enumerate(pending)]
 
 
 class RoleProxy:

@@ -1,5 +1,7 @@
-"""The SPMD worker of colocated placement: on each rank the actor, reference, critic and rollout
-share the process (the 3D-HybridEngine time-shares the device between them). The driver calls
+"""The SPMD worker of the trained roles: on each rank the actor, reference and critic (and, with
+colocated placement, the rollout: the 3D-HybridEngine time-shares the device between them) share
+the process; with split placement the rollout has its own ranks (megarl.controller.rollout_worker)
+and this rank sends it weights. The driver calls
 the verbs each role class declares (megarl.protocol.verb) through :meth:`RLWorker.call`, via the
 :class:`~megarl.controller.group.RoleProxy` of each role.
 """
@@ -37,7 +39,7 @@ def needs_critic(algo) -> bool:
 
 
 class RLWorker:
-    """One rank of the colocated worker group."""
+    """One rank of the trainer's worker group."""
 
     def __init__(self, rank: int, world_size: int, config):
         # the driver sends a resolved config; resolving again keeps a direct caller's defaults right
@@ -94,28 +96,45 @@ class RLWorker:
             pad = read_hf_config(rm_cfg.hf_config).get("pad_token_id") if rm.path else None
             self.roles["reward_model"] = RewardModel(MegatronEngine(rm_state, None), pad)
         r = cfg.parallel.rollout
+        off = cfg.trainer.offload
+        # the reference's frozen parameters go too (under ``params``); the reward model scores while generating
+        self.phases = PhaseOffload([role.engine.state for name, role in self.roles.items() if name != "reward_model"],
+                                   off.params, off.grads, off.optimizer)
+        if args.num_experts:  # moe/routing_mismatch_frac is logged with and without replay
+            self.roles["actor"].engine.track_routing(replay=algo.routing_replay)
+        self.how = MicroBatching(max_tokens=cfg.data.micro_batch_tokens)
+        g = self.groups
+        info = {"rank": torch.distributed.get_rank(), "dp": layout.dp, "dp_rank": g.dp_rank,
+                "collect": g.tp_rank == 0 and g.is_last_stage}
+        if cfg.trainer.placement == "split":  # the rollout has its own ranks: this rank sends it weights
+            from megarl.controller.split import transfer_plan
+            from megarl.hybrid.transfer import ShardSender
+
+            self.sender = ShardSender(transfer_plan(cfg, args), torch.distributed.get_rank(), state.model)
+            return info | {"verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
         regrouping = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
         if r.engine != "native":
             raise ValueError(f"parallel.rollout.engine='{r.engine}': colocated RL on this machine runs the "
                              f"native engine; sglang needs GPUs (benchmarks/gpu/check_rollout.sh)")
         from megarl.rollout.native import NativeRollout
 
-        # the reference's frozen parameters go too (under ``params``); the reward model scores while generating
-        off = cfg.trainer.offload
-        self.phases = PhaseOffload([role.engine.state for name, role in self.roles.items() if name != "reward_model"],
-                                   off.params, off.grads, off.optimizer)
         self.roles["rollout"] = Rollout(NativeRollout(
             cfg.model, args, regrouping, state.model, bucket_bytes=r.bucket_mb << 20,
             dtype=None if r.dtype == "auto" else r.dtype, record_routing=bool(args.num_experts)), self.phases)
-        if args.num_experts:  # moe/routing_mismatch_frac is logged with and without replay
-            self.roles["actor"].engine.track_routing(replay=algo.routing_replay)
-        self.how = MicroBatching(max_tokens=cfg.data.micro_batch_tokens)
-        g = self.groups
-        return {"rank": torch.distributed.get_rank(), "dp": layout.dp, "dp_rank": g.dp_rank,
-                "collect": g.tp_rank == 0 and g.is_last_stage,
-                "micro_dp_group": list(regrouping.micro_dp_group(torch.distributed.get_rank())),
-                "gen_layout": str(regrouping.gen),
-                "verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
+        return info | {"micro_dp_group": list(regrouping.micro_dp_group(torch.distributed.get_rank())),
+                       "gen_layout": str(regrouping.gen),
+                       "verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
+
+    # ------------------------------------------------------------------ split placement
+    def connect_weights(self, address: str, port: int) -> None:
+        """Join the process group spanning these ranks and the rollout's (collective over both)."""
+        from megarl.hybrid.transfer import connect
+
+        self.sender.connect(connect(address, port, torch.distributed.get_rank(), self.sender.plan.world_size))
+
+    def publish_weights(self) -> int:
+        """Send the actor's current weights to the rollout's ranks; the bytes this rank sent."""
+        return self.sender.sync().bytes_sent
 
     # ------------------------------------------------------------------ checkpoints
     def _trained(self):

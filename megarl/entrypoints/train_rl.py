@@ -1,4 +1,4 @@
-"""``megarl train``: RL post-training with a single controller on Ray (colocated placement).
+"""``megarl train``: RL post-training with a single controller on Ray (colocated or split placement).
 
 Everything a user can get wrong is checked in :func:`prepare`, before Ray or any worker
 starts: layouts, the rollout layout against the actor's, batch sizes against data parallelism,
@@ -61,14 +61,17 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     args = megatron_args_from_hf(cfg.model.hf_config)
     check_layout(args, layout, cfg.model)
     r = cfg.parallel.rollout
-    try:
-        regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
-    except ValueError as err:
-        raise ConfigError(f"parallel.rollout: {err}") from None
-    for role in ("critic", "reference"):  # colocated placement: one layout for all trained roles
+    if cfg.trainer.placement != "split":  # colocated: the generation layout is regrouped from the actor's
+        try:
+            regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
+        except ValueError as err:
+            raise ConfigError(f"parallel.rollout: {err}") from None
+    for role in ("critic", "reference"):  # the trained roles share the trainer's ranks and layout
         if getattr(cfg.parallel, role) not in (ParallelConfig(), cfg.parallel.actor):
-            print(f"megarl: warning: parallel.{role} is ignored; colocated roles use parallel.actor's layout "
-                  f"{layout}", file=sys.stderr, flush=True)
+            raise ConfigError(f"parallel.{role} differs from parallel.actor: the {role} runs on the trainer's ranks in "
+                              f"the actor's layout {layout} (one Megatron layout per process); leave parallel.{role} "
+                              f"unset or equal to parallel.actor")
+    check_placement(cfg, args)
     try:  # the algorithm's preset fills its defaults; every algorithm field is checked there
         cfg.algorithm = resolve(cfg.algorithm)
     except ValueError as err:
@@ -85,8 +88,6 @@ def prepare(cfg: MegarlConfig) -> Prepared:
                           f"{sorted(OPTIMIZER_FORMATS)}")
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install 'megarl[tensorboard]'")
-    if cfg.trainer.loop not in LOOPS:
-        raise ConfigError(f"trainer.loop='{cfg.trainer.loop}' must be one of {LOOPS}")
     rows = data.prompts_per_step * algo.samples_per_prompt
     if rows % layout.dp:
         raise ConfigError(f"data.prompts_per_step={data.prompts_per_step} x algorithm.samples_per_prompt="
@@ -126,6 +127,51 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     stream = PromptStream(records, tokenizer, cfg.trainer.seed, room)
     check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
     return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer)
+
+
+def check_placement(cfg: MegarlConfig, args) -> None:
+    """trainer.placement, parallel.rollout.nproc, trainer.loop and trainer.max_staleness together."""
+    from megarl.controller.split import PLACEMENTS, rollout_layout, transfer_plan
+
+    t, r, algo = cfg.trainer, cfg.parallel.rollout, cfg.algorithm
+    if t.placement not in PLACEMENTS:
+        raise ConfigError(f"trainer.placement='{t.placement}' must be one of {PLACEMENTS}")
+    if t.loop not in LOOPS:
+        raise ConfigError(f"trainer.loop='{t.loop}' must be one of {LOOPS}")
+    if t.placement == "colocated":
+        if t.max_staleness:
+            raise ConfigError(f"trainer.max_staleness={t.max_staleness} streams batches from the rollout's own ranks: "
+                              f"set trainer.placement=split (colocated ranks cannot generate while they train)")
+        return
+    if r.nproc < 1:
+        raise ConfigError("trainer.placement=split needs parallel.rollout.nproc >= 1 (the rollout's own ranks)")
+    if r.nproc % r.tp:
+        raise ConfigError(f"parallel.rollout.nproc={r.nproc} must be a multiple of parallel.rollout.tp={r.tp}")
+    if r.pp != 1 or r.ep != 1:
+        raise ConfigError(f"trainer.placement=split generates with parallel.rollout.pp=1 and ep=1 "
+                          f"(got pp={r.pp}, ep={r.ep})")
+    if args.num_experts and r.tp > 1:
+        raise ConfigError(f"parallel.rollout.tp={r.tp}: the native rollout runs MoE models at tp=1")
+    if any(vars(t.offload).values()):
+        raise ConfigError("trainer.offload is for colocated placement (the rollout borrows the trainer's devices); "
+                          "with trainer.placement=split the rollout has its own: set trainer.offload.* to false")
+    if t.nnodes > 1:
+        raise ConfigError("trainer.placement=split runs on one node for now (trainer.nnodes=1); use colocated "
+                          "placement across nodes")
+    if t.max_staleness and t.loop != "one_step_off":
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} needs trainer.loop=one_step_off (the "
+                          f"asynchronous loop)")
+    if t.max_staleness > 1 and algo.rollout_correction == "none":
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness}: samples up to {t.max_staleness} versions old "
+                          f"need importance weights; set algorithm.rollout_correction (e.g. token_tis)")
+    if t.loop == "one_step_off" and algo.reward_fn == "model":
+        raise ConfigError("algorithm.reward_fn=model with trainer.placement=split and trainer.loop=one_step_off: the "
+                          "reward model runs on the trainer's ranks, which are training while the next batch is "
+                          "scored; use trainer.loop=sync or a reward function")
+    try:
+        transfer_plan(cfg, args)
+    except ValueError as err:
+        raise ConfigError(f"parallel.rollout (split placement, layout {rollout_layout(cfg)}): {err}") from None
 
 
 def check_prompt_tokens(stream: PromptStream, vocab_size: int, bad_rows: Optional[str] = None) -> None:
@@ -260,19 +306,38 @@ def _run_locked(prepared: Prepared) -> List[dict]:
 
     cfg = prepared.cfg
     world = world_size(cfg)
-    session = RaySession(cfg.trainer, num_cpus=world)  # private on loopback, or trainer.ray_address
+    split = cfg.trainer.placement == "split"
+    rollout_ranks = cfg.parallel.rollout.nproc if split else 0
+    session = RaySession(cfg.trainer, num_cpus=world + rollout_ranks)  # private on loopback, or trainer.ray_address
     gpus = 1 if torch.cuda.is_available() else 0
+    group = rollout_group = None
     try:
         group = WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus, env=session.worker_env,
                             nnodes=cfg.trainer.nnodes)
+        if split:  # the rollout's own ranks, its own torch.distributed world
+            from megarl.controller.rollout_worker import RolloutWorker
+
+            rollout_group = WorkerGroup(RolloutWorker, rollout_ranks, cfg, cpus_per_worker=1, gpus_per_worker=gpus,
+                                        env=session.worker_env)
     except BaseException:
+        for g in (group, rollout_group):
+            if g is not None:
+                g.shutdown()
         prepared.scorer.close()
         session.close()
         raise
     print(f"megarl: workers (rank: pid@node) {group.describe()}", file=sys.stderr, flush=True)
+    if split:
+        print(f"megarl: rollout workers (rank: pid@node) {rollout_group.describe()}", file=sys.stderr, flush=True)
     try:
         proxies = group.roles()  # the roles the workers built for this algorithm, with their verbs
-        roles = Roles(actor=proxies["actor"], rollout=proxies["rollout"], reference=proxies.get("reference"),
+        if split:
+            from megarl.controller.split import SplitRollout
+
+            rollout = SplitRollout(group, rollout_group, rollout_group.roles()["rollout"])
+        else:
+            rollout = proxies["rollout"]
+        roles = Roles(actor=proxies["actor"], rollout=rollout, reference=proxies.get("reference"),
                       critic=proxies.get("critic"))
         prepared.scorer.model = proxies.get("reward_model")
         checkpoints = Checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
@@ -319,6 +384,8 @@ def _run_locked(prepared: Prepared) -> List[dict]:
     finally:
         prepared.scorer.close()  # the reward workers, even one stuck in a hanging function
         group.shutdown()
+        if rollout_group is not None:
+            rollout_group.shutdown()
         session.close()  # Ray, then any process of the run still alive
 
 
@@ -327,6 +394,8 @@ def plan(prepared: Prepared) -> str:
     cfg, layout = prepared.cfg, prepared.layout
     args = megatron_args_from_hf(cfg.model.hf_config)
     r = cfg.parallel.rollout
+    if cfg.trainer.placement == "split":
+        return split_plan(prepared, args)
     rg = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
     lines = [f"nodes {cfg.trainer.nnodes} x {cfg.trainer.nproc_per_node} ranks = world {layout.world_size}; "
              f"ray {cfg.trainer.ray_address or 'private, 127.0.0.1'}",
@@ -338,6 +407,38 @@ def plan(prepared: Prepared) -> str:
         lines.append(f"rank {rank:4d} node {rank // cfg.trainer.nproc_per_node}: actor tp={c['tp']} pp={c['pp']} "
                      f"dp={c['dp']} ep={c['ep']} | rollout tp={g['tp']} pp={g['pp']} dp={g['dp']} | "
                      f"micro-DP group {list(rg.micro_dp_group(rank))}")
+    return "\n".join(lines)
+
+
+def split_plan(prepared: Prepared, args) -> str:
+    """The plan of split placement: the trainer's ranks, the rollout's, and what each rollout rank
+    receives per sync (its generation shard) from which training ranks."""
+    from megarl.controller.split import transfer_plan
+
+    cfg, layout = prepared.cfg, prepared.layout
+    r, t = cfg.parallel.rollout, cfg.trainer
+    tp = transfer_plan(cfg, args)
+    itemsize = 2 if (r.dtype if r.dtype != "auto" else cfg.model.params_dtype) == "bfloat16" else 4
+    staleness = {"sync": "0", "one_step_off": str(t.max_staleness or 1)}[t.loop]
+    lines = [f"placement split: trainer {layout.world_size} ranks (actor layout {layout}); rollout {r.nproc} ranks "
+             f"(layout {tp.gen}, {r.engine}); ray {t.ray_address or 'private, 127.0.0.1'}",
+             f"algorithm {cfg.algorithm.name}; {cfg.data.prompts_per_step} prompts x {cfg.algorithm.samples_per_prompt} "
+             f"samples per step; loop {t.loop}"
+             + (f", streaming up to {t.max_staleness} versions ahead" if t.max_staleness else "")
+             + f" (staleness <= {staleness})",
+             f"weight sync: {len(tp.buckets)} bucket(s) over the group spanning trainer ranks 0..{tp.offset - 1} and "
+             f"rollout ranks {tp.offset}..{tp.world_size - 1}"
+             + (" (SGLang: update_weights_from_distributed)" if r.engine == "sglang" else "")]
+    for rank in range(layout.world_size):
+        c = layout.coords(rank)
+        lines.append(f"trainer rank {rank:4d}: actor tp={c['tp']} pp={c['pp']} dp={c['dp']} ep={c['ep']} | sends "
+                     f"{tp.sent(rank) * itemsize / 2**20:.2f} MiB per sync")
+    for v in range(tp.gen.world_size):
+        g = tp.gen.coords(v)
+        sources = sorted({s.src for b in tp.buckets for s in b if s.dst == tp.offset + v})
+        lines.append(f"rollout rank {v:4d} (group rank {tp.offset + v}): tp={g['tp']} dp={g['dp']} | receives "
+                     f"{tp.received(v) * itemsize / 2**20:.2f} MiB = its generation shard "
+                     f"({tp.shard_elems(v)} elements) from trainer ranks {sources}")
     return "\n".join(lines)
 
 

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from megarl.hybrid import ModelSpec, Regrouping, Resharder
+from megarl.hybrid.transfer import ShardReceiver, TransferPlan
 from megarl.models import build_model
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.models import routing_replay
-from megarl.parallel import LayoutError, build_placed_groups
+from megarl.parallel import LayoutError, build_groups, build_placed_groups
 from megarl.rollout.sampling import generator_for, sample
 from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams
 
@@ -35,14 +36,20 @@ from megarl.rollout.types import Response, RolloutEngine, RolloutStats, Sampling
 class NativeRollout(RolloutEngine):
     """Generation with the actor's architecture in layout ``regrouping.gen`` (p_g = 1)."""
 
-    def __init__(self, model_cfg, args: MegatronModelArgs, regrouping: Regrouping,
-                 train_chunks: List[torch.nn.Module], bucket_bytes: int = 256 << 20, max_batch_rows: int = 256,
-                 kv_cache: bool = True, dtype: Optional[str] = None, record_routing: bool = False):
-        """``dtype``: the generation model's ``params_dtype`` (``float32``, ``bfloat16``); None = the
-        training model's (``model_cfg.params_dtype``). ``record_routing``: an MoE model's responses carry
-        the top-k experts of every token fed through it (``Response.routing``, for routing replay)."""
+    def __init__(self, model_cfg, args: MegatronModelArgs, regrouping: Union[Regrouping, TransferPlan],
+                 train_chunks: Optional[List[torch.nn.Module]] = None, bucket_bytes: int = 256 << 20,
+                 max_batch_rows: int = 256, kv_cache: bool = True, dtype: Optional[str] = None,
+                 record_routing: bool = False):
+        """Colocated: ``regrouping`` places the generation layout on the training ranks, whose
+        ``train_chunks`` feed it in process. Split placement: a :class:`TransferPlan`; the rollout
+        is this world's own layout ``plan.gen`` and receives its weights from the trainer's ranks
+        (:meth:`connect` first). ``dtype``: the generation model's ``params_dtype`` (``float32``,
+        ``bfloat16``); None = the training model's (``model_cfg.params_dtype``).
+        ``record_routing``: an MoE model's responses carry the top-k experts of every token fed
+        through it (``Response.routing``, for routing replay)."""
         if dtype is not None:
             model_cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
+        split = isinstance(regrouping, TransferPlan)
         gen = dataclasses.replace(regrouping.gen, sequence_parallel=False)  # decode steps are one token long
         if gen.pp != 1:
             raise ValueError(f"the native rollout runs without pipeline stages; set rollout.pp=1 (got {gen.pp})")
@@ -58,9 +65,12 @@ class NativeRollout(RolloutEngine):
         self.args, self.vocab = args, args.vocab_size
         self.max_batch_rows = max_batch_rows
         self.kv_cache = kv_cache  # False: recompute the whole sequence every step (a baseline)
-        positions = sorted(range(len(regrouping.gen_rank)), key=lambda r: regrouping.gen_rank[r])
         try:
-            self.groups = build_placed_groups(gen, positions)
+            if split:  # the rollout's world is its own: its layout is Megatron's primary one here
+                self.groups = build_groups(gen)
+            else:
+                positions = sorted(range(len(regrouping.gen_rank)), key=lambda r: regrouping.gen_rank[r])
+                self.groups = build_placed_groups(gen, positions)
             self.model = build_model(model_cfg, self.groups, args, initialize=False)[0].eval()
         except LayoutError as err:
             raise ValueError(f"rollout layout {gen}: {err}") from None
@@ -70,8 +80,11 @@ class NativeRollout(RolloutEngine):
             self.routers = sorted(routing_replay.attach([self.model])[0], key=lambda h: h.moe_index)
             for handle in self.routers:
                 handle.record = True
-        self.resharder = Resharder.create(ModelSpec.from_args(args, model_cfg.make_vocab_size_divisible_by),
-                                          regrouping, train_chunks, bucket_bytes, outputs=tensors)
+        if split:
+            self.resharder = ShardReceiver(regrouping, dist.get_rank(), tensors)
+        else:
+            self.resharder = Resharder.create(ModelSpec.from_args(args, model_cfg.make_vocab_size_divisible_by),
+                                              regrouping, train_chunks, bucket_bytes, outputs=tensors)
         self.weights = list(self.resharder.outputs.values())
         self.released = False
         self.stale = True  # no weights yet
@@ -86,6 +99,10 @@ class NativeRollout(RolloutEngine):
         self.resharder.sync()
         self.policy_version = policy_version
         self.stale = False
+
+    def connect(self, group) -> None:
+        """Split placement: the process group spanning the trainer's ranks and this world's."""
+        self.resharder.connect(group)
 
     def release_memory(self) -> None:
         """Free the generation weights' storage (the tensors stay, empty) until resume_memory()."""

@@ -1,0 +1,66 @@
+"""Split placement on the driver: the rollout's worker group beside the trainer's, and the
+rollout role as the loop sees it there (:class:`SplitRollout`).
+
+The loop calls the same verbs as under colocated placement; here ``update_weights`` is one
+collective over both groups (the training ranks send, the rollout ranks receive), and
+``release_memory``/``resume_memory`` have nothing to do: the rollout keeps its own devices.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from megarl.controller.group import RoleProxy, WorkerGroup, wait_groups
+from megarl.hybrid.shards import ModelSpec
+from megarl.hybrid.transfer import TransferPlan, plan_transfer
+from megarl.parallel import Layout
+
+PLACEMENTS = ("colocated", "split")
+
+
+def rollout_layout(cfg) -> Layout:
+    """The rollout's own layout under split placement: parallel.rollout.tp over its nproc ranks, pp = 1."""
+    r = cfg.parallel.rollout
+    return Layout(tp=r.tp, pp=1, dp=max(1, r.nproc // r.tp))
+
+
+def transfer_plan(cfg, args) -> TransferPlan:
+    """The weight sync's plan (pure: the trainer's ranks and the rollout's compute the same)."""
+    train = Layout.from_config(cfg.parallel.actor, cfg.trainer.nnodes * cfg.trainer.nproc_per_node)
+    elems = max(1, (cfg.parallel.rollout.bucket_mb << 20) // 4 // 2)  # fp32 elements; two buckets in flight
+    return plan_transfer(ModelSpec.from_args(args, cfg.model.make_vocab_size_divisible_by), train,
+                         rollout_layout(cfg), elems)
+
+
+class SplitRollout:
+    """The rollout role of split placement: generation on the rollout's group, weight syncs
+    from the trainer's group to it."""
+
+    def __init__(self, trainer: WorkerGroup, rollout: WorkerGroup, proxy: RoleProxy):
+        self.trainer, self.rollout, self.proxy = trainer, rollout, proxy
+        address, port = trainer.call_one("rendezvous")  # the spanning group's store: trainer rank 0
+        wait_groups([(trainer, trainer.submit("connect_weights", address, port)),
+                     (rollout, rollout.submit("connect_weights", address, port))])
+
+    def generate(self, prompts, sampling):
+        return self.proxy.generate(prompts, sampling)
+
+    def release_memory(self) -> None:
+        """Nothing to give back: training runs on other ranks."""
+
+    def resume_memory(self) -> None:
+        """Nothing to take back (see :meth:`release_memory`)."""
+
+    def update_weights(self, policy_version: int) -> Dict[str, float]:
+        """One sync (both groups at once). Besides the rollout's own metrics:
+        ``sync/bytes_sent_max`` (over training ranks) and ``sync/bytes_over_shard_max``, the
+        largest difference, over rollout ranks, between what a rank received and its
+        generation shard (0: each received exactly its shard)."""
+        sent, received = wait_groups([(self.trainer, self.trainer.submit("publish_weights")),
+                                      (self.rollout, self.rollout.submit("call", "rollout", "update_weights",
+                                                                         policy_version))])
+        metrics = dict(received[0])
+        pairs = self.rollout.call("sync_bytes")
+        metrics["sync/bytes_over_shard_max"] = max(abs(got - shard) for got, shard in pairs)
+        metrics["sync/bytes_sent_max"] = max(sent)
+        return metrics
