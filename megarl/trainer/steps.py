@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -29,10 +30,12 @@ class PromptStream:
         self.ids = {}
         self.max_prompt_tokens = max_prompt_tokens
         self.position = 0  # records handed out so far (a resumable data position)
+        self.lock = threading.Lock()
 
     def state(self) -> Dict:
-        """Where the stream is (for checkpoints)."""
-        return {"rng": self.rng.getstate(), "order": list(self.order), "position": self.position}
+        """Where the stream is (for checkpoints; a draw ahead may be taking records meanwhile)."""
+        with self.lock:
+            return {"rng": self.rng.getstate(), "order": list(self.order), "position": self.position}
 
     def load_state(self, state: Dict) -> None:
         version, internal, gauss = state["rng"]
@@ -40,6 +43,10 @@ class PromptStream:
         self.order, self.position = list(state["order"]), state["position"]
 
     def next(self, count: int) -> List[PromptRecord]:
+        with self.lock:
+            return self._next(count)
+
+    def _next(self, count: int) -> List[PromptRecord]:
         out = []
         while len(out) < count:
             if not self.order:
@@ -191,9 +198,11 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
 SEQ_MULTIPLE = 8  # batch widths divide by any tp <= 8 (sequence parallelism splits the sequence)
 
 
-def make_batch(sampled: Sampled, pad_id: int, policy_version: int) -> Batch:
+def make_batch(sampled: Sampled, pad_id: int, policy_version: Optional[int] = None) -> Batch:
     """Right-padded next-token batch: inputs ``tokens``, ``labels``, ``loss_mask`` on the
-    positions that predict response tokens, ``rollout_log_probs`` there, and per-row fields; with
+    positions that predict response tokens, ``rollout_log_probs`` there, and per-row fields
+    (``policy_versions``: the rollout weights' version that generated each row; the batch's
+    ``policy_version`` is ``policy_version``, default their oldest); with
     recorded MoE routing, ``routing`` [rows, seq, moe_layers, topk] (-1 past each row's tokens)."""
     rows = sampled.responses
     seqs = [sampled.prompt_ids[r.prompt_index] + r.token_ids for r in rows]
@@ -213,6 +222,7 @@ def make_batch(sampled: Sampled, pad_id: int, policy_version: int) -> Batch:
         "scores": sampled.scores, "raw_scores": sampled.raw_scores,
         "index": torch.tensor([r.prompt_index for r in rows]),
         "response_lengths": torch.tensor([r.length for r in rows]),
+        "policy_versions": torch.tensor([r.policy_version for r in rows]),
     }
     if sampled.baseline is not None:
         tensors["baseline_scores"] = sampled.baseline
@@ -222,6 +232,8 @@ def make_batch(sampled: Sampled, pad_id: int, policy_version: int) -> Batch:
             assert r.routing.shape[0] == len(seq) - 1, (r.routing.shape, len(seq))
             routing[i, : len(seq) - 1] = r.routing
         tensors["routing"] = routing
+    if policy_version is None:
+        policy_version = min(r.policy_version for r in rows)
     return Batch(tensors, policy_version=policy_version)
 
 

@@ -5,6 +5,7 @@ one-step-off loop run; invalid configs fail before any worker starts, naming the
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -107,11 +108,45 @@ def test_remax_greedy_baseline_with_kl_in_reward(tmp_path):
     assert rows[1]["reward/kl_penalty_mean"] != 0.0
 
 
+SPLIT = ("trainer.placement=split", "parallel.rollout.nproc=2")  # 2 training ranks + 2 rollout ranks
+
+
+def final_checksum(path):
+    return json.loads((path / "final.json").read_text())["actor_weights_checksum"]
+
+
+def test_split_placement_trains_the_same_curve(tmp_path, grpo):
+    """4 ranks (actor t=2 on two, rollout t_g=1 d_g=2 on two others), synchronous: the samples,
+    rewards and weights of the colocated run, step for step (the sync moves fp32 exactly), and
+    each rollout rank receives exactly its generation shard."""
+    rows = history(tmp_path, *SPLIT, "trainer.train_steps=60")
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in grpo[1]]
+    assert [r["actor/loss"] for r in rows] == pytest.approx([r["actor/loss"] for r in grpo[1]], rel=1e-6, abs=1e-9)
+    assert final_checksum(tmp_path) == final_checksum(grpo[0])
+    assert rows[0]["rollout/logp_max_abs_diff"] <= 1e-5
+    # tiny-digits at fp32: each rollout rank's shard is the whole model (t_g=1)
+    assert all(r["sync/bytes_over_shard_max"] == 0 and r["sync/bytes_received"] == 98624 * 4 for r in rows)
+    assert all(r["sync/bytes_sent_max"] == 98624 * 4 for r in rows)  # half of each shard from each TP rank, twice
+
+
 def test_one_step_off_staleness(tmp_path):
-    rows = history(tmp_path, "trainer.loop=one_step_off", "trainer.train_steps=4")
+    """Colocated (in line) and split (drawn in a driver thread while the actor trains): the same
+    schedule of policy versions, so the same batches and rewards; streaming (max_staleness=2)
+    keeps every batch within its bound."""
+    rows = history(tmp_path / "colocated", "trainer.loop=one_step_off", "trainer.train_steps=4")
     assert [r["sampling/staleness"] for r in rows] == [0, 1, 1, 1]
     assert [r["policy_version"] for r in rows] == [0, 0, 1, 2]
     assert rows[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    split = history(tmp_path / "split", *SPLIT, "trainer.loop=one_step_off", "trainer.train_steps=4")
+    assert [r["policy_version"] for r in split] == [0, 0, 1, 2]
+    assert [r["reward/mean"] for r in split] == [r["reward/mean"] for r in rows]
+    assert final_checksum(tmp_path / "split") == final_checksum(tmp_path / "colocated")
+    assert all(r["time/generate_s"] > 0 and r["time/wait_rollout_s"] >= 0 for r in split)
+    stream = history(tmp_path / "stream", *SPLIT, "trainer.loop=one_step_off", "trainer.max_staleness=2",
+                     "algorithm.rollout_correction=token_tis", "trainer.train_steps=5")
+    staleness = [r["sampling/staleness"] for r in stream]
+    assert staleness[0] == 0 and all(0 <= s <= 2 for s in staleness) and max(staleness) >= 1
+    assert all(r["sampling/staleness_mean"] <= r["sampling/staleness"] for r in stream)
 
 
 @pytest.mark.parametrize("overrides,error,field", [
@@ -142,6 +177,18 @@ def test_one_step_off_staleness(tmp_path):
     (["optimizer.adam_beta2=1.0", "algorithm.top_p=0"], ConfigError,
      "optimizer.adam_beta2=1.0 must be >= 0 and < 1; algorithm.top_p=0.0 must be > 0 and <= 1"),
     (["optimizer.clip_grad=nan"], ConfigError, "optimizer.clip_grad=nan must be >= 0"),
+    # placement and the asynchronous loop
+    (["trainer.placement=apart"], ConfigError, "trainer.placement='apart' must be one of"),
+    (["trainer.placement=split"], ConfigError, "parallel.rollout.nproc >= 1"),
+    (["trainer.placement=split", "parallel.rollout.nproc=3", "parallel.rollout.tp=2"], ConfigError,
+     "parallel.rollout.nproc=3 must be a multiple of parallel.rollout.tp=2"),
+    (["trainer.placement=split", "parallel.rollout.nproc=2", "trainer.offload.optimizer=true"], ConfigError,
+     "trainer.offload is for colocated placement"),
+    (["trainer.loop=one_step_off", "trainer.max_staleness=1"], ConfigError, "set trainer.placement=split"),
+    (["trainer.placement=split", "parallel.rollout.nproc=2", "trainer.max_staleness=1"], ConfigError,
+     "trainer.max_staleness=1 needs trainer.loop=one_step_off"),
+    (["trainer.placement=split", "parallel.rollout.nproc=2", "trainer.loop=one_step_off", "trainer.max_staleness=2"],
+     ConfigError, "set algorithm.rollout_correction"),
 ])
 def test_invalid_configs_fail_before_workers(overrides, error, field):
     start = time.perf_counter()
@@ -150,11 +197,10 @@ def test_invalid_configs_fail_before_workers(overrides, error, field):
     assert time.perf_counter() - start < 5
 
 
-def test_layouts_of_colocated_roles_are_warned_about(capsys):
-    prepare(load_config([DEMO], ["parallel.critic.tp=1", "parallel.critic.dp=2"]))
-    assert "parallel.critic is ignored" in capsys.readouterr().err
-    prepare(load_config([DEMO], ["parallel.critic.tp=2"]))  # the actor's: nothing to say
-    assert "ignored" not in capsys.readouterr().err
+def test_layouts_of_trained_roles_are_the_actors(capsys):
+    with pytest.raises(ConfigError, match=r"parallel\.critic differs from parallel\.actor"):
+        prepare(load_config([DEMO], ["parallel.critic.tp=1", "parallel.critic.dp=2"]))
+    prepare(load_config([DEMO], ["parallel.critic.tp=2"]))  # the actor's: fine
 
 
 def test_cli_reports_the_field_and_exits_2():

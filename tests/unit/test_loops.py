@@ -45,6 +45,7 @@ class Roles:
     def update_weights(self, version):
         assert not self.released, "weight sync on released memory"
         self.events.append(f"sync {version}")
+        self.scripted.version = version
         return {"sync/seconds": 0.0}
 
     def forward(self, column, batch):
@@ -69,11 +70,12 @@ class Log:
         self.rows.append({"step": step, "policy_version": batch.policy_version, **metrics})
 
 
-def run(train, name, steps=3):
+def run(train, name, steps=3, roles=None, **trainer):
     a = algo(name=name)
     cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2),
-                          trainer=SimpleNamespace(seed=0, train_steps=steps))
-    roles, log = Roles(critic=name == "ppo"), Log()
+                          trainer=SimpleNamespace(**{"seed": 0, "train_steps": steps, "placement": "colocated",
+                                                     "max_staleness": 0, **trainer}))
+    roles, log = roles or Roles(critic=name == "ppo"), Log()
     scorer = Scorer(a, TOK)
     try:
         train(cfg, roles, stream(), scorer, log, eos_token_ids=[TOK.eos_token_id], pad_token_id=TOK.pad_token_id)
@@ -101,3 +103,74 @@ def test_both_loops_run_the_same_training_half(name):
     assert [r["policy_version"] for r in rows] == [0, 0, 1]
     assert [r["sampling/staleness"] for r in rows] == [0, 1, 1]
     assert all(r["sampling/rounds"] == 1 and "actor/loss" in r for r in rows)
+
+
+class SplitRoles(Roles):
+    """Split placement: the rollout has its own ranks (no memory to trade), generation takes
+    ``gen_s`` and the actor's update ``train_s`` seconds, and the log records when each ran."""
+
+    def __init__(self, gen_s=0.05, train_s=0.05):
+        super().__init__(critic=False)
+        self.gen_s, self.train_s = gen_s, train_s
+        self.rollout.release_memory = self.rollout.resume_memory = lambda: None
+        self.busy = set()  # what runs now: "generate", "train", "sync"
+        self.overlapped = 0
+
+    def _run(self, what, seconds):
+        import time
+
+        assert not ({"sync"} | {what}) & self.busy or what == "train" and self.busy == {"generate"}, \
+            f"{what} while {self.busy}"  # a sync never meets a generate call; training may
+        self.overlapped += bool(self.busy)
+        self.busy.add(what)
+        time.sleep(seconds)
+        self.busy.discard(what)
+
+    def generate(self, prompts, sampling):
+        self._run("generate", self.gen_s)
+        self.events.append(f"generate v{self.scripted.version}")
+        return self.scripted.generate(prompts, sampling)
+
+    def update_weights(self, version):
+        self._run("sync", 0.0)
+        return super().update_weights(version)
+
+    def forward(self, column, batch):
+        self.events.append(column)
+        return Batch({column: torch.zeros_like(batch["loss_mask"])})
+
+    def update(self, role, batch):
+        self._run("train", self.train_s)
+        self.events.append(f"{role} update v{batch.policy_version}")
+        return {f"{role}/loss": 1.0}
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2, 3])
+def test_split_one_step_off_overlaps_within_the_staleness_bound(bound):
+    """A driver thread draws ahead while the actor trains; no batch is older than the bound
+    (max_staleness=0: one step off), syncs never interleave with a generate call, and the
+    batches are those of the in-line schedule when the bound is one step."""
+    roles = SplitRoles(gen_s=0.01, train_s=0.2)  # drawing (scoring included) is far faster than training
+    events, rows = run(one_step_off.train, "grpo", steps=6, roles=roles, max_staleness=bound, placement="split")
+    limit = bound or 1
+    staleness = [r["sampling/staleness"] for r in rows]
+    assert staleness[0] == 0 and max(staleness) == min(limit, 5)  # generation outruns training up to the bound
+    assert all(0 <= s <= limit for s in staleness)
+    assert [r["policy_version"] for r in rows] == [step - 1 - s for step, s in enumerate(staleness, 1)]
+    assert roles.overlapped > 0  # generation ran while the actor trained
+    assert [e for e in events if e.startswith("sync")] == [f"sync {v}" for v in range(7)]
+    assert all(r["time/generate_s"] >= 0.01 for r in rows)  # the draw's own seconds travel with its batch
+    if limit == 1:  # the same batches as the colocated (in-line) one-step-off schedule
+        _, inline = run(one_step_off.train, "grpo", steps=6)
+        assert [r["policy_version"] for r in inline] == [r["policy_version"] for r in rows]
+
+
+def test_producer_error_reaches_the_trainer():
+    roles = SplitRoles()
+
+    def fail(prompts, sampling):
+        raise RuntimeError("rollout rank 1 is gone")
+
+    roles.rollout.generate = fail
+    with pytest.raises(RuntimeError, match="rollout rank 1 is gone"):
+        run(one_step_off.train, "grpo", steps=3, roles=roles, placement="split")

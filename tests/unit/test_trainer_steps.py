@@ -23,6 +23,7 @@ class ScriptedRollout:
 
     def __init__(self):
         self.calls = []
+        self.version = -1  # the weights' policy version, stamped on each response
 
     def generate(self, prompts, sampling):
         self.calls.append(sampling)
@@ -32,7 +33,8 @@ class ScriptedRollout:
             for s in range(sampling.n):
                 right = k % 2 == 0 or s % 2 == 0 or sampling.greedy
                 text = str(k) if right else "9" * len(str(k))
-                out.append(Response(p, s, TOK.encode(text) + [TOK.eos_token_id], [-0.5] * (len(text) + 1), "stop"))
+                out.append(Response(p, s, TOK.encode(text) + [TOK.eos_token_id], [-0.5] * (len(text) + 1), "stop",
+                                    self.version))
         return out
 
 

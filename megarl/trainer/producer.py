@@ -1,0 +1,116 @@
+"""The rollout side of the asynchronous loop: batches drawn ahead of the trainer.
+
+Under split placement a driver thread draws (generates and scores) batch after batch while the
+trainer trains, as far ahead as the staleness bound allows: batch s may be drawn once the rollout
+holds policy version s - 1 - bound, so that it is at most ``bound`` versions behind the actor
+that trains on it. Generation and weight syncs both run on the rollout's ranks, so one lock keeps
+each ``generate`` call and each sync whole (the ranks must see them in the same order). Under
+colocated placement there is no second set of ranks to overlap with: batch s + 1 is drawn when
+step s begins, in line.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Dict, Tuple
+
+from megarl.trainer.steps import Sampled
+
+
+class Timer:
+    """``phase(name)`` for one draw: seconds per phase of that draw alone."""
+
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+
+    def phase(self, name: str):
+        timer = self
+
+        class _Phase:
+            def __enter__(self):
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.start
+
+        return _Phase()
+
+
+class LockedRollout:
+    """The rollout role with each ``generate`` call under the producer's lock."""
+
+    def __init__(self, rollout, lock: threading.Lock):
+        self.rollout, self.lock = rollout, lock
+
+    def generate(self, prompts, sampling):
+        with self.lock:
+            return self.rollout.generate(prompts, sampling)
+
+
+class Producer:
+    """Batches for steps ``start`` .. ``last``; :meth:`take` hands them out in order.
+
+    ``draw(step, rollout, phase)`` draws one batch (``sample_step``). ``threaded``: a driver
+    thread draws ahead (split placement); else each :meth:`take` draws the next batch in line.
+    """
+
+    def __init__(self, draw: Callable, rollout, start: int, last: int, bound: int, threaded: bool):
+        self.draw, self.rollout, self.last, self.bound = draw, rollout, last, bound
+        self.lock = threading.Lock()
+        self.version = start - 1  # the rollout's policy version
+        self.changed = threading.Condition()
+        self.ready: "queue.Queue[Tuple[int, object, Dict[str, float]]]" = queue.Queue()
+        self.stopped = False
+        self.next_step = start
+        if threaded:
+            self.thread = threading.Thread(target=self._run, name="megarl-rollout-producer", daemon=True)
+            self.thread.start()
+        else:
+            self.thread = None
+            self._draw_one()
+
+    def _draw_one(self) -> None:
+        step, timer = self.next_step, Timer()
+        try:
+            self.ready.put((step, self.draw(step, LockedRollout(self.rollout, self.lock), timer.phase), timer.seconds))
+        except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
+            self.ready.put((step, err, {}))
+            raise
+        self.next_step += 1
+
+    def _run(self) -> None:
+        while self.next_step <= self.last:
+            with self.changed:
+                self.changed.wait_for(lambda: self.stopped or self.version >= self.next_step - 1 - self.bound)
+            if self.stopped:
+                return
+            try:
+                self._draw_one()
+            except BaseException:  # noqa: BLE001 - already queued for the trainer
+                return
+
+    def take(self, step: int) -> Tuple[Sampled, Dict[str, float]]:
+        """Batch ``step`` and the seconds of its draw per phase (generate, reward)."""
+        got, sampled, seconds = self.ready.get()
+        if isinstance(sampled, BaseException):
+            raise sampled
+        assert got == step, (got, step)
+        if self.thread is None and self.next_step <= self.last:
+            self._draw_one()  # in line: the next batch from the weights before this step's update
+        return sampled, seconds
+
+    def sync(self, update: Callable[[], Dict[str, float]], version: int) -> Dict[str, float]:
+        """Run a weight sync (``update()``) between generate calls; the rollout then holds ``version``."""
+        with self.lock:
+            metrics = update()
+        with self.changed:
+            self.version = version
+            self.changed.notify_all()
+        return metrics
+
+    def stop(self) -> None:
+        with self.changed:
+            self.stopped = True
+            self.changed.notify_all()
