@@ -1,0 +1,114 @@
+"""Synchronous vs asynchronous RL on 4 CPU ranks, side by side in one run.
+
+    python benchmarks/async.py [--steps 10] [--warmup 2]
+
+Four schedules of the GRPO demo (configs/grpo_demo.yaml, actor tp=2), each on 4 ranks:
+colocated sync (actor on all 4, dp=2), split sync (actor on 2, rollout on 2), split
+one-step-off, and split streaming with ``trainer.max_staleness=2``. Two cases:
+
+* ``io``: the reward waits on I/O (a remote verifier): each sample sleeps so that scoring a step
+  takes about as long as the split trainer's training phases (measured first). Overlap hides it.
+* ``compute``: the built-in verifier (instant); generation and training are both CPU work.
+
+Per schedule: mean step time after ``--warmup`` steps, speedup over split sync, the fraction of
+generation + scoring hidden behind training (1 - wait / (generate + reward): the trainer's wait
+for the next batch against what drawing it took), and the staleness. The cost model line gives
+what each schedule would take if every rank had its own device (GPUs): sync = train + generate +
+reward + sync, one-step-off = max(train, generate + reward) + sync, from the measured phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SCHEDULES = {
+    "colocated sync": ["trainer.nproc_per_node=4"],
+    "split sync": ["trainer.placement=split", "parallel.rollout.nproc=2"],
+    "split one-step-off": ["trainer.placement=split", "parallel.rollout.nproc=2", "trainer.loop=one_step_off"],
+    "split stream (max_staleness=2)": ["trainer.placement=split", "parallel.rollout.nproc=2",
+                                       "trainer.loop=one_step_off", "trainer.max_staleness=2",
+                                       "algorithm.rollout_correction=token_tis"],
+}
+TRAIN_PHASES = ("old_log_prob", "actor_update")
+
+
+def run(overrides, steps: int, run_dir: Path):
+    from megarl.config import load_config
+    from megarl.entrypoints.train_rl import prepare, run as train
+
+    cfg = load_config([str(ROOT / "configs/grpo_demo.yaml")],
+                      [f"trainer.run_dir={run_dir}", f"trainer.train_steps={steps}", "logging.progress_bar=false",
+                       "logging.mlflow=false", *overrides])
+    return train(prepare(cfg))
+
+
+def summarize(rows, warmup: int):
+    rows = rows[warmup:]
+    mean = lambda key: statistics.mean(r.get(key, 0.0) for r in rows)
+    draw = mean("time/generate_s") + mean("time/reward_s")
+    wait = mean("time/wait_rollout_s") if "time/wait_rollout_s" in rows[0] else draw  # sync: all of it waits
+    train = sum(mean(f"time/{p}_s") for p in TRAIN_PHASES)
+    return {"step_s": mean("time/step_s"), "generate_s": mean("time/generate_s"), "reward_s": mean("time/reward_s"),
+            "train_s": train, "sync_s": mean("time/weight_sync_s"), "hidden": max(0.0, 1 - wait / draw) if draw else 0.0,
+            "staleness_max": max(r.get("sampling/staleness", 0) for r in rows),
+            "staleness_mean": mean("sampling/staleness_mean") if "sampling/staleness_mean" in rows[0] else 0.0}
+
+
+def case(name: str, steps: int, warmup: int, extra, work: Path):
+    out = {}
+    for schedule, overrides in SCHEDULES.items():
+        rows = run([*overrides, *extra], steps, work / f"{name}-{schedule.split()[0]}-{len(out)}")
+        out[schedule] = summarize(rows, warmup)
+        print(f"[{name}] {schedule}: {json.dumps({k: round(v, 3) for k, v in out[schedule].items()})}", flush=True)
+    base = out["split sync"]["step_s"]
+    print(f"\n## {name}\n")
+    print("| schedule | step s | vs split sync | generate s | reward s | train s | sync s | hidden | staleness max/mean |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for schedule, s in out.items():
+        print(f"| {schedule} | {s['step_s']:.3f} | {base / s['step_s']:.2f}x | {s['generate_s']:.3f} | "
+              f"{s['reward_s']:.3f} | {s['train_s']:.3f} | {s['sync_s']:.3f} | {s['hidden']:.0%} | "
+              f"{s['staleness_max']}/{s['staleness_mean']:.2f} |")
+    s = out["split sync"]
+    sync_model = s["train_s"] + s["generate_s"] + s["reward_s"] + s["sync_s"]
+    off_model = max(s["train_s"], s["generate_s"] + s["reward_s"]) + s["sync_s"]
+    print(f"\ncost model (own device per rank, from split sync's phases): sync {sync_model:.3f} s, one-step-off "
+          f"{off_model:.3f} s per step: {sync_model / off_model:.2f}x")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        # the split trainer's training seconds per step, to size the I/O wait like it
+        probe = summarize(run(SCHEDULES["split sync"], args.warmup + 3, work / "probe"), args.warmup)
+        rows = 16 * 8  # prompts x samples of the demo
+        workers = 8
+        latency = probe["train_s"] * workers / rows
+        os.environ["MEGARL_BENCH_REWARD_LATENCY_S"] = str(latency)
+        print(f"probe: split trainer trains {probe['train_s']:.3f} s per step; the I/O reward waits {latency * 1e3:.1f} ms "
+              f"per sample over {workers} reward workers (~{latency * rows / workers:.3f} s per step)", flush=True)
+        io = case("io", args.steps, args.warmup, ["algorithm.reward_fn=benchmarks.async_reward:remote_reverse_digits",
+                                                  f"algorithm.reward_workers={workers}"], work)
+        compute = case("compute", args.steps, args.warmup, [], work)
+    speedup = io["split sync"]["step_s"] / io["split one-step-off"]["step_s"]
+    print(f"\nio: split one-step-off is {speedup:.2f}x split sync per step (acceptance: >= 1.5x)")
+    print(f"compute: split one-step-off is {compute['split sync']['step_s'] / compute['split one-step-off']['step_s']:.2f}x "
+          f"split sync on 2 cores shared by 4 busy processes")
+    return 0 if speedup >= 1.5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
