@@ -32,6 +32,7 @@ from megarl.training.train_ckpt import OPTIMIZER_FORMATS
 
 LOOPS = ("sync", "one_step_off")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")  # parallel.rollout.dtype
+ROLLOUT_ENGINES = ("native", "sglang")  # parallel.rollout.engine
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         check_rollout_correction(algo.rollout_correction, algo.rollout_correction_threshold)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if r.engine not in ROLLOUT_ENGINES:
+        raise ConfigError(f"parallel.rollout.engine='{r.engine}' must be one of {ROLLOUT_ENGINES}")
     if r.dtype not in ROLLOUT_DTYPES:
         raise ConfigError(f"parallel.rollout.dtype='{r.dtype}' must be one of {ROLLOUT_DTYPES}")
     if cfg.trainer.checkpoint_format not in OPTIMIZER_FORMATS:
@@ -285,6 +288,7 @@ def run(prepared: Prepared) -> List[dict]:
     from megarl.trainer.logger import end_unfinished_mlflow_run
     from megarl.trainer.run_dir import lock_run_dir
 
+    check_engine_available(prepared.cfg)
     with lock_run_dir(prepared.cfg.trainer.run_dir):
         try:
             return _run_locked(prepared)
@@ -389,6 +393,36 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         session.close()  # Ray, then any process of the run still alive
 
 
+def check_engine_available(cfg: MegarlConfig) -> None:
+    """SGLang needs CUDA and its extra: say so before any process starts (``--dry-run`` plans
+    without them)."""
+    if cfg.parallel.rollout.engine != "sglang":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("parallel.rollout.engine=sglang needs CUDA GPUs, and this machine has none; use "
+                          "parallel.rollout.engine=native here (--dry-run prints an SGLang run's plan anywhere)")
+    if importlib.util.find_spec("sglang") is None:
+        raise ConfigError("parallel.rollout.engine=sglang needs SGLang: pip install 'megarl[sglang]' (or use the "
+                          "Dockerfile's image)")
+
+
+def sglang_plan_lines(cfg: MegarlConfig, gen: Layout) -> List[str]:
+    """What an SGLang rollout would run: engines, the weight path, the memory order."""
+    r, off = cfg.parallel.rollout, cfg.trainer.offload
+    engines = f"{gen.dp} SGLang engine(s) (tp_size={gen.tp}, one per generation replica, started by its TP rank 0)"
+    if cfg.trainer.placement == "split":
+        return [f"sglang: {engines} on the rollout's ranks; each sync broadcasts whole HF tensors in "
+                f"{r.bucket_mb} MiB buckets from trainer rank 0 over an NCCL group with the engines "
+                f"(update_weights_from_distributed); needs CUDA and the sglang extra"]
+    offloaded = ", ".join(k for k in ("params", "grads", "optimizer") if getattr(off, k)) or "nothing"
+    return [f"sglang: {engines} on the training ranks; each step: generate → release SGLang's memory → train → "
+            f"resume its weights → sync (update_weights_from_tensor, CUDA-IPC handles per generation-TP rank, "
+            f"{r.bucket_mb} MiB buckets) → offload the trainer's state ({offloaded}) → resume SGLang's KV cache; "
+            f"needs CUDA and the sglang extra"]
+
+
 def plan(prepared: Prepared) -> str:
     """What a run would start: nodes, ranks, the actor and rollout layouts, micro-DP groups."""
     cfg, layout = prepared.cfg, prepared.layout
@@ -402,6 +436,8 @@ def plan(prepared: Prepared) -> str:
              f"actor layout {layout}; rollout layout {rg.gen} ({r.engine}); micro-DP size {rg.micro_dp}",
              f"algorithm {cfg.algorithm.name}; {cfg.data.prompts_per_step} prompts x "
              f"{cfg.algorithm.samples_per_prompt} samples per step; loop {cfg.trainer.loop}"]
+    if r.engine == "sglang":
+        lines += sglang_plan_lines(cfg, rg.gen)
     for rank in range(layout.world_size):
         c, g = layout.coords(rank), rg.gen_coords(rank)
         lines.append(f"rank {rank:4d} node {rank // cfg.trainer.nproc_per_node}: actor tp={c['tp']} pp={c['pp']} "
@@ -429,6 +465,14 @@ def split_plan(prepared: Prepared, args) -> str:
              f"weight sync: {len(tp.buckets)} bucket(s) over the group spanning trainer ranks 0..{tp.offset - 1} and "
              f"rollout ranks {tp.offset}..{tp.world_size - 1}"
              + (" (SGLang: update_weights_from_distributed)" if r.engine == "sglang" else "")]
+    if r.engine == "sglang":  # whole tensors by broadcast, not shards point to point
+        lines += sglang_plan_lines(cfg, tp.gen)
+        whole = tp.model.numel() * itemsize / 2**20
+        lines += [f"trainer rank    0: gathers each bucket's whole tensors over the actor's groups and broadcasts "
+                  f"{whole:.2f} MiB per sync",
+                  f"rollout ranks {tp.offset}..{tp.world_size - 1}: the SGLang engines receive the {whole:.2f} MiB "
+                  f"and load their own TP shards"]
+        return "\n".join(lines)
     for rank in range(layout.world_size):
         c = layout.coords(rank)
         lines.append(f"trainer rank {rank:4d}: actor tp={c['tp']} pp={c['pp']} dp={c['dp']} ep={c['ep']} | sends "

@@ -167,6 +167,7 @@ def test_one_step_off_staleness(tmp_path):
     (["algorithm.rollout_correction=tis"], ConfigError, "algorithm.rollout_correction='tis' must be one of"),
     (["algorithm.rollout_correction_threshold=0.5"], ConfigError, "algorithm.rollout_correction_threshold=0.5"),
     (["parallel.rollout.dtype=fp8"], ConfigError, "parallel.rollout.dtype='fp8' must be one of"),
+    (["parallel.rollout.engine=vllm"], ConfigError, "parallel.rollout.engine='vllm' must be one of"),
     (["algorithm.reward_fn=nope"], ValueError, "algorithm.reward_fn: unknown reward function 'nope'"),
     (["algorithm.reward_fn=no_such_module:fn"], ValueError, "algorithm.reward_fn='no_such_module:fn': cannot import"),
     # sizes and rates out of the bounds declared in the schema: named by load_config
@@ -237,3 +238,26 @@ def test_report_draws_the_run(grpo):
     names = {line.rsplit("/", 1)[-1] for line in proc.stdout.split()}
     assert {"reward.png", "response_length.png", "policy.png", "timing.png", "throughput.png", "memory.png"} <= names
     assert all((path / "report" / n).stat().st_size > 5000 for n in names)
+
+
+@pytest.mark.parametrize("placement,expect", [
+    ([], ["(sglang)", "update_weights_from_tensor", "resume SGLang's KV cache"]),
+    (list(SPLIT), ["rollout 2 ranks", "update_weights_from_distributed", "broadcasts"]),
+])
+def test_sglang_runs_are_planned_on_cpu(capsys, placement, expect):
+    """--dry-run prints an SGLang run's plan on a machine without GPUs; the run itself refuses
+    there, before any process starts, naming what it needs."""
+    from megarl.cli import main
+
+    assert main(["train", DEMO, "parallel.rollout.engine=sglang", *placement, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert all(e in out for e in expect), out
+    if not torch_cuda():
+        assert main(["train", DEMO, "parallel.rollout.engine=sglang", *placement]) == 2
+        assert "parallel.rollout.engine=sglang needs CUDA" in capsys.readouterr().err
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
