@@ -314,6 +314,10 @@ def _run_locked(prepared: Prepared) -> List[dict]:
     rollout_ranks = cfg.parallel.rollout.nproc if split else 0
     session = RaySession(cfg.trainer, num_cpus=world + rollout_ranks)  # private on loopback, or trainer.ray_address
     gpus = 1 if torch.cuda.is_available() else 0
+    if gpus and split:  # fewer GPUs than trainer + rollout ranks (e.g. the one-GPU check): they share
+        import ray
+
+        gpus = min(1.0, ray.cluster_resources().get("GPU", 0) / (world + rollout_ranks)) or 1
     group = rollout_group = None
     try:
         group = WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus, env=session.worker_env,

@@ -32,7 +32,9 @@ def init_distributed(timeout_s: int = 600) -> int:
     """
     _slurm_to_torch_env()
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # torchrun shows a process every GPU of its node (LOCAL_RANK picks one); Ray shows a worker
+        # only the GPU(s) it was given, so there the index wraps to the visible ones
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         backend = "nccl"
     else:
         cpu_mode.enable()
