@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,6 +44,7 @@ def trainer_log_probs(engine, prompts, responses, temperature):
 def check(name, rollout, engine, prompts, dtype) -> bool:
     sampling = SamplingParams(temperature=0.8, top_p=0.95, n=2, max_new_tokens=32, seed=0)
     rollout.update_weights(1)
+    rollout.resume_kv_cache()  # SGLang: its KV cache comes back after the sync (no-op for native)
     responses = rollout.generate(prompts, sampling)
     diff = trainer_log_probs(engine, prompts, responses, 0.8)
     torch.cuda.synchronize()
@@ -89,17 +88,14 @@ def main() -> int:
 
 
 def check_sglang(model_cfg, args, rg, state, engine, prompts, dtype) -> bool:
-    from megarl.hybrid import ModelSpec, Resharder
-    from megarl.parallel import build_placed_groups
-    from megarl.rollout.sglang_engine import SGLangRollout
+    from megarl.config.schema import RolloutLayoutConfig
+    from megarl.rollout.sglang_engine import colocated_rollout
 
-    positions = sorted(range(len(rg.gen_rank)), key=lambda r: rg.gen_rank[r])
-    groups = build_placed_groups(rg.gen, positions)
-    resharder = Resharder.create(ModelSpec.from_args(args), rg, state.model)
-    hf_dir = Path(tempfile.mkdtemp())
-    (hf_dir / "config.json").write_text(json.dumps(args.hf_config | {"torch_dtype": str(dtype).split(".")[-1]}))
-    return check("sglang", SGLangRollout(resharder, ModelSpec.from_args(args), args, groups, str(hf_dir)),
-                 engine, prompts, dtype)
+    rollout = colocated_rollout(model_cfg, RolloutLayoutConfig(tp=rg.gen.tp, engine="sglang"), args, rg, state.model)
+    try:
+        return check("sglang", rollout, engine, prompts, dtype)
+    finally:
+        rollout.shutdown()  # the next dtype's engine takes the same ports
 
 
 if __name__ == "__main__":

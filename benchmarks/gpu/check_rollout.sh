@@ -1,16 +1,46 @@
 #!/usr/bin/env bash
-# GPU check of the rollout engines: native (always) and SGLang (when importable).
+# GPU check of the rollout engines, in one command on a machine with one or more GPUs:
+#   1. check_rollout.py on every GPU: log-prob parity of the native engine and of SGLang (when
+#      importable) with the trainer, and generated tokens/s;
+#   2. with SGLang importable, two 5-step GRPO runs through `megarl train` on one GPU:
+#      colocated (parallel.rollout.engine=sglang: SGLang and the trainer time-share the GPU,
+#      the trainer's state offloaded while SGLang generates) and split
+#      (trainer.placement=split parallel.rollout.nproc=1: the trainer's rank and the rollout's
+#      rank are separate worker groups that share this one GPU; the weights go over NCCL), each
+#      summarised from its metrics.jsonl: generated tokens/s, sync seconds, peak memory per phase.
 #
 #   benchmarks/gpu/check_rollout.sh [DIR_WITH_MEGATRON_CORE_WHEEL]
 #
-# Installs megatron-core from a carried wheel when it is missing (no registry needed), then runs
-# check_rollout.py on every GPU of this machine: log-prob parity of each engine with the
-# trainer and generated tokens/s. Exits non-zero when a check fails.
+# Installs megatron-core from a carried wheel when it is missing (no registry needed). Needs no
+# network otherwise. Exits non-zero when a check or a run fails. RUNS_DIR (default
+# runs/gpu_check) holds the runs; STEPS (default 5) sets their length.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if ! python -c "import megatron.core" 2>/dev/null; then
     wheel_dir="${1:-wheels}"
     python -m pip install --no-deps --no-index --find-links "$wheel_dir" megatron-core
 fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nproc="${NPROC:-1}"
-PYTHONPATH="$PWD" python -m torch.distributed.run --standalone --nproc-per-node "$nproc" benchmarks/gpu/check_rollout.py
+python -m torch.distributed.run --standalone --nproc-per-node "$nproc" benchmarks/gpu/check_rollout.py
+
+if ! python -c "import sglang" 2>/dev/null; then
+    echo "SKIP GRPO runs: sglang is not importable (pip install 'megarl[sglang]')"
+    exit 0
+fi
+runs="${RUNS_DIR:-runs/gpu_check}"
+steps="${STEPS:-5}"
+rm -rf "$runs"
+# The CPU demo's task and tiny model on one GPU rank; SGLang starts with half the GPU's memory
+# free for it (its mem_fraction), the trainer's state is offloaded while it generates.
+common=(configs/grpo_demo.yaml trainer.train_steps="$steps" trainer.nproc_per_node=1 parallel.actor.tp=1
+        parallel.rollout.tp=1 parallel.rollout.engine=sglang logging.mlflow=false trainer.save_interval=0)
+status=0
+python -m megarl.cli train "${common[@]}" trainer.placement=colocated \
+    trainer.offload.params=true trainer.offload.grads=true trainer.offload.optimizer=true \
+    trainer.run_dir="$runs/colocated" || status=1
+python benchmarks/gpu/summarize_run.py colocated "$runs/colocated" "$steps" || status=1
+python -m megarl.cli train "${common[@]}" trainer.placement=split parallel.rollout.nproc=1 \
+    trainer.run_dir="$runs/split" || status=1
+python benchmarks/gpu/summarize_run.py split "$runs/split" "$steps" || status=1
+exit "$status"

@@ -23,12 +23,15 @@ class Rollout:
 
     @verb(Dispatch.ALL)
     def update_weights(self, policy_version: int) -> Dict[str, float]:
-        """Sync the actor's weights; the sync's seconds and the bytes this rank received."""
+        """Sync the actor's weights; the sync's seconds and the bytes this rank received. Then the
+        trained states leave the device and only then does the engine take its KV cache back, so
+        the two are never resident together."""
         self.engine.update_weights(policy_version)
         s = self.engine.resharder.last
         metrics = {"sync/seconds": s.seconds, "sync/bytes_received": s.bytes_received}
         if self.phases is not None:
             metrics.update(self.phases.enter_generate())
+        self.engine.resume_kv_cache()
         return metrics
 
     @verb(Dispatch.ALL)
@@ -39,4 +42,5 @@ class Rollout:
 
     @verb(Dispatch.ALL)
     def resume_memory(self) -> None:
+        """The engine's weights memory back for the sync (its KV cache follows the offload)."""
         self.engine.resume_memory()

@@ -93,7 +93,11 @@ class RolloutEngine(abc.ABC):
         """Give weights and KV cache memory back while training runs."""
 
     def resume_memory(self) -> None:
-        """Take the memory back before the next generation."""
+        """Take the weights' memory back before the next weight sync."""
+
+    def resume_kv_cache(self) -> None:
+        """Take the generation-only memory (KV cache) back, once the trainer has offloaded its
+        states after the sync; engines whose KV cache lives within ``generate`` do nothing."""
 
     def flush_cache(self) -> None:
         """Drop cached prefixes (stale after a weight update)."""

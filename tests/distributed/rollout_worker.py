@@ -48,6 +48,8 @@ def reference(work: Path, name: str) -> None:
     chunks = build_model(ModelConfig(hf_config=MODELS[name]), groups)
     save_model(chunks, work / f"{name}-ckpt")
     model, vocab = chunks[0].eval(), megatron_args_from_hf(MODELS[name]).vocab_size
+    torch.save({k: v.detach().clone() for k, v in list(model.named_parameters()) + list(model.named_buffers())},
+               work / f"{name}-full.pt")  # for the SGLang adapter's checks (sglang_worker.py)
     greedy = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -158,6 +160,14 @@ def run(work: Path, case: str) -> None:
     record["sampled_tokens"] = [r.token_ids for r in first]
     if flag == "bf16":
         bf16_rollout(record, model_cfg, args, rg, state, engine, sampling)
+    if flag == "sglang":
+        from megarl.config.schema import RolloutLayoutConfig
+        from tests.distributed import sglang_worker
+
+        full = torch.load(work / f"{name}-full.pt")
+        sglang_worker.split(record, args, groups.layout, state, full)
+        sglang_worker.colocated(record, model_cfg, RolloutLayoutConfig(tp=gen_tp, ep=gen_ep, bucket_mb=1), args, rg,
+                                state, full)
 
     rollout.release_memory()
     try:

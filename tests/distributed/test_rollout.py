@@ -17,9 +17,10 @@ from tests.distributed.launch import torchrun
 WORKER = "tests/distributed/rollout_worker.py"
 TOL = 1e-5
 CASES = {  # world size -> model@t,p,d,e>t_g,e_g[+bf16]
-    2: ["llama@2,1,1,1>1,1+bf16", "llama@2,1,1,1>2,1"],
-    4: ["llama@2,2,1,1>1,1", "llama@2,1,2,1>2,1", "qwen3-moe@2,1,2,2>1,1", "deepseek@2,1,2,1>1,1"],
+    2: ["llama@2,1,1,1>1,1+bf16", "llama@2,1,1,1>2,1+sglang"],
+    4: ["llama@2,2,1,1>1,1+sglang", "llama@2,1,2,1>2,1", "qwen3-moe@2,1,2,2>1,1+sglang", "deepseek@2,1,2,1>1,1"],
 }
+SGLANG = [c.partition("+")[0] for cases in CASES.values() for c in cases if c.endswith("+sglang")]
 ALL = [c.partition("+")[0] for cases in CASES.values() for c in cases]  # "+bf16": an extra check
 
 
@@ -88,3 +89,45 @@ def test_samples_do_not_depend_on_the_layout(results):
 def test_release_and_resume(results, case):
     r = results[case]
     assert r["released_refuses"] and r["resumed_same"]
+
+
+# ----------------------------------------------------------------------------- the SGLang adapter (sglang_worker.py)
+WEIGHTS, GENERATION = ["weights"], ["kv_cache", "cuda_graph"]
+
+
+@pytest.mark.parametrize("case", SGLANG)
+def test_sglang_colocated_call_order(results, case):
+    """Per step: weights back (trainer resident) -> buckets -> flush -> trainer offloaded -> KV cache
+    back -> generate -> everything released; the first sync starts with the KV cache released."""
+    r = results[case]
+    assert r["sglang_start"] == ["start", "dummy", True, int(case.split(">")[1].split(",")[0])]
+    step = r["sglang_step_log"]
+    tensor_calls = [e for e in step if e[0] == "update_weights_from_tensor"]
+    assert tensor_calls and all(e == ["update_weights_from_tensor", False] for e in tensor_calls)
+    n = len(tensor_calls)
+    assert step[0] == ["resume", WEIGHTS, False] and step[1:n + 1] == tensor_calls
+    assert step[n + 1:n + 3] == [["flush_cache"], ["resume", GENERATION, True]]
+    world = next(w for w, cases in CASES.items() if case + "+sglang" in cases)
+    gen_dp = world // int(case.split(">")[1].split(",")[0])
+    assert step[n + 3] == ["generate", 4 // gen_dp, True]  # this replica's share of 2 prompts x n=2
+    assert step[-1] == ["release", WEIGHTS + GENERATION, True]
+    first = r["sglang_first_log"]
+    assert first[0] == ["update_weights_from_tensor", False] and ["resume", GENERATION, True] in first
+    assert r["sglang_reloaded"]
+    assert r["sglang_responses"] == [[0, 0, 1], [0, 1, 1], [1, 0, 1], [1, 1, 1]]
+
+
+@pytest.mark.parametrize("case", SGLANG)
+def test_sglang_payloads_are_the_hf_export(results, case):
+    r = results[case]
+    assert r["sglang_names_equal"] and r["sglang_payloads_exact"]
+
+
+@pytest.mark.parametrize("case", SGLANG)
+def test_sglang_split_broadcast_is_the_hf_export(results, case):
+    """Every planned tensor arrives at the receiver bit-identical to the HF export; rank 0
+    broadcasts each byte of the model once; buckets of several tensors stay within the budget."""
+    r = results[case]
+    assert r["broadcast_names_equal"] and r["broadcast_exact"]
+    assert r["broadcast_sent"][0] == r["broadcast_model_bytes"]
+    assert r["broadcast_buckets"] > 2 and r["broadcast_max_bucket"] <= 48 << 10

@@ -1,0 +1,166 @@
+"""The SGLang adapter up to SGLang's API, run inside test_rollout.py's torchrun session (cases
+flagged ``+sglang``), with this test's own recording stand-in for the ``sglang`` package.
+
+Colocated: the Rollout role drives ``SGLangRollout`` through two loop steps; the stand-in engine
+records each call and whether the trainer's parameters were off the device at that moment, and
+deserializes every CUDA-IPC payload (here: pickled CPU tensors) per TP rank. Split: the trainer's
+``SGLangBroadcaster`` sends a sync over a gloo weights group to the last rank, which receives it
+as SGLang's workers do (async broadcasts of the planned tensors, posted up front).
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import sys
+import types
+from dataclasses import dataclass
+from typing import List
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from megarl.engines.offload import PhaseOffload
+from megarl.hybrid import ModelSpec
+from megarl.rollout import SamplingParams
+from megarl.rollout.sglang_engine import (HFNames, SGLangBroadcaster, broadcast_from_root, colocated_rollout,
+                                          hf_bucket_plan, weights_process_group)
+from megarl.roles.rollout import Rollout
+
+BUCKET_BYTES = 48 << 10  # small: several buckets
+
+
+class _Serializer:
+    """Stands in for SGLang's MultiprocessingSerializer (CUDA-IPC handles): a copy, pickled."""
+
+    @staticmethod
+    def serialize(tensor):
+        return pickle.dumps(tensor.clone())
+
+    @staticmethod
+    def deserialize(data):
+        return pickle.loads(data)
+
+
+@dataclass
+class _LocalSerializedTensor:
+    values: List[bytes]
+
+
+def install_fake_sglang(log: list, offloaded) -> None:
+    """A recording ``sglang`` package: Engine, model_runner.LocalSerializedTensor, utils.MultiprocessingSerializer."""
+
+    class Engine:
+        def __init__(self, **kwargs):
+            self.kwargs, self.loaded = kwargs, {}
+            log.append(("start", kwargs["load_format"], kwargs["enable_memory_saver"], kwargs["tp_size"]))
+
+        def release_memory_occupation(self, tags=None):
+            log.append(("release", tuple(tags), offloaded()))
+
+        def resume_memory_occupation(self, tags=None):
+            log.append(("resume", tuple(tags), offloaded()))
+
+        def update_weights_from_tensor(self, named_tensors, flush_cache=True):
+            for name, payload in named_tensors:  # one payload per TP rank, rank order
+                self.loaded[name] = [_Serializer.deserialize(v) for v in payload.values]
+            log.append(("update_weights_from_tensor", flush_cache))
+
+        def flush_cache(self):
+            log.append(("flush_cache",))
+
+        def generate(self, input_ids, sampling_params, return_logprob):
+            log.append(("generate", len(input_ids), offloaded()))
+            return [{"output_ids": [7, 8], "meta_info": {"output_token_logprobs": [(-0.5, 7, None), (-0.25, 8, None)],
+                                                         "finish_reason": {"type": "length"}}} for _ in input_ids]
+
+    sglang = types.ModuleType("sglang")
+    sglang.Engine = Engine
+    runner = types.ModuleType("sglang.srt.model_executor.model_runner")
+    runner.LocalSerializedTensor = _LocalSerializedTensor
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.MultiprocessingSerializer = _Serializer
+    sys.modules.update({"sglang": sglang, "sglang.srt": types.ModuleType("sglang.srt"),
+                        "sglang.srt.model_executor": types.ModuleType("sglang.srt.model_executor"),
+                        "sglang.srt.model_executor.model_runner": runner, "sglang.srt.utils": utils})
+
+
+def hf_export(args, full) -> dict:
+    """The HF tensors of the single-process model, through the converters' tables."""
+    names = HFNames(args)
+    return {n: t for spec in ModelSpec.from_args(args).tensors for n, t in names(spec.key, full[spec.key])}
+
+
+def colocated(record, model_cfg, rollout_cfg, args, rg, state, full) -> None:
+    log: list = []
+    params = [p for chunk in state.model for p in chunk.parameters()]
+    install_fake_sglang(log, offloaded=lambda: all(p.untyped_storage().nbytes() == 0 for p in params))
+    with mock.patch("torch.cuda.is_available", return_value=True), mock.patch("torch.cuda.current_device",
+                                                                               return_value=0):
+        engine = colocated_rollout(model_cfg, rollout_cfg, args, rg, state.model)
+    role = Rollout(engine, PhaseOffload([state], params=True, grads=False, optimizer=False))
+    sampling = SamplingParams(n=2, max_new_tokens=2, seed=3)
+    start = len(log)
+    role.update_weights(0)  # the loop's first sync
+    role.generate([[5, 6], [7]], sampling)
+    role.release_memory()
+    first_step = log[start:]
+    start = len(log)
+    role.resume_memory()
+    role.update_weights(1)
+    responses = role.generate([[5, 6], [7]], sampling)
+    role.release_memory()
+    record["sglang_start"] = log[0] if engine.engine is not None else None
+    record["sglang_first_log"] = [list(e) for e in first_step]
+    record["sglang_step_log"] = [list(e) for e in log[start:]]
+    record["sglang_responses"] = [[r.prompt_index, r.sample_index, r.policy_version] for r in responses]
+    expected = hf_export(args, full)
+    if engine.engine is not None:
+        loaded = engine.engine.loaded
+        record["sglang_names_equal"] = sorted(loaded) == sorted(expected)
+        record["sglang_payloads_exact"] = all(
+            len(values) == rg.gen.tp and all(torch.equal(v, expected[n]) for v in values) for n, values in loaded.items())
+    record["sglang_reloaded"] = all(p.untyped_storage().nbytes() > 0 for p in params)
+
+
+def split(record, args, layout, state, full) -> None:
+    """The trainer's rank 0 sends to the last rank over a gloo weights group (world 2)."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    plan = hf_bucket_plan(args, torch.float32, BUCKET_BYTES)
+    port = [None]
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    dist.broadcast_object_list(port, src=0)
+    group = None
+    if rank in (0, last):
+        group = weights_process_group("127.0.0.1", port[0], 0 if rank == 0 else 1, 2, "megarl-test", backend="gloo")
+    received, works = {}, []
+    if rank == last:  # SGLang's worker: every planned tensor's receive posted before the sender runs
+        for bucket in plan:
+            for t in bucket.tensors:
+                received[t.name] = torch.empty(t.shape, dtype=t.dtype)
+                works.append(broadcast_from_root(group, received[t.name]))
+    broadcaster = SGLangBroadcaster(args, layout, state.model, plan)
+    stats = broadcaster.send(group if rank == 0 else None)
+    for work in works:
+        work.wait()
+    sent = [None] * dist.get_world_size()
+    dist.all_gather_object(sent, stats.bytes_sent)
+    record["broadcast_sent"] = sent
+    record["broadcast_buckets"] = len(plan)
+    record["broadcast_max_bucket"] = max(b.nbytes for b in plan if len(b.keys) > 1)
+    if rank == last:
+        expected = hf_export(args, full)
+        record["broadcast_names_equal"] = sorted(received) == sorted(expected)
+        record["broadcast_exact"] = all(torch.equal(received[n], expected[n]) for n in expected)
+    ok = [record.get("broadcast_exact")]
+    dist.broadcast_object_list(ok, src=last)
+    record["broadcast_exact"] = ok[0]
+    names_ok = [record.get("broadcast_names_equal")]
+    dist.broadcast_object_list(names_ok, src=last)
+    record["broadcast_names_equal"] = names_ok[0]
+    model_bytes = sum(t.numel() * 4 for t in hf_export(args, full).values())
+    record["broadcast_model_bytes"] = model_bytes
