@@ -107,33 +107,53 @@ class RLWorker:
         info = {"rank": torch.distributed.get_rank(), "dp": layout.dp, "dp_rank": g.dp_rank,
                 "collect": g.tp_rank == 0 and g.is_last_stage}
         if cfg.trainer.placement == "split":  # the rollout has its own ranks: this rank sends it weights
-            from megarl.controller.split import transfer_plan
-            from megarl.hybrid.transfer import ShardSender
+            if r.engine == "sglang":  # whole HF tensors, broadcast from rank 0 to the SGLang engines
+                from megarl.rollout.sglang_engine import SGLangBroadcaster, hf_bucket_plan
 
-            self.sender = ShardSender(transfer_plan(cfg, args), torch.distributed.get_rank(), state.model)
+                dtype = next(state.model[0].parameters()).dtype
+                vocab = cfg.model.make_vocab_size_divisible_by
+                plan = hf_bucket_plan(args, dtype, r.bucket_mb << 20, vocab)
+                self.sender = SGLangBroadcaster(args, layout, state.model, plan, vocab)
+            else:
+                from megarl.controller.split import transfer_plan
+                from megarl.hybrid.transfer import ShardSender
+
+                self.sender = ShardSender(transfer_plan(cfg, args), torch.distributed.get_rank(), state.model)
             return info | {"verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
         regrouping = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
-        if r.engine != "native":
-            raise ValueError(f"parallel.rollout.engine='{r.engine}': colocated RL on this machine runs the "
-                             f"native engine; sglang needs GPUs (benchmarks/gpu/check_rollout.sh)")
-        from megarl.rollout.native import NativeRollout
+        if r.engine == "sglang":
+            from megarl.rollout.sglang_engine import colocated_rollout
 
-        self.roles["rollout"] = Rollout(NativeRollout(
-            cfg.model, args, regrouping, state.model, bucket_bytes=r.bucket_mb << 20,
-            dtype=None if r.dtype == "auto" else r.dtype, record_routing=bool(args.num_experts)), self.phases)
+            engine = colocated_rollout(cfg.model, r, args, regrouping, state.model, tokenizer=cfg.data.tokenizer)
+        else:
+            from megarl.rollout.native import NativeRollout
+
+            engine = NativeRollout(cfg.model, args, regrouping, state.model, bucket_bytes=r.bucket_mb << 20,
+                                   dtype=None if r.dtype == "auto" else r.dtype, record_routing=bool(args.num_experts))
+        self.roles["rollout"] = Rollout(engine, self.phases)
         return info | {"micro_dp_group": list(regrouping.micro_dp_group(torch.distributed.get_rank())),
                        "gen_layout": str(regrouping.gen),
                        "verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
 
     # ------------------------------------------------------------------ split placement
     def connect_weights(self, address: str, port: int) -> None:
-        """Join the process group spanning these ranks and the rollout's (collective over both)."""
+        """Join the process group spanning these ranks and the rollout's (collective over both);
+        to SGLang's engines, rank 0 alone sends."""
+        if self.cfg.parallel.rollout.engine == "sglang":
+            from megarl.rollout.sglang_engine import WEIGHTS_GROUP, weights_process_group
+
+            if torch.distributed.get_rank() == 0:
+                self.weights_group = weights_process_group(address, port, 0, 1 + self.cfg.parallel.rollout.nproc,
+                                                           WEIGHTS_GROUP)
+            return
         from megarl.hybrid.transfer import connect
 
         self.sender.connect(connect(address, port, torch.distributed.get_rank(), self.sender.plan.world_size))
 
     def publish_weights(self) -> int:
         """Send the actor's current weights to the rollout's ranks; the bytes this rank sent."""
+        if self.cfg.parallel.rollout.engine == "sglang":
+            return self.sender.send(getattr(self, "weights_group", None)).bytes_sent
         return self.sender.sync().bytes_sent
 
     # ------------------------------------------------------------------ checkpoints

@@ -7,7 +7,7 @@ spans both (:mod:`megarl.hybrid.transfer`). Generation here runs while the train
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -39,11 +39,11 @@ class RolloutWorker:
         init_distributed()
         args = megatron_args_from_hf(cfg.model.hf_config)
         plan = transfer_plan(cfg, args)
-        if r.engine != "native":
-            raise ValueError(f"parallel.rollout.engine='{r.engine}': split placement on this machine runs the "
-                             f"native engine; sglang needs GPUs (benchmarks/gpu/check_rollout.sh)")
-        engine = NativeRollout(cfg.model, args, plan, dtype=None if r.dtype == "auto" else r.dtype,
-                               record_routing=bool(args.num_experts))
+        if r.engine == "sglang":
+            engine = self._sglang(args, plan.gen)
+        else:
+            engine = NativeRollout(cfg.model, args, plan, dtype=None if r.dtype == "auto" else r.dtype,
+                                   record_routing=bool(args.num_experts))
         set_seed(cfg.trainer.seed, engine.groups)
         self.engine = engine
         self.roles: Dict[str, Any] = {"rollout": Rollout(engine)}
@@ -51,14 +51,33 @@ class RolloutWorker:
                 "dp_rank": engine.groups.dp_rank, "collect": engine.groups.tp_rank == 0,
                 "gen_layout": str(plan.gen), "verbs": {"rollout": declared_verbs(Rollout)}}
 
+    def _sglang(self, args, layout):
+        """SGLang engines of this world's generation replicas, fed by the trainer's broadcasts."""
+        from megarl.parallel import build_groups
+        from megarl.rollout.sglang_engine import SGLangRollout, hf_bucket_plan, write_hf_dir
+
+        cfg, r = self.cfg, self.cfg.parallel.rollout
+        groups = build_groups(layout)
+        dtype = getattr(torch, cfg.model.params_dtype)  # the trainer's parameters', as the broadcast sends them
+        vocab = cfg.model.make_vocab_size_divisible_by
+        hf_dir = write_hf_dir(args.hf_config, dtype, cfg.data.tokenizer) if groups.tp_rank == 0 else ""
+        return SGLangRollout(groups, args, hf_dir, dtype, bucket_bytes=r.bucket_mb << 20, vocab_multiple=vocab,
+                             weights_plan=hf_bucket_plan(args, dtype, r.bucket_mb << 20, vocab))
+
     def connect_weights(self, address: str, port: int) -> None:
         """Join the process group spanning the trainer's ranks and these (collective over both)."""
+        if self.cfg.parallel.rollout.engine == "sglang":
+            self.engine.connect_weights_group(address, port)
+            return
         plan = self.engine.resharder.plan
         self.engine.connect(connect(address, port, plan.offset + self.rank, plan.world_size))
 
-    def sync_bytes(self) -> Tuple[int, int]:
-        """(bytes this rank received in the last sync, bytes of its generation shard)."""
-        receiver: ShardReceiver = self.engine.resharder
+    def sync_bytes(self) -> Optional[Tuple[int, int]]:
+        """(bytes this rank received in the last sync, bytes of its generation shard); None for
+        SGLang, whose engines take whole tensors and keep their shard."""
+        receiver = self.engine.resharder
+        if not isinstance(receiver, ShardReceiver):
+            return None
         return receiver.last.bytes_received, receiver.shard_bytes()
 
     def peak_rss_gb(self) -> float:

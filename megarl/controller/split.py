@@ -61,6 +61,7 @@ class SplitRollout:
                                                                          policy_version))])
         metrics = dict(received[0])
         pairs = self.rollout.call("sync_bytes")
-        metrics["sync/bytes_over_shard_max"] = max(abs(got - shard) for got, shard in pairs)
+        if all(pair is not None for pair in pairs):  # shards point to point (native engine)
+            metrics["sync/bytes_over_shard_max"] = max(abs(got - shard) for got, shard in pairs)
         metrics["sync/bytes_sent_max"] = max(sent)
         return metrics

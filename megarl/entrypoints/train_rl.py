@@ -102,6 +102,9 @@ def prepare(cfg: MegarlConfig) -> Prepared:
                           f"(data.prompts_per_step x algorithm.samples_per_prompt) and be a multiple of the "
                           f"actor's dp={layout.dp}; null = the whole batch")
     if algo.routing_replay:
+        if r.engine == "sglang":
+            raise ConfigError("algorithm.routing_replay=true needs the rollout's expert choices, which only the native "
+                              "engine records; set parallel.rollout.engine=native or algorithm.routing_replay=false")
         if not args.num_experts:
             raise ConfigError("algorithm.routing_replay=true needs an MoE model; model.hf_config describes a dense "
                               "one (no experts); set algorithm.routing_replay=false")

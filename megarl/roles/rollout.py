@@ -27,7 +27,7 @@ class Rollout:
         trained states leave the device and only then does the engine take its KV cache back, so
         the two are never resident together."""
         self.engine.update_weights(policy_version)
-        s = self.engine.resharder.last
+        s = self.engine.sync_stats()
         metrics = {"sync/seconds": s.seconds, "sync/bytes_received": s.bytes_received}
         if self.phases is not None:
             metrics.update(self.phases.enter_generate())

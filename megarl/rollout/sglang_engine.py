@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.hf_mapping import build_plan
+from megarl.hybrid.executor import SyncStats
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement, TensorSpec
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.parallel import Layout
@@ -239,7 +240,9 @@ def weights_process_group(address: str, port: int, rank: int, world_size: int, g
 
     # The store torch's tcp:// rendezvous makes (SGLang's side), built directly: under torchrun,
     # rendezvous would hand back the launcher's store instead.
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    from megarl.runtime.distributed import bound_store
+
+    store = bound_store(address, port, world_size, rank, timeout)  # the master listens on ``address`` only
     # the store's key prefix must be SGLang's (group_name); the name torch registers it under is
     # this process's own and must be new each time (a process may join several such groups)
     group, _ = distributed_c10d._new_process_group_helper(
@@ -392,6 +395,7 @@ def request_params(rows: Sequence[Tuple[int, int]], sampling: SamplingParams) ->
 
 # SGLang's memory-saver tags (sglang/srt/constants.py): released together, resumed in two steps
 WEIGHTS, GENERATION = ("weights",), ("kv_cache", "cuda_graph")
+WEIGHTS_GROUP = "megarl-weights"  # split placement: the trainer's rank 0 and SGLang's workers
 
 
 def write_hf_dir(hf_config: dict, dtype: torch.dtype, tokenizer: Optional[str] = None) -> str:
@@ -425,7 +429,9 @@ class SGLangRollout(RolloutEngine):
 
     def __init__(self, groups, args: MegatronModelArgs, hf_dir: str, dtype: torch.dtype, resharder=None,
                  mem_fraction: float = 0.5, bucket_bytes: int = 512 << 20, port: int = 30000,
-                 vocab_multiple: int = 128):
+                 vocab_multiple: int = 128, weights_plan: Optional[Sequence[WeightBucket]] = None):
+        """Split placement: ``weights_plan`` (:func:`hf_bucket_plan`, the trainer's broadcaster's) and no
+        ``resharder``; :meth:`update_weights` then receives the trainer's broadcast."""
         sglang = require_sglang()
         if not torch.cuda.is_available():
             raise RuntimeError("rollout.engine=sglang needs CUDA GPUs; this machine has none "
@@ -434,6 +440,9 @@ class SGLangRollout(RolloutEngine):
             raise ValueError(f"the sglang rollout takes rollout.pp=1 and rollout.ep=1 (got {groups.layout}): "
                              f"each engine receives whole tensors and shards them over its own tp")
         self.resharder, self.groups, self.args = resharder, groups, args
+        self.weights_plan = list(weights_plan or [])
+        if resharder is None and not self.weights_plan:
+            raise ValueError("the sglang rollout needs a resharder (colocated) or a weights_plan (split placement)")
         self.model = ModelSpec.from_args(args, vocab_multiple)
         self.names = HFNames(args, vocab_multiple)
         self.dtype, self.bucket_bytes = dtype, bucket_bytes
@@ -515,8 +524,12 @@ class SGLangRollout(RolloutEngine):
         from sglang.srt.model_executor.model_runner import LocalSerializedTensor
         from sglang.srt.utils import MultiprocessingSerializer
 
-        if self.resharder is None:
-            raise RuntimeError("split placement: the weights come through receive_weights()")
+        if self.resharder is None:  # split placement: the trainer's broadcast
+            start = time.perf_counter()
+            self.receive_weights(self.weights_plan, policy_version)
+            self.split_sync = SyncStats(bytes_received=sum(b.nbytes for b in self.weights_plan),
+                                        seconds=time.perf_counter() - start)
+            return
         if "weights" in self.released:
             raise RuntimeError("SGLang's weights are released; call resume_memory() before update_weights()")
         start = time.perf_counter()
@@ -536,7 +549,10 @@ class SGLangRollout(RolloutEngine):
         self.resharder.last.seconds = time.perf_counter() - start
         self.policy_version = policy_version
 
-    def connect_weights_group(self, address: str, port: int, group_name: str = "megarl-weights") -> None:
+    def sync_stats(self) -> SyncStats:
+        return self.resharder.last if self.resharder is not None else self.split_sync
+
+    def connect_weights_group(self, address: str, port: int, group_name: str = WEIGHTS_GROUP) -> None:
         """Split placement: join the weights group whose rank 0 is the trainer's rank 0 (it calls
         :func:`weights_process_group` with the same address, port and name at the same time). The
         TP workers of replica d are ranks 1 + d*tp ... of 1 + dp*tp."""
@@ -546,7 +562,7 @@ class SGLangRollout(RolloutEngine):
                                                   group_name, backend="nccl")
 
     def receive_weights(self, plan: Sequence[WeightBucket], policy_version: int,
-                        group_name: str = "megarl-weights") -> None:
+                        group_name: str = WEIGHTS_GROUP) -> None:
         """Split placement: take one sync's buckets as the trainer's :class:`SGLangBroadcaster`
         sends them (the same :func:`hf_bucket_plan`), then drop the stale prefix cache."""
         if self.engine is not None:

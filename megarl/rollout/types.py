@@ -89,6 +89,10 @@ class RolloutEngine(abc.ABC):
     def update_weights(self, policy_version: int) -> None:
         """Take the actor's current weights through the hybrid engine."""
 
+    def sync_stats(self):
+        """What the last :meth:`update_weights` did on this rank (a ``megarl.hybrid.SyncStats``)."""
+        return self.resharder.last
+
     def release_memory(self) -> None:
         """Give weights and KV cache memory back while training runs."""
 
