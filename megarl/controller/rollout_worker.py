@@ -53,12 +53,13 @@ class RolloutWorker:
 
     def _sglang(self, args, layout):
         """SGLang engines of this world's generation replicas, fed by the trainer's broadcasts."""
+        from megarl.models.builder import resolve_dtype
         from megarl.parallel import build_groups
         from megarl.rollout.sglang_engine import SGLangRollout, hf_bucket_plan, write_hf_dir
 
         cfg, r = self.cfg, self.cfg.parallel.rollout
         groups = build_groups(layout)
-        dtype = getattr(torch, cfg.model.params_dtype)  # the trainer's parameters', as the broadcast sends them
+        dtype = resolve_dtype(cfg.model.params_dtype)  # the trainer's parameters', as the broadcast sends them
         vocab = cfg.model.make_vocab_size_divisible_by
         hf_dir = write_hf_dir(args.hf_config, dtype, cfg.data.tokenizer) if groups.tp_rank == 0 else ""
         return SGLangRollout(groups, args, hf_dir, dtype, bucket_bytes=r.bucket_mb << 20, vocab_multiple=vocab,

@@ -86,6 +86,9 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         raise ConfigError(f"parallel.rollout.engine='{r.engine}' must be one of {ROLLOUT_ENGINES}")
     if r.dtype not in ROLLOUT_DTYPES:
         raise ConfigError(f"parallel.rollout.dtype='{r.dtype}' must be one of {ROLLOUT_DTYPES}")
+    if r.engine == "sglang" and r.dtype != "auto":
+        raise ConfigError(f"parallel.rollout.dtype={r.dtype} applies to the native engine; SGLang generates in the "
+                          f"actor's dtype (model.params_dtype): leave parallel.rollout.dtype=auto")
     if cfg.trainer.checkpoint_format not in OPTIMIZER_FORMATS:
         raise ConfigError(f"trainer.checkpoint_format='{cfg.trainer.checkpoint_format}' must be one of "
                           f"{sorted(OPTIMIZER_FORMATS)}")

@@ -168,6 +168,8 @@ def test_one_step_off_staleness(tmp_path):
     (["algorithm.rollout_correction_threshold=0.5"], ConfigError, "algorithm.rollout_correction_threshold=0.5"),
     (["parallel.rollout.dtype=fp8"], ConfigError, "parallel.rollout.dtype='fp8' must be one of"),
     (["parallel.rollout.engine=vllm"], ConfigError, "parallel.rollout.engine='vllm' must be one of"),
+    (["parallel.rollout.engine=sglang", "parallel.rollout.dtype=bfloat16"], ConfigError,
+     "SGLang generates in the actor's dtype"),
     (["algorithm.reward_fn=nope"], ValueError, "algorithm.reward_fn: unknown reward function 'nope'"),
     (["algorithm.reward_fn=no_such_module:fn"], ValueError, "algorithm.reward_fn='no_such_module:fn': cannot import"),
     # sizes and rates out of the bounds declared in the schema: named by load_config
