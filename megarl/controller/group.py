@@ -71,7 +71,9 @@ class WorkerGroup:
     """``world_size`` Ray actors of ``worker_cls`` forming one process group."""
 
     def __init__(self, worker_cls, world_size: int, config, cpus_per_worker: float = 1, gpus_per_worker: float = 0,
-                 env: Optional[Dict[str, str]] = None, nnodes: int = 1):
+                 env: Optional[Dict[str, str]] = None, nnodes: int = 1, name: str = ""):
+        """``name`` prefixes the ranks named in errors (``rollout rank 1``) when a run has several groups."""
+        self.name = f"{name} " if name else ""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = ray.remote(worker_cls)
@@ -110,7 +112,7 @@ class WorkerGroup:
 
     def _died(self, rank: int, err: Exception) -> None:
         node, pid, node_id = self.where[rank] if rank < len(self.where) else ("?", "?", "?")
-        raise WorkerDied(f"rank {rank} (pid {pid} on node {node}) died (Ray node {node_id[:8]}): "
+        raise WorkerDied(f"{self.name}rank {rank} (pid {pid} on node {node}) died (Ray node {node_id[:8]}): "
                          f"{type(err).__name__}: {str(err).strip().splitlines()[0]}") from None
 
     @property

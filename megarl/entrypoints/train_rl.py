@@ -332,7 +332,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
             from megarl.controller.rollout_worker import RolloutWorker
 
             rollout_group = WorkerGroup(RolloutWorker, rollout_ranks, cfg, cpus_per_worker=1, gpus_per_worker=gpus,
-                                        env=session.worker_env)
+                                        env=session.worker_env, name="rollout")
     except BaseException:
         for g in (group, rollout_group):
             if g is not None:

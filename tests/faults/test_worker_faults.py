@@ -116,7 +116,6 @@ def test_a_killed_worker_rank_stops_the_run_named_within_seconds(tmp_path):
         ranks = worker_pids(proc)
         assert sorted(ranks) == [0, 1] and all(node == "127.0.0.1" for _, node in ranks.values()), ranks
         tag = run_tag(ranks[1][0])
-        pids = {proc.pid} | {pid for pid, _ in run_processes(tag)}  # with Ray's (untagged) agents
         found = listening_sockets(pids)
         names = {name for _, name, *_ in found} | {"driver" for pid, *_ in found if pid == proc.pid}
         assert {"driver", "gcs_server", "raylet", "ray::RuntimeEnvAgent"[:15]} <= names, found
@@ -130,6 +129,32 @@ def test_a_killed_worker_rank_stops_the_run_named_within_seconds(tmp_path):
     print(f"driver exited {took:.1f}s after rank 1 was killed")
     assert proc.returncode == 3, err[-3000:]
     assert f"rank 1 (pid {ranks[1][0]} on node 127.0.0.1) died" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    wait_gone(tag, 5.0)
+
+
+def test_a_killed_rollout_rank_of_an_asynchronous_split_run(tmp_path):
+    """Split placement, one step off: the rollout's own ranks and the driver's drawing thread. A
+    rollout rank killed mid-run stops the run named as such, and nothing of it is left; the
+    weights group's store and every other socket of the run listen on loopback only."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "trainer.placement=split", "parallel.rollout.nproc=2", "trainer.loop=one_step_off")
+    try:
+        wait_for_first_step(proc, run_dir)
+        line = next(line for line in stderr(proc).splitlines() if "rollout workers (rank: pid@node)" in line)
+        rollout = {int(r): int(p) for r, p, _ in re.findall(r"(\d+): pid (\d+)@([^\s,]+)", line)}
+        assert sorted(rollout) == [0, 1], line
+        tag = run_tag(rollout[1])
+        check_listeners(listening_sockets({proc.pid} | {pid for pid, _ in run_processes(tag)}))
+        os.kill(rollout[1], signal.SIGKILL)
+        took = wait_exit(proc, DETECT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = stderr(proc)
+    print(f"driver exited {took:.1f}s after rollout rank 1 was killed")
+    assert proc.returncode == 3, err[-3000:]
+    assert f"rollout rank 1 (pid {rollout[1]} on node 127.0.0.1) died" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     wait_gone(tag, 5.0)
 
