@@ -46,9 +46,10 @@ def wait_for_first_step(proc, run_dir) -> None:
         time.sleep(0.5)
 
 
-def worker_pids(proc) -> dict:
-    """rank -> (pid, node) from the driver's 'workers (rank: pid@node)' line."""
-    line = next(line for line in stderr(proc).splitlines() if "workers (rank: pid@node)" in line)
+def worker_pids(proc, group: str = "workers") -> dict:
+    """rank -> (pid, node) from the driver's '<group> (rank: pid@node)' line (``rollout workers``
+    for the rollout's own group under split placement)."""
+    line = next(line for line in stderr(proc).splitlines() if f"megarl: {group} (rank: pid@node)" in line)
     return {int(r): (int(p), n) for r, p, n in re.findall(r"(\d+): pid (\d+)@([^\s,]+)", line)}
 
 
@@ -141,9 +142,8 @@ def test_a_killed_rollout_rank_of_an_asynchronous_split_run(tmp_path):
     proc = start(run_dir, "trainer.placement=split", "parallel.rollout.nproc=2", "trainer.loop=one_step_off")
     try:
         wait_for_first_step(proc, run_dir)
-        line = next(line for line in stderr(proc).splitlines() if "rollout workers (rank: pid@node)" in line)
-        rollout = {int(r): int(p) for r, p, _ in re.findall(r"(\d+): pid (\d+)@([^\s,]+)", line)}
-        assert sorted(rollout) == [0, 1], line
+        rollout = {rank: pid for rank, (pid, _) in worker_pids(proc, "rollout workers").items()}
+        assert sorted(rollout) == [0, 1], rollout
         tag = run_tag(rollout[1])
         check_listeners(listening_sockets({proc.pid} | {pid for pid, _ in run_processes(tag)}))
         os.kill(rollout[1], signal.SIGKILL)

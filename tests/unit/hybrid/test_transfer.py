@@ -10,7 +10,7 @@ import pytest
 
 from megarl.hybrid.transfer import plan_transfer
 from megarl.parallel import Layout
-from tests.unit.hybrid.test_planner import MODELS
+from tests.unit.hybrid.test_planner import MODELS, max_bucket_load
 
 TRAIN = [Layout(tp=2), Layout(dp=2), Layout(tp=2, pp=2), Layout(pp=2, dp=2), Layout(tp=2, pp=2, vpp=2),
          Layout(tp=4, dp=2), Layout(dp=4, ep=4, etp=1), Layout(tp=2, dp=2, ep=2, etp=1)]
@@ -47,12 +47,7 @@ def test_each_rollout_rank_receives_its_shard_once(name, train, gen):
 def test_buckets_bound_every_rank():
     model, cap = MODELS["tiny-qwen3-moe"], 3000
     plan = plan_transfer(model, Layout(tp=2, dp=2, ep=2, etp=1), Layout(tp=1, dp=2), bucket_elems=cap)
-    for bucket in plan.buckets:
-        load = defaultdict(int)
-        for seg in bucket:
-            load[seg.src] += plan.elems(seg)
-            load[seg.dst] += plan.elems(seg)
-        assert max(load.values()) <= cap
+    assert len(plan.buckets) > 5 and max_bucket_load(plan) <= cap
 
 
 def test_rollout_replicas_read_different_training_replicas():
