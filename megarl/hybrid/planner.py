@@ -42,7 +42,8 @@ class Regrouping:
     ``gen_rank[r]`` is rank r's position in the generation layout's Megatron order
     (tp-cp-ep-dp-pp); generation process groups are the Megatron groups of ``gen`` over those
     positions. Data-parallel positions follow global rank order: (slice within the micro-DP
-    group, training dp index, stage within the micro-DP group), fastest first.
+    group, training replica (cp, dp), stage within the micro-DP group), fastest first. The
+    generation layout has no context parallelism: training cp ranks become generation replicas.
     """
 
     train: Layout
@@ -65,8 +66,8 @@ class Regrouping:
         return sorted({self.micro_dp_group(r) for r in range(self.train.world_size)})
 
     def _micro_key(self, rank: int) -> Tuple[int, int, int]:
-        c, g = self.train.coords(rank), self.gen_coords(rank)
-        return c["dp"], g["tp"], g["pp"]
+        g = self.gen_coords(rank)
+        return replica(self.train, rank), g["tp"], g["pp"]
 
     def gen_groups(self, kind: str) -> List[List[int]]:
         """Generation process groups of ``kind`` (see :meth:`Layout.group_ranks`) as global ranks."""
@@ -79,6 +80,13 @@ def valid_gen_sizes(train: Layout) -> List[Tuple[int, int]]:
             for tg in range(1, train.tp + 1) if train.tp % tg == 0]
 
 
+def replica(layout: Layout, rank: int) -> int:
+    """Which copy of the weights ``rank`` holds: its (cp, dp) index, cp fastest (Megatron's
+    order); context-parallel ranks split sequences, not weights, so they are replicas too."""
+    c = layout.coords(rank)
+    return c["cp"] + layout.cp * c["dp"]
+
+
 @functools.lru_cache(maxsize=64)
 def regroup(train: Layout, gen_tp: int, gen_pp: int = 1, gen_ep: int = 1, num_experts: int = 0) -> Regrouping:
     """The generation layout of ``train`` at (t_g, p_g, e_g) and each rank's place in it.
@@ -87,9 +95,6 @@ def regroup(train: Layout, gen_tp: int, gen_pp: int = 1, gen_ep: int = 1, num_ex
     (etp_g = 1 when e_g > 1), and are split like dense weights (etp_g = t_g) when e_g = 1.
     """
     t, p = train.tp, train.pp
-    if train.cp != 1:
-        raise ReshardError(f"training cp={train.cp}: resharding from context-parallel layouts is "
-                           f"not supported; use cp=1 for the actor")
     if gen_tp < 1 or gen_pp < 1 or t % gen_tp or p % gen_pp:
         pairs = ", ".join(f"(t_g={a}, p_g={b})" for a, b in valid_gen_sizes(train))
         raise ReshardError(f"rollout tp={gen_tp}, pp={gen_pp} cannot be regrouped from actor tp={t}, "
@@ -100,7 +105,8 @@ def regroup(train: Layout, gen_tp: int, gen_pp: int = 1, gen_ep: int = 1, num_ex
         ok = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
         raise ReshardError(f"rollout ep={gen_ep} must divide num_experts={num_experts}; valid: {ok}")
     a, b = t // gen_tp, p // gen_pp
-    gen_dp = train.dp * a * b
+    replicas = train.dp * train.cp  # context-parallel ranks hold the same weights: cp folds into dp
+    gen_dp = replicas * a * b
     gen = Layout(tp=gen_tp, pp=gen_pp, dp=gen_dp, ep=gen_ep, etp=1 if gen_ep > 1 else gen_tp,
                  sequence_parallel=train.sequence_parallel)
     try:
@@ -110,7 +116,7 @@ def regroup(train: Layout, gen_tp: int, gen_pp: int = 1, gen_ep: int = 1, num_ex
     ranks = []
     for r in range(train.world_size):
         c = train.coords(r)
-        dp = (c["tp"] % a) + a * c["dp"] + a * train.dp * (c["pp"] % b)
+        dp = (c["tp"] % a) + a * replica(train, r) + a * replicas * (c["pp"] % b)
         ranks.append(c["tp"] // a + gen_tp * dp + gen_tp * gen_dp * (c["pp"] // b))
     return Regrouping(train, gen, tuple(ranks))
 
@@ -188,12 +194,12 @@ class _Coverer:
         model-parallel group (full_gather)."""
         if self.mode == "micro_dp":
             return set(self.rg.micro_dp_group(rank))
-        dp = self.rg.train.coords(rank)["dp"]
-        return {r for r in range(self.rg.train.world_size) if self.rg.train.coords(r)["dp"] == dp}
+        mine = replica(self.rg.train, rank)
+        return {r for r in range(self.rg.train.world_size) if replica(self.rg.train, r) == mine}
 
     def segments(self, rank: int) -> Iterator[Segment]:
         near = self.near(rank)
-        dp = self.rg.train.coords(rank)["dp"]
+        dp = replica(self.rg.train, rank)
         for target in self.targets(rank):
             spec = self.model.tensors[target.spec]
             for lo, hi, j in training_slices(spec, target, self.rg.train):
@@ -210,7 +216,7 @@ class _Coverer:
             return close[0]
         # Experts spread over data-parallel ranks: prefer the same training dp index, then any,
         # spreading receivers over the replicas.
-        same_dp = [h for h in holders if self.rg.train.coords(h)["dp"] == dp]
+        same_dp = [h for h in holders if replica(self.rg.train, h) == dp]
         pool = same_dp or holders
         return pool[rank % len(pool)]
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view
-from megarl.hybrid.planner import Segment, bucket_segments, training_slices
+from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
 from megarl.parallel.layout import Layout
 
@@ -67,8 +67,6 @@ class TransferPlan:
 @functools.lru_cache(maxsize=8)
 def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: int = 1 << 24) -> TransferPlan:
     """Plan the sync from ``train`` (the actor's layout) to ``gen`` (the rollout's, pp = 1)."""
-    if train.cp != 1:
-        raise ValueError(f"actor cp={train.cp}: weight sync from context-parallel layouts is not supported")
     if gen.pp != 1:
         raise ValueError(f"the rollout layout {gen} has pipeline stages; split placement generates with pp=1")
     if bucket_elems < 1:
@@ -77,14 +75,14 @@ def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: in
     segments: List[Segment] = []
     shards = {v: gen_at.local_tensors(v) for v in range(gen.world_size)}
     for v, targets in shards.items():
-        replica = gen.coords(v)["dp"] % train.dp  # the training replica this rollout replica reads
+        reads = gen.coords(v)["dp"] % (train.dp * train.cp)  # the training replica (cp, dp) this one reads
         for target in targets:
             spec = model.tensors[target.spec]
             for lo, hi, j in training_slices(spec, target, train):
                 holders = train_at.holders(spec, j)
                 if not holders:
                     raise AssertionError(f"no training rank holds {spec.key}")
-                same = [h for h in holders if train.coords(h)["dp"] == replica] or holders
+                same = [h for h in holders if replica(train, h) == reads] or holders
                 segments.append(Segment(target.spec, same[v % len(same)], train.world_size + v, lo, hi))
     return TransferPlan(model, train, gen, {r: train_at.local_tensors(r) for r in range(train.world_size)},
                         shards, bucket_segments(model, segments, bucket_elems))

@@ -37,17 +37,29 @@ def test_design_example_t4_to_t2():
     assert rg.gen.dp == 2
 
 
+def test_context_parallel_ranks_become_generation_replicas():
+    rg = regroup(Layout(tp=2, cp=2), 1, 1)  # ranks: (tp, cp) = (0,0) (1,0) (0,1) (1,1)
+    assert rg.micro_dp_groups() == [(0, 1), (2, 3)]  # each cp rank's two TP slices join
+    assert rg.gen.dp == 4 and rg.gen.cp == 1
+    assert sorted(rg.gen_coords(r)["dp"] for r in range(4)) == [0, 1, 2, 3]
+
+
 def test_pipeline_regrouping_t2p2_to_t2p1():
     rg = regroup(Layout(tp=2, pp=2), 2, 1)
     assert rg.micro_dp_groups() == [(0, 2), (1, 3)]  # same slice, both stages
     assert sorted(rg.gen_groups("tp")) == [[0, 1], [2, 3]]
 
 
-@pytest.mark.parametrize("t,p,d,t_g,p_g", [(4, 1, 1, 2, 1), (2, 2, 1, 2, 1), (4, 2, 1, 2, 1), (2, 2, 2, 1, 1),
-                                           (8, 1, 1, 2, 1), (4, 4, 1, 2, 2), (2, 4, 2, 1, 2), (8, 2, 1, 8, 1)])
-def test_bytes_equal_hybridflow_formula_per_rank(t, p, d, t_g, p_g):
+@pytest.mark.parametrize("t,p,d,t_g,p_g,cp", [(4, 1, 1, 2, 1, 1), (2, 2, 1, 2, 1, 1), (4, 2, 1, 2, 1, 1),
+                                              (2, 2, 2, 1, 1, 1), (8, 1, 1, 2, 1, 1), (4, 4, 1, 2, 2, 1),
+                                              (2, 4, 2, 1, 2, 1), (8, 2, 1, 8, 1, 1),
+                                              (1, 1, 1, 1, 1, 2), (2, 1, 1, 1, 1, 2), (2, 2, 1, 1, 1, 2),
+                                              (4, 1, 2, 2, 1, 2), (2, 2, 2, 2, 1, 4)])
+def test_bytes_equal_hybridflow_formula_per_rank(t, p, d, t_g, p_g, cp):
+    """cp folds into data parallelism: the per-rank figures are those of cp=1."""
     model = split_only(layers=8)
-    rg = regroup(Layout(tp=t, pp=p, dp=d), t_g, p_g)
+    rg = regroup(Layout(tp=t, pp=p, dp=d, cp=cp), t_g, p_g)
+    assert rg.gen.dp == d * cp * (t // t_g) * (p // p_g) and rg.gen.cp == 1
     plan = plan_reshard(model, rg, "micro_dp", 1 << 12)
     full = plan_reshard(model, rg, "full_gather", 1 << 12)
     expected = hybridflow_bytes(t, p, t_g, p_g, model.numel())
@@ -58,16 +70,17 @@ def test_bytes_equal_hybridflow_formula_per_rank(t, p, d, t_g, p_g):
         assert rank_traffic(model, rg, rank)["received"] == plan.received(rank)
 
 
-PAIRS = [((2, 1, 2, 1), (1, 1, 1)), ((2, 2, 1, 1), (1, 2, 1)), ((1, 2, 2, 2), (1, 1, 1)), ((2, 2, 2, 2), (2, 1, 2)),
-         ((1, 4, 1, 1), (1, 2, 1))]
+PAIRS = [((2, 1, 2, 1, 1), (1, 1, 1)), ((2, 2, 1, 1, 1), (1, 2, 1)), ((1, 2, 2, 2, 1), (1, 1, 1)),
+         ((2, 2, 2, 2, 1), (2, 1, 2)), ((1, 4, 1, 1, 1), (1, 2, 1)), ((2, 1, 1, 1, 2), (1, 1, 1)),
+         ((2, 2, 1, 1, 2), (2, 1, 1)), ((1, 1, 2, 2, 2), (1, 1, 2))]
 
 
 @pytest.mark.parametrize("name,train,gen", [(n, t, g) for n in MODELS for t, g in PAIRS
                                             if MODELS[n].num_experts or (t[3] == 1 and g[2] == 1)])
 def test_every_generation_element_arrives_once(name, train, gen):
     model = MODELS[name]
-    t, p, d, e = train
-    rg = regroup(Layout(tp=t, pp=p, dp=d, ep=e, etp=1 if e > 1 else None), *gen, model.num_experts)
+    t, p, d, e, cp = train
+    rg = regroup(Layout(tp=t, pp=p, dp=d, ep=e, etp=1 if e > 1 else None, cp=cp), *gen, model.num_experts)
     plan = plan_reshard(model, rg, "micro_dp", 1 << 10)
     for rank in range(rg.train.world_size):
         covered = defaultdict(list)
@@ -135,8 +148,6 @@ def test_invalid_pairs_list_valid_sizes():
         regroup(Layout(tp=2), 1, 1, 2, 0)
     with pytest.raises(ReshardError, match=r"ep=3 must divide num_experts=4; valid: \[1, 2, 4\]"):
         regroup(Layout(tp=2, dp=2, ep=2, etp=1), 1, 1, 3, 4)
-    with pytest.raises(ReshardError, match="cp=2"):
-        regroup(Layout(tp=1, cp=2), 1, 1)
     with pytest.raises(ValueError, match="mode"):
         plan_reshard(MODELS["tiny-llama"], regroup(Layout(tp=2), 1, 1), "broadcast")
 

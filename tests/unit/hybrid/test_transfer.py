@@ -13,7 +13,7 @@ from megarl.parallel import Layout
 from tests.unit.hybrid.test_planner import MODELS, max_bucket_load
 
 TRAIN = [Layout(tp=2), Layout(dp=2), Layout(tp=2, pp=2), Layout(pp=2, dp=2), Layout(tp=2, pp=2, vpp=2),
-         Layout(tp=4, dp=2), Layout(dp=4, ep=4, etp=1), Layout(tp=2, dp=2, ep=2, etp=1)]
+         Layout(tp=4, dp=2), Layout(dp=4, ep=4, etp=1), Layout(tp=2, dp=2, ep=2, etp=1), Layout(tp=2, cp=2)]
 GEN = [Layout(tp=1, dp=2), Layout(tp=2, dp=1), Layout(tp=2, dp=2), Layout(tp=4, dp=1), Layout(tp=1, dp=3)]
 
 
