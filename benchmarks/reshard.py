@@ -31,8 +31,9 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 512, "intermediate_size": 1408,
        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
        "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 8192, "max_position_embeddings": 512}
 PAIRS = {  # world size -> model@t,p,d,e>t_g,p_g,e_g
-    4: ["dense@4,1,1,1>2,1,1", "dense@2,2,1,1>2,1,1", "dense@2,2,1,1>1,1,1", "moe@2,1,2,2>1,1,1"],
-    8: ["dense@4,2,1,1>2,1,1", "dense@8,1,1,1>2,1,1"],
+    4: ["dense@4,1,1,1>2,1,1", "dense@2,2,1,1>2,1,1", "dense@2,2,1,1>1,1,1", "moe@2,1,2,2>1,1,1",
+        "moe@2,1,2,2>1,1,2", "moe@1,1,4,4>1,1,4", "moe@2,2,1,1>1,1,2"],
+    8: ["dense@4,2,1,1>2,1,1", "dense@8,1,1,1>2,1,1", "moe@2,1,4,4>1,1,4", "moe@2,1,4,4>2,1,2"],
 }
 SYNCS = 3
 
