@@ -117,6 +117,7 @@ def test_a_killed_worker_rank_stops_the_run_named_within_seconds(tmp_path):
         ranks = worker_pids(proc)
         assert sorted(ranks) == [0, 1] and all(node == "127.0.0.1" for _, node in ranks.values()), ranks
         tag = run_tag(ranks[1][0])
+        pids = {proc.pid} | {pid for pid, _ in run_processes(tag)}  # with Ray's (untagged) agents
         found = listening_sockets(pids)
         names = {name for _, name, *_ in found} | {"driver" for pid, *_ in found if pid == proc.pid}
         assert {"driver", "gcs_server", "raylet", "ray::RuntimeEnvAgent"[:15]} <= names, found
