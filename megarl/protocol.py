@@ -66,7 +66,7 @@ class Dispatch(enum.Enum):
     DP = "dp"
     """Each rank gets its data-parallel index's row chunk of the batch (every TP/PP rank of one
     DP index the same chunk); the result is gathered from the collecting rank of each DP index
-    (TP rank 0 of the last pipeline stage): Batches concatenated in DP order, a dict (metrics,
+    (TP rank 0 and CP rank 0 of the last pipeline stage): Batches concatenated in DP order, a dict (metrics,
     already reduced) from DP index 0."""
     ALL = "all"
     """Every rank runs it with the same arguments (a collective); rank 0's result."""

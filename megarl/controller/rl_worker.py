@@ -105,7 +105,9 @@ class RLWorker:
         self.how = MicroBatching(max_tokens=cfg.data.micro_batch_tokens)
         g = self.groups
         info = {"rank": torch.distributed.get_rank(), "dp": layout.dp, "dp_rank": g.dp_rank,
-                "collect": g.tp_rank == 0 and g.is_last_stage}
+                # one rank per DP index answers: TP rank 0 of the last stage, CP rank 0 (CP ranks
+                # gather whole sequences, so each holds the full result)
+                "collect": g.tp_rank == 0 and g.is_last_stage and g.pg.cp.rank() == 0}
         if cfg.trainer.placement == "split":  # the rollout has its own ranks: this rank sends it weights
             if r.engine == "sglang":  # whole HF tensors, broadcast from rank 0 to the SGLang engines
                 from megarl.rollout.sglang_engine import SGLangBroadcaster, hf_bucket_plan

@@ -4,6 +4,10 @@ A batch is a dict of [rows, seq] tensors (MoE ``routing``: [rows, seq, layers, t
 padding (``lengths`` [rows] gives each row's real tokens). Micro-batches keep the indices of their
 rows so results go back in order. Packed micro-batches concatenate the real tokens of their rows
 into one row (THD format, ``cu_seqlens``), so no compute is spent on padding.
+
+With context parallelism each micro-batch's sequences are later split over the CP ranks
+(:mod:`megarl.parallel.context`), so a padded micro-batch's width, and each sequence of a
+packed one, is a multiple of 2·cp (``segment_multiple``).
 """
 
 from __future__ import annotations
@@ -73,36 +77,62 @@ def token_budget_micro_batches(lengths: torch.Tensor, max_tokens: int) -> List[t
 
 
 def padded(batch: Tensors, rows: torch.Tensor, lengths: torch.Tensor, multiple: int) -> MicroBatch:
-    """The rows, cut to their longest real length (rounded up to ``multiple``)."""
+    """The rows, cut to their longest real length rounded up to ``multiple`` (sequence and
+    context parallelism), right-padded past the batch width if that is not a multiple."""
     longest = int(lengths[rows].max())
     longest = -(-longest // multiple) * multiple
-    width = next(iter(batch.values())).shape[1]
-    if longest > width:
-        raise ValueError(f"batch width {width} is not a multiple of {multiple} (tp with sequence "
-                         f"parallelism); pad the batch's sequence dim to a multiple of {multiple}")
-    return MicroBatch(rows, {k: v[rows, :longest] for k, v in batch.items()}, lengths=lengths[rows])
+    micro = MicroBatch(rows, {k: v[rows, :longest] for k, v in batch.items()}, lengths=lengths[rows])
+    return pad_to(micro, longest)
 
 
-def packed(batch: Tensors, rows: torch.Tensor, lengths: torch.Tensor, multiple: int) -> MicroBatch:
+def packed(batch: Tensors, rows: torch.Tensor, lengths: torch.Tensor, multiple: int,
+           segment_multiple: int = 1) -> MicroBatch:
     """The rows' real tokens end to end in one row; a padding segment makes the total divide
-    by ``multiple`` (sequence parallelism). Positions restart at every sequence."""
+    by ``multiple`` (sequence parallelism). Positions restart at every sequence.
+
+    ``segment_multiple`` (2·cp with context parallelism): each sequence is padded to a multiple
+    of it, as Megatron's THD context parallelism needs; ``cu_seqlens_*_padded`` then hold the
+    padded bounds and ``cu_seqlens_*`` the real ones."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     lens = [int(lengths[r]) for r in rows]
-    total = sum(lens)
-    pad = -total % multiple
-    seg_lens = lens + ([pad] if pad else [])
-    cu = torch.tensor([0] + seg_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    padded_lens = [-(-n // segment_multiple) * segment_multiple for n in lens]
+    pad = -sum(padded_lens) % multiple
+    seg_lens = padded_lens + ([pad] if pad else [])
     tensors = {}
     for key, value in batch.items():
-        parts = [value[r, :n] for r, n in zip(rows.tolist(), lens)]
+        parts = []
+        for r, n, p in zip(rows.tolist(), lens, padded_lens):
+            parts.append(value[r, :n])
+            if p > n:
+                parts.append(value.new_full((p - n, *value.shape[2:]), _pad_value(key)))
         if pad:
             parts.append(value.new_full((pad, *value.shape[2:]), _pad_value(key)))
         tensors[key] = torch.cat(parts).unsqueeze(0)
     tensors["position_ids"] = torch.cat([torch.arange(n) for n in seg_lens]).unsqueeze(0)
+    cu = _cumulative(seg_lens)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max(seg_lens), max_seqlen_kv=max(seg_lens))
+    if segment_multiple > 1:
+        real = _cumulative(lens + ([pad] if pad else []))
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                                 cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                                 max_seqlen_q=max(seg_lens), max_seqlen_kv=max(seg_lens))
     return MicroBatch(rows, tensors, params, torch.tensor(lens))
+
+
+def _cumulative(lengths: List[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def segment_lengths(micro: MicroBatch) -> List[int]:
+    """Lengths of the sequences a micro-batch's tensors hold along dim 1, padding included: the
+    width for padded rows, each (padded) segment for a packed row."""
+    params = micro.packed_seq_params
+    if params is None:
+        return [micro.tensors["tokens"].shape[1]]
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    return (cu[1:] - cu[:-1]).tolist()
 
 
 def _pad_value(key: str) -> int:
@@ -127,6 +157,9 @@ def pad_to(micro: MicroBatch, width: int) -> MicroBatch:
         tensors["position_ids"][:, -extra:] = torch.arange(extra)
         params = replace(params, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(params.max_seqlen_q, extra),
                          max_seqlen_kv=max(params.max_seqlen_kv, extra))
+        if params.cu_seqlens_q_padded is not None:
+            padded_cu = torch.cat([params.cu_seqlens_q_padded, params.cu_seqlens_q_padded[-1:] + extra])
+            params = replace(params, cu_seqlens_q_padded=padded_cu, cu_seqlens_kv_padded=padded_cu)
     else:
         last = micro.tensors["position_ids"][:, -1:]
         tensors["position_ids"][:, -extra:] = last + torch.arange(1, extra + 1)
@@ -141,8 +174,7 @@ def unpack(values: torch.Tensor, micro: MicroBatch, seq: int) -> torch.Tensor:
             out[i, :n] = values[i, :n]
         return out
     flat = values.reshape(-1)
-    start = 0
+    starts = torch.tensor([0] + segment_lengths(micro)).cumsum(0).tolist()
     for i, n in enumerate(micro.lengths.tolist()):
-        out[i, :n] = flat[start:start + n]
-        start += n
+        out[i, :n] = flat[starts[i]:starts[i] + n]
     return out

@@ -13,6 +13,15 @@ micro-batches and data-parallel ranks and divides the gradients by the total, so
 the same whatever dp, pp or micro-batching. A mini-batch is one optimizer step, so its loss is
 normalised over the mini-batch.
 
+Context parallelism (cp > 1): every micro-batch is built whole, then each CP rank feeds the
+model its share of each sequence (Megatron's load-balanced chunks, :mod:`megarl.parallel.context`).
+The per-token log-probs and entropies of the CP ranks are all-gathered back to whole sequences
+(differentiably) before the role's loss, so losses that need whole sequences (sequence means,
+GSPO's sequence ratio) are exact. Every CP rank then computes the same loss and count: the
+counts summed over dp×cp are cp times the tokens, and the gradients, summed over the CP ranks
+by the all-gather's backward and over dp×cp by Megatron's DDP, are cp times the gradient too,
+so the normalised update is exact; the reported means are unchanged for the same reason.
+
 An optimizer step whose loss or gradients are not finite on any rank is skipped on every rank
 (weights, optimizer state and LR schedule untouched) and counted (``skipped_steps``);
 ``max_bad_steps`` such steps in a row stop the run with :class:`NonFiniteUpdateError`.
@@ -20,6 +29,7 @@ An optimizer step whose loss or gradients are not finite on any rank is skipped 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Dict, List, Optional, Tuple
@@ -30,6 +40,7 @@ import torch.distributed as dist
 from megarl.engines import batching
 from megarl.engines.batching import MicroBatch, Tensors
 from megarl.engines.vocab_parallel import log_prob_and_entropy
+from megarl.parallel.context import gather_sequence, split_for_rank
 from megarl.training.lm import TrainState
 
 # (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metric sums);
@@ -131,9 +142,14 @@ class MegatronEngine:
 
     def micro_batches(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching) -> List[MicroBatch]:
         layout = self.groups.layout
-        multiple = layout.tp * layout.cp if layout.sequence_parallel and layout.tp > 1 else 1
+        # Widths: each sequence splits into 2·cp chunks, and each CP rank's share into tp
+        # slices with sequence parallelism.
+        cp = layout.cp
+        sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+        multiple = math.lcm(2 * cp, cp * sp) if cp > 1 else sp
         if how.max_tokens:
-            groups = batching.token_budget_micro_batches(lengths, how.max_tokens)
+            # The budget is per rank: a CP rank holds 1/cp of every sequence's tokens.
+            groups = batching.token_budget_micro_batches(lengths, how.max_tokens * cp)
             if layout.vpp and len(groups) % layout.pp:
                 # The interleaved schedule takes micro-batches in groups of pp: rebalance the
                 # rows over the next multiple of pp (each under the budget or smaller than before).
@@ -147,8 +163,11 @@ class MegatronEngine:
             if layout.vpp and len(groups) % layout.pp:
                 raise ValueError(f"{len(groups)} micro-batches per DP rank is not a multiple of pp={layout.pp}, "
                                  f"which virtual pipeline stages need; change the batch or micro_batch_size")
-        build = batching.packed if how.packed else batching.padded
-        micro = [build(batch, rows, lengths, multiple) for rows in groups]
+        if how.packed:
+            segment = 2 * cp if cp > 1 else 1
+            micro = [batching.packed(batch, rows, lengths, multiple, segment) for rows in groups]
+        else:
+            micro = [batching.padded(batch, rows, lengths, multiple) for rows in groups]
         if layout.vpp:
             # Megatron's interleaved schedule sends one activation shape for all micro-batches.
             if how.max_tokens and not how.packed:
@@ -172,8 +191,8 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             if routing:
-                routing_replay.set_targets(self.routers.get(id(model), ()), mb.tensors["routing"], *sp)
-            logits = model(mb.tensors["tokens"], mb.tensors["position_ids"], None,
+                routing_replay.set_targets(self.routers.get(id(model), ()), self._cp_local(mb, "routing"), *sp)
+            logits = model(self._cp_local(mb, "tokens"), self._cp_local(mb, "position_ids"), None,
                            packed_seq_params=mb.packed_seq_params)
             return logits, partial(loss_func, mb)
 
@@ -191,13 +210,27 @@ class MegatronEngine:
             for handles in self.routers.values():
                 routing_replay.clear(handles)
 
+    def _cp_local(self, mb: MicroBatch, key: str) -> torch.Tensor:
+        """``mb.tensors[key]`` ([n, s, ...]), or this CP rank's share of its sequences."""
+        cp = self.groups.layout.cp
+        if cp == 1:
+            return mb.tensors[key]
+        return split_for_rank(mb.tensors[key], batching.segment_lengths(mb), cp, self.groups.pg.cp.rank())
+
     def _head(self, mb: MicroBatch, output: torch.Tensor, temperature: float):
-        """(log-probs, entropy) of the labels from vocabulary-parallel logits, or (values, None)."""
+        """(log-probs, entropy) of the labels from vocabulary-parallel logits, or (values, None),
+        [n, s] whole sequences (gathered over the CP ranks)."""
         if self.vocab_size is None:
-            return output[..., 0].float(), None  # [n, s]
-        group = self.groups.pg.tp if self.groups.layout.tp > 1 else None
-        return log_prob_and_entropy(output, mb.tensors["labels"], vocab_size=self.vocab_size,
-                                    group=group, temperature=temperature)
+            first, second = output[..., 0].float(), None
+        else:
+            group = self.groups.pg.tp if self.groups.layout.tp > 1 else None
+            first, second = log_prob_and_entropy(output, self._cp_local(mb, "labels"), vocab_size=self.vocab_size,
+                                                 group=group, temperature=temperature)
+        if self.groups.layout.cp == 1:
+            return first, second
+        segments = batching.segment_lengths(mb)
+        return tuple(None if t is None else gather_sequence(t, self.groups.pg.cp, segments, dim=1)
+                     for t in (first, second))
 
     @torch.no_grad()
     def forward_log_probs(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching,

@@ -8,6 +8,7 @@ Losses are per-token sums divided by the token count of the whole global batch
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Dict, Iterator, List, Optional
@@ -17,6 +18,7 @@ import torch
 from megarl.checkpoint.load import load_pretrained, resolve_model_config
 from megarl.models import build_model, megatron_args_from_hf
 from megarl.models.value_head import attach_value_head
+from megarl.parallel.context import split_for_rank
 from megarl.parallel.layout import ParallelGroups
 
 
@@ -140,8 +142,8 @@ def micro_batches(batch: Dict[str, torch.Tensor], micro_batch_size: int) -> List
 
 
 def pad_sequence_length(batch: Dict[str, torch.Tensor], multiple: int) -> Dict[str, torch.Tensor]:
-    """Right-pad [b, s] tensors so s divides by ``multiple`` (sequence parallelism splits the
-    sequence over tp ranks). Padding carries loss_mask 0 and, being after every real token,
+    """Right-pad [b, s] tensors so s divides by ``multiple`` (sequence and context parallelism
+    split the sequence over tp and cp ranks). Padding carries loss_mask 0 and, being after every real token,
     changes no real token's output under causal attention."""
     seq = batch["tokens"].shape[1]
     extra = -seq % multiple
@@ -170,10 +172,15 @@ def forward_backward(state: TrainState, batch: Dict[str, torch.Tensor], micro_ba
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     layout = state.groups.layout
-    if layout.sequence_parallel and layout.tp > 1:
-        batch = pad_sequence_length(batch, layout.tp * layout.cp)
+    sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    # Context parallelism cuts each sequence into 2·cp chunks, and each rank's share into sp slices.
+    multiple = math.lcm(2 * layout.cp, layout.cp * sp) if layout.cp > 1 else sp
+    batch = pad_sequence_length(batch, multiple)
     micro = micro_batches(batch, micro_batch_size)
-    seq_length = batch["tokens"].shape[1]
+    seq_length = batch["tokens"].shape[1]  # whole sequences: Megatron's schedule divides by cp
+    if layout.cp > 1:  # this CP rank's chunks of every sequence; the loss counts its own tokens
+        cp_rank = state.groups.pg.cp.rank()
+        micro = [{k: split_for_rank(v, [seq_length], layout.cp, cp_rank) for k, v in mb.items()} for mb in micro]
     iterators = [iter(micro) for _ in state.model] if len(state.model) > 1 else iter(micro)
     losses = get_forward_backward_func(layout.pp, layout.vpp)(
         forward_step_func=_forward_step, data_iterator=iterators,

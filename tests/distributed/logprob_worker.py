@@ -1,5 +1,12 @@
-"""Worker for test_vocab_parallel.py: vocab-parallel log-probs/entropy and their gradients at
-tp = world size against full-vocabulary log_softmax on every rank. Prints RESULT on rank 0."""
+"""Worker for test_vocab_parallel.py. Prints RESULT lines on rank 0.
+
+``vocab``: vocab-parallel log-probs/entropy and their gradients at tp = world size against
+full-vocabulary log_softmax on every rank.
+``cp`` (world > 1): SDPACoreAttention at cp = world size (Megatron's load-balanced chunks, K/V
+all-gathered) against the same attention at cp = 1 on the whole sequence, in float64: outputs
+and the gradients of q, k and v, padded (with and without an explicit mask) and packed; and
+megarl's CP split against megatron-core's ``get_batch_on_this_cp_rank``.
+"""
 
 import json
 
@@ -9,9 +16,8 @@ import torch.distributed as dist
 from megarl.engines.vocab_parallel import log_prob_and_entropy
 from megarl.runtime import init_distributed, shutdown
 
-if __name__ == "__main__":
-    init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+
+def vocab_check(rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     vocab, padded = 250, 256  # the last rank's slice ends in 6 padding columns
     full = torch.randn(3, 7, padded, generator=gen, dtype=torch.float64).float() * 3
@@ -35,7 +41,76 @@ if __name__ == "__main__":
     diffs = torch.tensor([(logp - ref_logp).abs().max().item(), (ent - ref_ent).abs().max().item(),
                           (mine.grad - ref_grad).abs().max().item()])
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    return {"check": "vocab", "world": world, "logp": diffs[0].item(), "entropy": diffs[1].item(),
+            "grad": diffs[2].item()}
+
+
+def cp_check(rank: int, cp: int) -> dict:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megarl.models.sdpa_attention import SDPACoreAttention
+    from megarl.parallel.context import split_for_rank
+
+    group = dist.group.WORLD
+
+    def attention(cp_size: int):
+        config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                   kv_channels=16, attention_dropout=0.0, context_parallel_size=cp_size,
+                                   use_cpu_initialization=True)
+        return SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                                 pg_collection=ProcessGroupCollection(cp=group) if cp_size > 1 else None)
+
+    full_attn, cp_attn = attention(1), attention(cp)
+    gen = torch.Generator().manual_seed(1)
+    diffs = {}
+
+    def compare(name, shapes, lengths, dim_seq, **kwargs):
+        """cp=1 on whole tensors vs cp on this rank's share; forward and q/k/v gradients."""
+        tensors = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
+        grad_out = torch.randn(*shapes[0][:-2], shapes[0][-2] * shapes[0][-1], generator=gen, dtype=torch.float64)
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        ref = full_attn(*leaves, kwargs.get("mask"), packed_seq_params=kwargs.get("params"))
+        ref.backward(grad_out)
+        mine = [split_for_rank(t, lengths, cp, rank, dim_seq).requires_grad_() for t in tensors]
+        mask = kwargs.get("mask")
+        local_mask = None if mask is None else split_for_rank(mask, lengths, cp, rank, 2)  # queries only
+        out = cp_attn(*mine, local_mask, packed_seq_params=kwargs.get("params"))
+        out.backward(split_for_rank(grad_out, lengths, cp, rank, dim_seq))
+        worst = (out - split_for_rank(ref, lengths, cp, rank, dim_seq)).abs().max()
+        for got, leaf in zip(mine, leaves):
+            worst = max(worst, (got.grad - split_for_rank(leaf.grad, lengths, cp, rank, dim_seq)).abs().max())
+        diffs[name] = worst.item()
+
+    seq, b = 4 * cp, 3
+    sbhd = [(seq, b, 4, 16), (seq, b, 2, 16), (seq, b, 2, 16)]
+    compare("padded", sbhd, [seq], 0)
+    blocked = torch.rand(b, 1, seq, seq, generator=gen) < 0.3
+    blocked[:, :, torch.arange(seq), torch.arange(seq)] = False  # every query sees itself
+    compare("padded_mask", sbhd, [seq], 0, mask=blocked)
+    lengths = [2 * cp, 6 * cp, 4 * cp]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    total = sum(lengths)
+    compare("packed", [(total, 4, 16), (total, 2, 16), (total, 2, 16)], lengths, 0, params=params)
+
+    x = torch.arange(2 * seq * 3).view(2, seq, 3)
+    megatron = get_batch_on_this_cp_rank({"x": x.clone()}, cp_group=group)["x"]
+    split_ok = float(torch.equal(megatron, split_for_rank(x, [seq], cp, rank)))
+    worst = torch.tensor([max(diffs.values()), -split_ok])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"check": "cp", "world": cp, **diffs, "max_diff": worst[0].item(), "split_matches_megatron": -worst[1].item()}
+
+
+if __name__ == "__main__":
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = [vocab_check(rank, world)] + ([cp_check(rank, world)] if world > 1 else [])
     if rank == 0:
-        print("RESULT " + json.dumps({"world": world, "logp": diffs[0].item(), "entropy": diffs[1].item(),
-                                      "grad": diffs[2].item()}), flush=True)
+        for result in results:
+            print("RESULT " + json.dumps(result), flush=True)
     shutdown()  # gloo's threads torn down before interpreter exit (else an occasional abort at exit)

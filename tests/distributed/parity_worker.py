@@ -2,8 +2,12 @@
 
 ``run``: for each layout given, load the shared initial weights, record the loss and save the
 gradients (DDP-reduced, as a dist checkpoint, so any layout can read them back whole), then
-take 3 steps with the distributed optimizer and save the weights. With ``--reference`` (one
-process, layout (1,1,1,1)) it first writes the initial weights.
+take 3 steps with the distributed optimizer and save the weights. Then, through the RL engine
+(MegatronEngine with the actor's PPO loss at ``seq-mean-token-mean`` and an entropy bonus, which
+need whole sequences), save the log-probs and entropies of a right-padded batch, padded and
+packed, and the weights after one update of each. With ``--reference`` (one process, layout
+(1,1,1,1)) it first writes the initial weights. A layout spec is ``t,p,d,e[,vpp[,cp]]`` with an
+optional ``:selective`` or ``:full`` activation recompute.
 ``compare``: in one process, read every saved checkpoint back as full tensors and report the
 relative differences against the reference layout as JSON.
 """
@@ -18,7 +22,8 @@ from pathlib import Path
 import torch
 
 from megarl.config import ModelConfig, OptimizerConfig
-from megarl.models import build_model
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.models import build_model, megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
 from megarl.training import lm
@@ -52,33 +57,88 @@ def grads_as_weights(chunks):
             param.data = data
 
 
-def layout_name(layout: Layout) -> str:
-    return f"t{layout.tp}p{layout.pp}d{layout.dp}e{layout.ep}" + (f"v{layout.vpp}" if layout.vpp else "")
+def layout_name(layout: Layout, recompute: str = "") -> str:
+    return (f"t{layout.tp}p{layout.pp}d{layout.dp}e{layout.ep}" + (f"v{layout.vpp}" if layout.vpp else "")
+            + (f"c{layout.cp}" if layout.cp > 1 else "") + (f"r{recompute}" if recompute else ""))
+
+
+ENGINE_LENGTHS = torch.tensor([16, 9, 12, 5, 16, 7, 11, 14])  # real tokens per row, right padding after
+ENGINE_MODES = {"padded": MicroBatching(micro_batch_size=2), "packed": MicroBatching(micro_batch_size=2, packed=True)}
+
+
+def engine_batch(vocab: int):
+    """Rows for the RL engine: prompt tokens (the first 4) are not trained on; old log-probs
+    near the policy's (ratios near 1, some clipped) and one advantage per row."""
+    gen = torch.Generator().manual_seed(SEED + 100)
+    tokens = torch.randint(3, vocab, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+    real = torch.arange(SEQ).unsqueeze(0) < ENGINE_LENGTHS.unsqueeze(1)
+    loss_mask = (real & (torch.arange(SEQ) >= 4)).float()
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
+            "position_ids": torch.arange(SEQ).expand(GLOBAL_BATCH, -1).contiguous(),
+            "old_log_probs": -5.5 + 0.3 * torch.randn(GLOBAL_BATCH, SEQ, generator=gen),
+            "advantages": torch.randn(GLOBAL_BATCH, 1, generator=gen).expand(-1, SEQ).contiguous()}
+
+
+def engine_phase(model_cfg, optim_cfg, groups, init, run_dir, model_name) -> dict:
+    """Log-probs/entropies (whole batch, saved by rank 0) and one actor update per mode."""
+    from megarl.roles.actor import Actor, ActorLossConfig
+
+    vocab = megatron_args_from_hf(MODELS[model_name]).vocab_size
+    dp, per = groups.layout.dp, GLOBAL_BATCH // groups.layout.dp
+    rows = slice(groups.dp_rank * per, (groups.dp_rank + 1) * per)
+    batch = {k: v[rows] for k, v in engine_batch(vocab).items()}
+    results = {}
+    for mode, how in ENGINE_MODES.items():
+        state = lm.build_train_state(model_cfg, optim_cfg, groups, 1, use_distributed_optimizer=False,
+                                     init_checkpoint=str(init))
+        engine = MegatronEngine(state, vocab)
+        out = engine.forward_log_probs(batch, ENGINE_LENGTHS[rows], how)
+        gathered = {}
+        for key, value in out.items():
+            parts = [torch.empty_like(value) for _ in range(dp)]
+            torch.distributed.all_gather(parts, value, group=groups.pg.dp)
+            gathered[key] = torch.cat(parts)
+        actor = Actor(engine, ActorLossConfig(agg_mode="seq-mean-token-mean", entropy_coef=0.01))
+        metrics = actor.update(batch, ENGINE_LENGTHS[rows], how)
+        save_model(state.model, run_dir / f"engine_weights_{mode}")
+        if torch.distributed.get_rank() == 0:
+            torch.save(gathered, run_dir / f"engine_outputs_{mode}.pt")
+        results[mode] = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+    return results
 
 
 def run(args) -> None:
     init_distributed()
     out = Path(args.workdir)
     for model_name in args.models:
-        model_cfg = ModelConfig(hf_config=MODELS[model_name], moe_token_dispatcher=args.dispatcher)
         optim_cfg = OptimizerConfig(lr=1e-4, clip_grad=1.0, weight_decay=0.01)
         init = out / model_name / "init"
         for spec in args.layouts:
-            tp, pp, dp, ep, vpp = (int(x) for x in (spec + ",0").split(",")[:5])
+            sizes, recompute = spec.split(":") if ":" in spec else (spec, "")
+            given = [int(x) for x in sizes.split(",")]
+            tp, pp, dp, ep, vpp, cp = given + [0, 1][len(given) - 4:]  # vpp 0 = none, cp 1
             if model_name == "dense" and ep > 1:
                 continue
-            layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp or None)
+            model_cfg = ModelConfig(hf_config=MODELS[model_name], moe_token_dispatcher=args.dispatcher,
+                                    recompute_granularity=recompute or None)
+            layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp or None, cp=cp)
             groups = build_groups(layout)
             set_seed(SEED, groups)
-            if args.reference:
+            if args.reference and not init.exists():
                 save_model(build_model(model_cfg, groups), init)
             vocab = 256
-            run_dir = out / model_name / layout_name(layout)
+            run_dir = out / model_name / layout_name(layout, recompute)
             state = lm.build_train_state(model_cfg, optim_cfg, groups, STEPS,
                                          use_distributed_optimizer=False, init_checkpoint=str(init))
             for chunk in state.model:
                 chunk.zero_grad_buffer()
+            # Core-attention calls of the forward-backward: recompute runs them again in the backward.
+            calls = [0]
+            hooks = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+                     for chunk in state.model for m in chunk.modules() if type(m).__name__ == "SDPACoreAttention"]
             loss = lm.forward_backward(state, lm.dp_shard(make_batch(0, vocab), groups), MICRO)
+            for hook in hooks:
+                hook.remove()
             with grads_as_weights(state.model):
                 save_model(state.model, run_dir / "grads")
             state = lm.build_train_state(model_cfg, optim_cfg, groups, STEPS,
@@ -86,10 +146,11 @@ def run(args) -> None:
             steps = [lm.train_step(state, lm.dp_shard(make_batch(s, vocab), groups), MICRO)
                      for s in range(STEPS)]
             save_model(state.model, run_dir / "weights")
+            engine = engine_phase(model_cfg, optim_cfg, groups, init, run_dir, model_name)
             if torch.distributed.get_rank() == 0:
                 (run_dir / "losses.json").write_text(json.dumps({
-                    "loss": loss, "step_losses": [m["loss"] for m in steps],
-                    "grad_norms": [m["grad_norm"] for m in steps]}))
+                    "loss": loss, "attention_calls": calls[0], "step_losses": [m["loss"] for m in steps],
+                    "grad_norms": [m["grad_norm"] for m in steps], "engine": engine}))
             groups.destroy()
 
 
@@ -117,16 +178,28 @@ def compare(args) -> None:
         model_cfg = ModelConfig(hf_config=MODELS[model_name])
         groups = build_groups(Layout())
         ref_dir = out / model_name / "t1p1d1e1"
-        ref = {kind: _full_tensors(model_cfg, groups, ref_dir / kind) for kind in ("grads", "weights")}
+        ref = {kind: _full_tensors(model_cfg, groups, ref_dir / kind)
+               for kind in ["grads", "weights"] + [f"engine_weights_{mode}" for mode in ENGINE_MODES]}
         ref_losses = json.loads((ref_dir / "losses.json").read_text())
         for run_dir in sorted(p for p in (out / model_name).iterdir() if p.name.startswith("t")):
             losses = json.loads((run_dir / "losses.json").read_text())
             entry = {
+                "attention_calls_vs_reference": losses["attention_calls"] / ref_losses["attention_calls"],
                 "loss": abs(losses["loss"] - ref_losses["loss"]) / abs(ref_losses["loss"]),
                 "step_losses": max(abs(a - b) / abs(b) for a, b in zip(losses["step_losses"], ref_losses["step_losses"])),
                 "grad_norms": max(abs(a - b) / abs(b) for a, b in zip(losses["grad_norms"], ref_losses["grad_norms"])),
             }
-            for kind in ("grads", "weights"):
+            real = (torch.arange(SEQ).unsqueeze(0) < ENGINE_LENGTHS.unsqueeze(1)).double()
+            for mode in ENGINE_MODES:
+                ref_out = torch.load(ref_dir / f"engine_outputs_{mode}.pt")
+                got_out = torch.load(run_dir / f"engine_outputs_{mode}.pt")
+                for key in ("log_probs", "entropy"):  # max abs diff on real tokens, plus anything past them
+                    entry[f"engine_{key}_{mode}"] = ((got_out[key].double() - ref_out[key].double()).abs() * real).max().item() \
+                        + (got_out[key] * (1 - real)).abs().max().item()
+                for key in ("loss", "grad_norm"):
+                    want = ref_losses["engine"][mode][key]
+                    entry[f"engine_{key}_{mode}"] = abs(losses["engine"][mode][key] - want) / abs(want)
+            for kind in ["grads", "weights"] + [f"engine_weights_{mode}" for mode in ENGINE_MODES]:
                 got = _full_tensors(model_cfg, groups, run_dir / kind)
                 assert got.keys() == ref[kind].keys(), f"{run_dir}/{kind}: tensor names differ"
                 worst = max(ref[kind], key=lambda k: _rel(got[k], ref[kind][k]))

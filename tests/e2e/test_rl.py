@@ -263,3 +263,13 @@ def torch_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_context_parallel_actor(tmp_path):
+    """GRPO with the actor at cp=2 (each sequence split over two ranks, SDPA CP attention on CPU):
+    the rollout (cp folded into its data parallelism) and the trainer agree on every log-prob,
+    so the first PPO ratio is 1."""
+    rows = history(tmp_path, "parallel.actor.tp=1", "parallel.actor.cp=2", "trainer.train_steps=2")
+    assert rows[0]["rollout/logp_max_abs_diff"] <= 1e-5
+    assert rows[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert all(math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0 for r in rows)
