@@ -4,6 +4,12 @@ replacement for Megatron's CUDA-only ``DotProductAttention``.
 Handles causal masks aligned to the end of the key sequence (so a KV cache of earlier tokens
 works), grouped-query attention, explicit boolean masks and packed sequences (``thd`` format
 with ``cu_seqlens``), in the same call signature Megatron's attention modules use.
+
+Context parallelism (cp > 1): each rank holds, of every sequence, chunks ``r`` and
+``2cp-1-r`` of ``2cp`` equal chunks (Megatron's load-balanced order, ``get_batch_on_this_cp_rank``).
+Keys and values are all-gathered over the CP group (autograd-aware: the backward sums each
+rank's key/value gradients back to their owner) and put back in sequence order; each local
+query chunk then attends causally to the keys up to its own end.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from megarl.parallel.context import cp_chunk_starts, gather_sequence
 
 
 def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
@@ -34,8 +42,13 @@ class SDPACoreAttention(MegatronModule):
         # k_channels/v_channels (MLA) need no state: SDPA reads head sizes off the tensors.
         super().__init__(config=config)
         if config.context_parallel_size > 1:
-            raise ValueError("context parallelism needs Transformer Engine attention; set cp=1 "
-                             "or install the 'gpu' extra")
+            if pg_collection is None:
+                from megatron.core.process_groups_config import ProcessGroupCollection
+
+                pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["cp"])
+            self.cp_group = pg_collection.cp
+        else:
+            self.cp_group = None
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
@@ -45,6 +58,13 @@ class SDPACoreAttention(MegatronModule):
     def _attend(self, q, k, v, mask, causal: bool):
         # q: [b, np, sq, hn], k: [b, ng, sk, hn], v: [b, ng, sk, hv]
         groups = q.shape[1] // k.shape[1]
+        if groups > 1 and q.shape[2] == 1 and not causal and (mask is None or mask.shape[1] == 1):
+            # a decode step: a group's query heads act as its queries, so K/V (the whole cache) are
+            # read in place instead of copied per head; the head order is repeat_interleave's
+            b, ng = k.shape[0], k.shape[1]
+            out = F.scaled_dot_product_attention(q.reshape(b, ng, groups, q.shape[3]), k, v, attn_mask=mask,
+                                                 dropout_p=self._dropout(), scale=self.softmax_scale)
+            return out.reshape(b, ng * groups, 1, v.shape[3])
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
@@ -67,7 +87,11 @@ class SDPACoreAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            if self.cp_group is not None:
+                return self._forward_packed_cp(query, key, value, packed_seq_params, causal)
             return self._forward_packed(query, key, value, packed_seq_params, causal)
+        if self.cp_group is not None:
+            return self._forward_cp(query, key, value, attention_mask, causal)
         # query: [sq, b, np, hn]; key/value: [sk, b, ng, hn]
         allowed = None
         if attention_mask is not None:
@@ -94,3 +118,55 @@ class SDPACoreAttention(MegatronModule):
             v = value[k0:k1].transpose(0, 1).unsqueeze(0)
             out[q0:q1] = self._attend(q, k, v, None, causal)[0].transpose(0, 1)
         return out.reshape(out.shape[0], -1)  # [t, np*hv]
+
+    def _forward_cp(self, query, key, value, attention_mask, causal: bool):
+        # query: [s/cp, b, np, hn] this rank's two chunks; key/value: [s/cp, b, ng, hn].
+        # attention_mask (optional): [b, 1, s/cp, s], queries split like the tokens, keys whole.
+        cp = self.cp_group.size()
+        if key.shape[0] != query.shape[0]:
+            raise ValueError("context parallelism with a KV cache is not supported: decode with cp=1")
+        seq = query.shape[0] * cp
+        key, value = (gather_sequence(t, self.cp_group, [seq], dim=0) for t in (key, value))  # [s, b, ng, hn]
+        chunk, starts = cp_chunk_starts(seq, cp, self.cp_group.rank())
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        outs = []
+        for i, start in enumerate(starts):
+            # Keys past this chunk's end are all in its future: attend to the prefix, with the
+            # causal mask aligned to the prefix's end.
+            end = start + chunk if causal else seq
+            allowed = None
+            if attention_mask is not None:
+                allowed = ~attention_mask[:, :, i * chunk:(i + 1) * chunk, :end].bool()
+                if causal:
+                    allowed = allowed & _causal_mask(chunk, end, query.device)
+            outs.append(self._attend(q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :end], v[:, :, :end],
+                                     allowed, causal))
+        out = torch.cat(outs, dim=2)  # [b, np, s/cp, hv]
+        b = query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], b, -1)  # [s/cp, b, np*hv]
+
+    def _forward_packed_cp(self, query, key, value, params, causal: bool):
+        # query: [t/cp, np, hn]: of each sequence (lengths from the padded cu_seqlens, multiples
+        # of 2cp), this rank's two chunks, sequence after sequence.
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        if not torch.equal(cu, cu_k):
+            raise ValueError("packed context parallelism needs the same query and key sequences")
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        bounds = cu.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        key, value = (gather_sequence(t, self.cp_group, lengths, dim=0) for t in (key, value))  # [t, ng, hn]
+        out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+        local = 0
+        for seq_start, length in zip(bounds[:-1], lengths):
+            if length == 0:
+                continue
+            chunk, starts = cp_chunk_starts(length, cp, rank)
+            for start in starts:
+                end = start + chunk if causal else length
+                q = query[local:local + chunk].transpose(0, 1).unsqueeze(0)
+                k = key[seq_start:seq_start + end].transpose(0, 1).unsqueeze(0)
+                v = value[seq_start:seq_start + end].transpose(0, 1).unsqueeze(0)
+                out[local:local + chunk] = self._attend(q, k, v, None, causal)[0].transpose(0, 1)
+                local += chunk
+        return out.reshape(out.shape[0], -1)  # [t/cp, np*hv]

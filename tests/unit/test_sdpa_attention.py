@@ -137,6 +137,21 @@ def test_kv_cache_decode_matches_reference_and_full_pass(np_, ng, sq):
     assert max_diff(out, full[sk - sq:]) <= TOL
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_gqa_decode_step_reads_kv_in_place(padded):
+    """The native engine's decode step (one query, a padding mask, no causal type): the fast path
+    that attends with the group's query heads as queries equals the copied-K/V reference."""
+    sk, b, np_, ng = 7, 3, 8, 2
+    attn = make_attn(np_, ng, mask_type=AttnMaskType.padding)
+    q, k, v = rand_qkv(1, sk, b, np_, ng, seed=4)
+    blocked = torch.zeros(b, 1, 1, sk, dtype=torch.bool)
+    if padded:
+        blocked[0, ..., :2] = True  # row 0 was left-padded by two tokens
+        blocked[2, ..., :4] = True
+    out = attn(q, k, v, blocked)
+    assert max_diff(out, reference(q, k, v, causal=False, blocked=blocked)) <= TOL
+
+
 def test_decode_first_query_cannot_see_later_keys():
     """Query 0 of a 3-token chunk after 5 cached tokens sits at position 5: keys 6, 7 are hidden."""
     sq, sk = 3, 8
@@ -291,13 +306,6 @@ def test_packed_with_padded_cu_seqlens_causal_real_tokens():
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
-
-def test_context_parallel_raises():
-    config = make_config(context_parallel_size=2)
-    with pytest.raises(ValueError, match="context parallel"):
-        SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                          attention_type="self")
-
 
 def test_attention_bias_raises():
     attn = make_attn(4, 2)
