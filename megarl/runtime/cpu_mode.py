@@ -20,6 +20,10 @@ What it does (see ``shared/MEGATRON_ON_CPU.md`` for how each spot was found):
   device-to-host copy on GPUs;
 * :func:`fix_missing_transformer_engine` guards the two spots that assume Transformer Engine
   (also used on GPUs without the ``gpu`` extra).
+
+The function mode intercepts every torch call in Python (measured in issue 17: +9% on the ops
+of a batch-64 decode step, +37% at batch 1). Hot loops known to name no CUDA device (the native
+rollout's decode) run under :func:`suspended`.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # staging for a host-to-GPU copy (Megatron's CP RoPE slice)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -182,6 +188,24 @@ def enable() -> bool:
         _mode = _CudaToCpuMode()
         _mode.__enter__()
         return True
+
+
+@contextlib.contextmanager
+def suspended():
+    """Run the body without the function mode (the other patches stay): for hot loops whose torch
+    calls name no CUDA device. A CUDA device named inside fails loudly (torch is CPU-only), so a
+    wrong use cannot go unnoticed. Does nothing when CPU mode is off, or when another function
+    mode was pushed above this one (popping that would change its behaviour)."""
+    mode = _mode
+    depth = torch._C._len_torch_function_stack()
+    if mode is None or depth == 0 or torch._C._get_function_stack_at(depth - 1) is not mode:
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
 
 
 def is_enabled() -> bool:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
 
 from megarl.config import ModelConfig
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
@@ -128,6 +130,12 @@ def run(work: Path, case: str) -> None:
     rollout = NativeRollout(model_cfg, args, rg, state.model, bucket_bytes=1 << 16, max_batch_rows=3)
     rollout.update_weights(policy_version=1)
     record = {"case": case}
+    # which layers take the decode's own paths (the rotated-key cache, plain matmuls at t_g = 1)
+    modules = list(rollout.model.modules())
+    attention = [m for m in modules if isinstance(m, SelfAttention)]
+    linears = [m for m in modules if type(m) in (ColumnParallelLinear, RowParallelLinear)]
+    record["rotated_kv_layers"] = [sum("_adjust_key_value_for_inference" in m.__dict__ for m in attention), len(attention)]
+    record["plain_linears"] = [sum("forward" in m.__dict__ for m in linears), len(linears)]
 
     greedy_ref = json.loads((work / f"{name}-greedy.json").read_text())
     greedy = rollout.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=MAX_NEW))

@@ -57,6 +57,18 @@ def test_greedy_equals_full_recomputation(results, case):
 
 
 @pytest.mark.parametrize("case", ALL)
+def test_decode_fast_paths_are_taken(results, case):
+    """Every standard attention layer keeps rotated keys in the decode's own cache (MLA keeps
+    Megatron's), and at t_g = 1 every linear layer runs as a plain matmul; the tests above check
+    that both leave the tokens and log-probs as they were."""
+    r = results[case]
+    rotated, attention = r["rotated_kv_layers"]
+    assert rotated == attention and (attention > 0) == (not case.startswith("deepseek"))
+    plain, linears = r["plain_linears"]
+    assert linears > 0 and plain == (linears if case.split(">")[1].startswith("1,") else 0)
+
+
+@pytest.mark.parametrize("case", ALL)
 def test_trainer_log_probs_equal_rollout_log_probs(results, case):
     r = results[case]
     assert r["greedy_logp_diff"] <= TOL

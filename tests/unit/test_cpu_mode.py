@@ -66,6 +66,28 @@ SCRIPT = textwrap.dedent('''
     torch.cuda.set_rng_state(saved)
     assert torch.equal(torch.cuda.get_rng_state(), saved)
 
+    # suspended(): no redirection inside (a CUDA device fails loudly), back on afterwards
+    with cpu_mode.suspended():
+        assert torch.ones(2).type() == "torch.FloatTensor"
+        try:
+            torch.empty(2, device="cuda")
+            raise AssertionError("a CUDA tensor was made while CPU mode was suspended")
+        except (AssertionError, RuntimeError) as err:
+            assert "suspended" not in str(err), err
+    assert torch.empty(2, device="cuda").device.type == "cpu"
+    # with another function mode above CPU mode's, suspended() leaves the stack alone
+    class Counting(torch.overrides.TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        with cpu_mode.suspended():
+            assert torch.empty(2, device="cuda").device.type == "cpu"
+        assert Counting.calls >= 1  # the mode above still sees the calls
+
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import random as mcore_random
     mcore_random.get_cuda_rng_tracker().reset()
