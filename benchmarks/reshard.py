@@ -120,7 +120,8 @@ def report(result: dict) -> None:
 
     name, (t, p, d, e), (t_g, p_g, e_g) = parse_pair(result["pair"])
     formula = hybridflow_bytes(t, p, t_g, p_g, result["model_bytes"])
-    print(f"\n{result['pair']}  (model {mb(result['model_bytes']).strip()} MB; HybridFlow per rank: micro-DP "
+    dense = "" if name == "dense" else " (dense formula; experts under e_g > 1 move less)"
+    print(f"\n{result['pair']}  (model {mb(result['model_bytes']).strip()} MB; HybridFlow per rank{dense}: micro-DP "
           f"{mb(formula['micro_dp_received']).strip()} MB, full all-gather {mb(formula['full_gather_received']).strip()} MB)")
     print(f"{'mode':12s} {'rank':>4s} {'recv MB':>8s} {'sent MB':>8s} {'peak MB':>8s} {'sync s':>8s}")
     rows = sorted(result["rows"], key=lambda r: (r["mode"] != "micro_dp", r["rank"]))
@@ -130,9 +131,10 @@ def report(result: dict) -> None:
     worst = {m: max(r["seconds"] for r in by[m]) for m in by}
     recv = {m: max(r["received"] for r in by[m]) for m in by}
     peak = {m: max(r["peak_extra"] for r in by[m]) for m in by}
+    ratio = lambda a, b: f"x{a / b:.2f}" if b else f"{mb(a).strip()} MB vs none"  # e_g = ep: nothing moves
     print(f"full_gather / micro_dp: time x{worst['full_gather'] / worst['micro_dp']:.2f}, "
-          f"bytes received x{recv['full_gather'] / max(recv['micro_dp'], 1):.2f}, "
-          f"peak extra memory x{peak['full_gather'] / max(peak['micro_dp'], 1):.2f}")
+          f"bytes received {ratio(recv['full_gather'], recv['micro_dp'])}, "
+          f"peak extra memory {ratio(peak['full_gather'], peak['micro_dp'])}")
 
 
 def measured(args) -> None:
