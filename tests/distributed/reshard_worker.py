@@ -93,8 +93,9 @@ def reshard(work: Path, case: str) -> dict:
     gen_spec, mode = rest.split(":") if ":" in rest else (rest, "micro_dp")
     sizes = [int(x) for x in train_spec.split(",")]
     tp, pp, dp, ep = sizes[:4]
-    vpp = sizes[4] if len(sizes) > 4 else None
-    layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None, vpp=vpp)
+    vpp = (sizes[4] or None) if len(sizes) > 4 else None
+    cp = sizes[5] if len(sizes) > 5 else 1  # context-parallel ranks: generation replicas
+    layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None, vpp=vpp, cp=cp)
     gen_tp, gen_pp, gen_ep = (int(x) for x in gen_spec.split(","))
     model_cfg = model_config(work, name)
     args = megatron_args_from_hf(model_cfg.hf_config)

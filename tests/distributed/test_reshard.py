@@ -1,4 +1,5 @@
-"""3D-HybridEngine on CPU (gloo), dense and MoE, 4 and 8 processes: every rank's generation
+"""3D-HybridEngine on CPU (gloo), dense and MoE, 4 and 8 processes, context-parallel training
+layouts included (cp ranks become generation replicas): every rank's generation
 shard is bit-identical to slicing the single-process model; bytes received are exactly what the
 shard lacks and, averaged over ranks, exactly HybridFlow's formula; extra memory stays within one
 bucket; dense weights move only inside micro-DP groups; frozen weights do not move again; a
@@ -16,12 +17,13 @@ from tests.distributed.launch import torchrun
 WORKER = "tests/distributed/reshard_worker.py"
 LOGITS_TOL = 1e-5
 MODELS = ["llama", "llama-tied", "qwen2", "qwen3-moe", "mixtral", "deepseek"]
-CASES = {  # world size -> model@t,p,d,e[,vpp]>t_g,p_g,e_g[:mode]
+CASES = {  # world size -> model@t,p,d,e[,vpp[,cp]]>t_g,p_g,e_g[:mode] (vpp 0 = none)
     4: ["llama@4,1,1,1>2,1,1", "llama@2,2,1,1>2,1,1", "llama@2,2,1,1>1,1,1", "llama@2,1,2,1>1,1,1",
         "llama@1,4,1,1>1,2,1", "llama@2,2,1,1,2>1,1,1", "llama-tied@2,2,1,1>1,1,1", "llama-tied@1,4,1,1>1,2,1",
         "qwen2@2,1,2,1>1,1,1", "qwen3-moe@2,1,2,2>1,1,1", "qwen3-moe@2,1,2,2>1,1,2", "mixtral@1,2,2,2>1,1,1",
         "deepseek@2,2,1,1>1,1,1", "deepseek@2,1,2,2>2,1,1",
-        "llama@4,1,1,1>2,1,1:full_gather", "qwen3-moe@2,1,2,2>1,1,1:full_gather"],
+        "llama@4,1,1,1>2,1,1:full_gather", "qwen3-moe@2,1,2,2>1,1,1:full_gather",
+        "llama@2,1,1,1,0,2>1,1,1", "llama@1,1,2,1,0,2>1,1,1", "qwen3-moe@1,1,2,2,0,2>1,1,2"],
     8: ["llama@4,2,1,1>2,1,1", "qwen3-moe@2,2,2,2>1,1,1", "llama@2,2,2,1>1,2,1", "llama@4,2,1,1>2,1,1:full_gather"],
 }
 
@@ -68,7 +70,7 @@ def test_bytes_and_memory(results, case):
     for rank in record["ranks"]:
         assert rank["received"] == rank["planned_received"]  # counted at the transport
         assert rank["sent"] == rank["planned_sent"]
-        assert rank["peak_extra"] > 0
+        assert rank["peak_extra"] > 0 or rank["needed"] == 0  # t = t_g = 1 under cp/dp: nothing to move
         if case.endswith("full_gather"):
             assert rank["peak_extra"] >= rank["gen_shard"]  # the baseline holds the whole model
             continue
