@@ -91,13 +91,20 @@ def test_every_generation_element_arrives_once(name, train, gen):
                        if any(lt.spec == seg.tensor and any(pc.start <= seg.start and seg.stop <= pc.stop for pc in lt.pieces)
                               for lt in plan.sources[h])}
             assert seg.src in holders, "a sender that does not hold the range"
-        for gen_tensor in plan.gen[rank]:
-            ranges = sorted(covered.pop(gen_tensor.spec))
-            wanted = [(pc.start, pc.stop) for pc in gen_tensor.pieces]
-            assert all(prev[1] <= nxt[0] for prev, nxt in zip(ranges, ranges[1:])), "an element twice"
-            assert all(any(w0 <= lo and hi <= w1 for w0, w1 in wanted) for lo, hi in ranges)
-            assert sum(hi - lo for lo, hi in ranges) == sum(hi - lo for lo, hi in wanted)
-        assert not covered, "ranges received for tensors outside the generation shard"
+        assert_covers_once(covered, plan.gen[rank])
+
+
+def assert_covers_once(covered, shard) -> None:
+    """The ranges received per tensor (``covered``: tensor -> [(start, stop)]) make up exactly
+    the pieces of ``shard``'s tensors: every element once, nothing outside."""
+    covered = dict(covered)
+    for gen_tensor in shard:
+        ranges = sorted(covered.pop(gen_tensor.spec))
+        wanted = [(pc.start, pc.stop) for pc in gen_tensor.pieces]
+        assert all(prev[1] <= nxt[0] for prev, nxt in zip(ranges, ranges[1:])), "an element twice"
+        assert all(any(w0 <= lo and hi <= w1 for w0, w1 in wanted) for lo, hi in ranges)
+        assert sum(hi - lo for lo, hi in ranges) == sum(hi - lo for lo, hi in wanted)
+    assert not covered, "ranges received for tensors outside the generation shard"
 
 
 LAYOUTS = [Layout(tp=2, dp=2), Layout(pp=2, dp=2), Layout(tp=2, pp=2, vpp=2), Layout(dp=4, ep=4, etp=1),

@@ -10,7 +10,7 @@ import pytest
 
 from megarl.hybrid.transfer import plan_transfer
 from megarl.parallel import Layout
-from tests.unit.hybrid.test_planner import MODELS, max_bucket_load
+from tests.unit.hybrid.test_planner import MODELS, assert_covers_once, max_bucket_load
 
 TRAIN = [Layout(tp=2), Layout(dp=2), Layout(tp=2, pp=2), Layout(pp=2, dp=2), Layout(tp=2, pp=2, vpp=2),
          Layout(tp=4, dp=2), Layout(dp=4, ep=4, etp=1), Layout(tp=2, dp=2, ep=2, etp=1), Layout(tp=2, cp=2)]
@@ -33,13 +33,7 @@ def test_each_rollout_rank_receives_its_shard_once(name, train, gen):
             covered[seg.tensor].append((seg.start, seg.stop))
             assert any(lt.spec == seg.tensor and any(p.start <= seg.start and seg.stop <= p.stop for p in lt.pieces)
                        for lt in plan.sources[seg.src]), "a sender that does not hold the range"
-        for target in plan.shards[v]:
-            ranges = sorted(covered.pop(target.spec))
-            wanted = [(p.start, p.stop) for p in target.pieces]
-            assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), "an element twice"
-            assert all(any(w0 <= lo and hi <= w1 for w0, w1 in wanted) for lo, hi in ranges)
-            assert sum(hi - lo for lo, hi in ranges) == sum(hi - lo for lo, hi in wanted)
-        assert not covered, "ranges outside the generation shard"
+        assert_covers_once(covered, plan.shards[v])
         assert plan.received(v) == plan.shard_elems(v)  # the bytes test: exactly the shard
     assert sum(plan.sent(r) for r in range(train.world_size)) == sum(plan.received(v) for v in range(gen.world_size))
 
