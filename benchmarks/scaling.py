@@ -1,10 +1,14 @@
 """How an RL step scales: measured on this CPU machine, predicted for GPU clusters.
 
-    python benchmarks/scaling.py            # CPU step breakdown at world 2 and 4 + the cost model
+    python benchmarks/scaling.py            # the cost model checked on this CPU machine + the GPU table
     python benchmarks/scaling.py model      # the cost model only (tables + runs/scaling/*.png)
 
-Measured: ``megarl train`` (the GRPO demo) for a few steps at world sizes 2 and 4; the mean time
-of each phase from the run's metrics. Predicted: a cost model that takes the weight-sync bytes
+Checked on this machine: the same model with this machine's constants, measured in the same run
+(matmul FLOP/s, gloo latency and bandwidth, the engines' fixed costs on one process, Ray's round
+trip; benchmarks/cpu_cost.py), predicts each phase of the GRPO demo's step, printed beside
+``megarl train``'s measurement (mean of steps 2-6) at world 2 and 4 on one Ray node and at world 4
+on a two-node Ray cluster started on this machine (its "inter-node" traffic is loopback, with
+the same constants). For GPU clusters: a cost model that takes the weight-sync bytes
 from the real 3D-HybridEngine planner (per rank, same-node vs other-node) and the compute from
 FLOPs, for 7B and 70B dense models, Qwen3-30B-A3B and DeepSeek-V3 (671B) on 8 to 1024 GPUs.
 Every assumption is printed with the table.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -136,22 +141,156 @@ def cost_model(out_dir: Path) -> None:
     print(f"plot: {out_dir / 'cost_model.png'}")
 
 
-def cpu_breakdown() -> None:
+PHASES = ("generate", "old_log_prob", "actor_update", "weight_sync")
+TOLERANCE = 0.30  # |predicted / measured - 1| above this is flagged
+
+
+class LocalCluster:
+    """A two-node Ray cluster on this machine, started as launch/slurm/train.sbatch starts one
+    (``ray start --head``, then ``ray start --address``), each node with ``cpus`` CPUs. Its
+    processes carry a tag of their own and are killed by it (and by ancestry: Ray's agents drop
+    the tag) when done; ``ray stop`` would stop every Ray on the machine."""
+
+    TAG = "MEGARL_SCALING_CLUSTER"
+
+    def __init__(self, cpus: int):
+        import socket
+        import uuid
+
+        self.tag, self.known = uuid.uuid4().hex, set()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self.env = dict(os.environ, PYTHONWARNINGS="ignore", RAY_AUTH_MODE="disabled", **{self.TAG: self.tag})
+        # a short temp dir of its own: Ray's socket paths must fit AF_UNIX's 107 bytes
+        self.tmp = tempfile.mkdtemp(prefix="sc", dir="/tmp")
+        ray = Path(sys.executable).with_name("ray")
+        common = ["--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--disable-usage-stats"]
+        try:
+            for extra in (["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={self.tmp}"],
+                          [f"--address={self.address}"]):
+                proc = subprocess.run([str(ray), "start", *extra, *common], env=self.env, cwd=self.tmp,
+                                      capture_output=True, text=True, timeout=300)
+                self._note()
+                if proc.returncode:
+                    raise RuntimeError(f"ray start {' '.join(extra)} failed:\n{proc.stdout[-2000:]}"
+                                       f"{proc.stderr[-2000:]}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _note(self) -> None:
+        """Remember the cluster's processes now: the agents lose the tag (they rewrite their
+        environment with their title) and are known by ancestry only while their raylet lives."""
+        from megarl.runtime.processes import descendants, identity, tagged_pids
+
+        for pid in tagged_pids(self.tag, self.TAG):
+            self.known |= {identity(p) for p in [pid, *descendants(pid)]} - {None}
+
+    def stop(self) -> None:
+        import shutil
+
+        from megarl.runtime.processes import kill_tagged
+
+        self._note()
+        kill_tagged(self.tag, self.TAG, also=self.known)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def measured_run(world: int, tp: int, nnodes: int = 1) -> dict:
+    """``megarl train`` of the GRPO demo for 6 steps: the mean seconds of each phase over steps
+    2-6 (step 1 pays one-time costs), and the mean and longest response lengths (the workload the
+    prediction needs)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", RAY_AUTH_MODE="disabled")
-    print("Measured on this machine (GRPO demo, 16 prompts x 8 samples, mean of steps 2-6):")
-    print(f"{'world':>5s} {'layout':>14s} " + " ".join(f"{p:>13s}" for p in ("generate", "reward", "old_logprob",
-                                                                         "update", "weight_sync", "step")))
-    for world, tp in ((2, 2), (4, 2)):
+    cluster = LocalCluster(world // nnodes) if nnodes > 1 else None
+    try:
         with tempfile.TemporaryDirectory() as run:
             cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/grpo_demo.yaml", "trainer.train_steps=6",
-                   f"trainer.nproc_per_node={world}", f"parallel.actor.tp={tp}", "logging.progress_bar=false",
-                   "logging.mlflow=false", f"trainer.run_dir={run}"]
-            subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+                   f"trainer.nnodes={nnodes}", f"trainer.nproc_per_node={world // nnodes}",
+                   f"parallel.actor.tp={tp}", "logging.progress_bar=false", "logging.mlflow=false",
+                   f"trainer.run_dir={run}"]
+            if cluster:
+                cmd.append(f"trainer.ray_address={cluster.address}")
+                env = cluster.env
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
             rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()][1:]
-        mean = lambda k: sum(r[k] for r in rows) / len(rows)
-        keys = ("time/generate_s", "time/reward_s", "time/old_log_prob_s", "time/actor_update_s", "time/weight_sync_s",
-                "time/step_s")
-        print(f"{world:5d} {f'tp={tp} dp={world // tp}':>14s} " + " ".join(f"{mean(k):13.3f}" for k in keys))
+        # the driver's worker list, "rank: pid N@address (node ID)": how many Ray nodes the ranks ran on
+        nodes = len(set(re.findall(r"\d+: pid \d+@[^\s,]+ \(node (\w+)\)", proc.stderr)))
+    finally:
+        if cluster:
+            cluster.stop()
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)
+    return {**{p: mean(f"time/{p}_s") for p in PHASES + ("reward", "step")},
+            "response_mean": mean("response/length_mean"), "response_max": mean("response/length_max"),
+            "nodes": nodes}
+
+
+def cpu_breakdown() -> None:
+    """This machine's constants, then the GRPO demo measured and predicted per phase at world 2
+    and 4 on one Ray node and at world 4 on a two-node Ray cluster (tp=2 within a node)."""
+    from benchmarks import cpu_cost
+    from megarl.config import load_config
+    from megarl.hybrid import ModelSpec, rank_traffic, regroup
+    from megarl.parallel import Layout
+
+    c = cpu_cost.measure()
+    cfg = load_config([ROOT / "configs/grpo_demo.yaml"])
+    shape = cpu_cost.demo_shape(cfg)
+    pair = lambda fit: f"{fit['latency_s'] * 1e6:.0f} us + bytes / {fit['bytes_per_s'] / 1e9:.2f} GB/s"
+    print(f"Constants measured on this machine ({c['cores']} cores; one thread per process): matmul "
+          f"{c['flops_per_s'] / 1e9:.1f} GFLOP/s per process; native generate {c['gen_call_s'] * 1e3:.1f} ms per "
+          f"call + {c['gen_step_s'] * 1e3:.2f} ms per step + {c['gen_row_step_s'] * 1e6:.0f} us per row and step; "
+          f"log-prob pass {c['fwd_call_s'] * 1e3:.1f} ms "
+          f"per call + {c['fwd_micro_s'] * 1e3:.1f} ms per micro-batch; update {c['upd_call_s'] * 1e3:.1f} ms per "
+          f"call + {c['upd_micro_s'] * 1e3:.1f} ms per micro-batch; in-process weight sync "
+          f"{c['sync_call_s'] * 1e3:.2f} ms (one process, tp=1, FLOPs/rate subtracted); Ray round trip to all "
+          f"workers " + ", ".join(f"{s * 1e3:.1f} ms at world {w}" for w, s in c["ray_call_s"].items()) + ".")
+    for world, fits in c["comm"].items():
+        print(f"  gloo in pairs, {world} processes running: " + "; ".join(
+            f"{name} {pair(fits[name])}" for name in ("p2p", "all_reduce", "all_gather", "reduce_scatter")))
+    print("Model: every phase = Ray round trip + (engine's per-call + per-micro-batch or per-decode-step "
+          "cost + FLOPs / rate) / core share + the layout's gloo messages (tensor-parallel collectives per "
+          "micro-batch, DP gradient all-reduce, the planner's weight-sync bytes); reward (the verifier, "
+          "on the driver) is measured, not modelled.")
+    print(f"\nGRPO demo ({shape['prompts']} prompts x {shape['samples']} samples, {shape['max_new']} new tokens), "
+          f"mean of steps 2-6, seconds: predicted / measured (ratio; * = off by more than "
+          f"{TOLERANCE:.0%})")
+    print(f"{'setting':>33s} " + " ".join(f"{p:>24s}" for p in PHASES + ("step",)) + f" {'reward':>7s}")
+    tp = cfg.parallel.actor.tp
+    model = ModelSpec.from_args(shape["args"], cfg.model.make_vocab_size_divisible_by)
+    off = []
+    for world, nnodes in ((2, 1), (4, 1), (4, 2)):
+        measured = measured_run(world, tp, nnodes)
+        if measured["nodes"] != nnodes:
+            sys.exit(f"world {world}: the ranks ran on {measured['nodes']} Ray node(s), not {nnodes}")
+        layout = Layout(tp=tp, dp=world // tp)
+        # rank 0's bytes: its micro-DP group is its TP group, within a node at any nnodes here
+        traffic = rank_traffic(model, regroup(layout, cfg.parallel.rollout.tp), 0, "micro_dp", world // nnodes)
+        sync_bytes = traffic["received"] * 4  # fp32
+        predicted = cpu_cost.predict(c, shape, world, tp, measured["response_mean"], measured["response_max"],
+                                     sync_bytes)
+        # the step: the phases, the measured reward and release_memory's Ray call (the batch's
+        # assembly and the advantages, on the driver, are not modelled)
+        predicted["step"] = sum(predicted[p] for p in PHASES) + measured["reward"] + c["ray_call_s"][world]
+        setting = f"world {world}" + (f" ({nnodes} Ray nodes)" if nnodes > 1 else "") + f" tp={tp} dp={world // tp}"
+        cells = []
+        for phase in PHASES + ("step",):
+            ratio = predicted[phase] / measured[phase]
+            flag = "*" if abs(ratio - 1) > TOLERANCE else " "
+            if flag == "*":
+                off.append((setting, phase, ratio))
+            cells.append(f"{predicted[phase]:.3f} / {measured[phase]:.3f} ({ratio:4.2f}){flag}")
+        print(f"{setting:>33s} " + " ".join(f"{cell:>24s}" for cell in cells) + f" {measured['reward']:7.3f}")
+        d = predicted["detail"]
+        print(f"{'':>33s} of which: Ray {d['ray_s'] * 1e3:.1f} ms per call, core share {d['share']:.2f}, "
+              f"{d['micro_batches']} micro-batch(es) per rank, {d['gen_steps']} generation steps, gloo in the "
+              f"log-prob pass {d['tp_comm_old_log_prob_s'] * 1e3:.1f} ms and in the update "
+              f"{d['comm_update_s'] * 1e3:.1f} ms; sync {sync_bytes / 1e3:.0f} kB per rank")
+    print("all phases within" if not off else "off by more than", f"{TOLERANCE:.0%}" + (
+        "" if not off else ": " + "; ".join(f"{s} {p} x{r:.2f}" for s, p, r in off)))
 
 
 def main() -> None:

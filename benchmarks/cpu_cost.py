@@ -1,0 +1,406 @@
+"""The cost model of benchmarks/scaling.py instantiated for this CPU machine: its constants
+measured here, and the GRPO demo's step predicted per phase from them.
+
+    python benchmarks/cpu_cost.py          # measure the constants and print them (JSON)
+
+Constants (each from seconds of microbenchmark in a subprocess, one thread per process):
+- ``flops_per_s``: fp32 matmul rate of one process at the demo model's weight shapes;
+- ``comm[world]``: gloo between pairs of processes, with ``world`` processes exchanging at once
+  (pairs, as the demo's tp=2 groups): point-to-point, all-reduce, all-gather, reduce-scatter, each
+  fitted as latency + bytes / bandwidth over 4 B .. 1 MiB;
+- the fixed costs of the real engines on one process (world 1, tp=1): native generate per call,
+  per step and per row and step (each row samples from its own generator); the log-prob pass and
+  the update per call and per micro-batch (from two token budgets); the in-process weight sync;
+  FLOPs / rate subtracted. On a model this small a pass is mostly Python and dispatch, which FLOP
+  counts cannot give;
+- ``ray_call_s[world]``, ``ray_generate_s[world]``: a Ray round trip from a driver to ``world``
+  actors, as a DP verb (a batch share in, a column out) and as generate (prompts in, every
+  rank's copy of the step's responses out);
+- ``cores``: os.sched_getaffinity; processes beyond it share the cores.
+
+:func:`predict` adds what the layout changes: FLOPs split over tp and dp, the tensor-parallel
+collectives of each micro-batch, the DP gradient all-reduce, the responses' all-gather, the
+planner's weight-sync bytes, and the core share (each of ``world`` busy processes gets
+cores/world of a core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DEMO = ROOT / "configs" / "grpo_demo.yaml"
+
+
+def _best(fn, repeats: int) -> float:
+    """Best wall time of ``fn()`` over ``repeats`` runs after one warm-up (the least disturbed run)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - begin)
+    return best
+
+
+def demo_shape(cfg) -> dict:
+    """The demo step's batch shape: prompt tokens (BOS + digits + '='), rows, new tokens, model FLOPs."""
+    from megarl.data.datasets import reverse_digits_records
+    from megarl.data.tokenizer import DigitTokenizer
+    from megarl.hybrid import ModelSpec
+    from megarl.models.flops import forward_flops
+    from megarl.models.hf_config import megatron_args_from_hf
+
+    record = reverse_digits_records(1, cfg.data.num_digits, 0)[0]
+    prompt = len(DigitTokenizer().prompt_ids(record.prompt))
+    args = megatron_args_from_hf(ROOT / cfg.model.hf_config)
+    return {"prompt": prompt, "rows": cfg.data.prompts_per_step * cfg.algorithm.samples_per_prompt,
+            "prompts": cfg.data.prompts_per_step, "samples": cfg.algorithm.samples_per_prompt,
+            "max_new": cfg.algorithm.max_new_tokens, "args": args, "flops": forward_flops(args),
+            "micro_batch_tokens": cfg.data.micro_batch_tokens,
+            "spec": ModelSpec.from_args(args, cfg.model.make_vocab_size_divisible_by)}
+
+
+# ------------------------------------------------------------------------- microbenchmarks
+def _compute_worker(out: Path, repeats: int) -> None:
+    """One process, one thread: the matmul rate and the engines' fixed costs on the demo model."""
+    import torch
+
+    from megarl.algorithms.presets import resolve
+    from megarl.config import load_config
+    from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+    from megarl.hybrid import regroup
+    from megarl.parallel import Layout, build_groups
+    from megarl.rollout import SamplingParams
+    from megarl.roles.actor import Actor, ActorLossConfig
+    from megarl.rollout.native import NativeRollout
+    from megarl.runtime import init_distributed, set_seed
+    from megarl.training import lm
+
+    init_distributed()
+    torch.set_num_threads(1)
+    cfg = load_config([DEMO])
+    algo = resolve(cfg.algorithm)
+    shape = demo_shape(cfg)
+    args, flops = shape["args"], shape["flops"]
+    h = args.config_kwargs["hidden_size"]
+    ffn = args.config_kwargs["ffn_hidden_size"]
+    tokens = shape["rows"] * (shape["prompt"] + shape["max_new"])
+    rates = []
+    # the demo's weight matmuls on a micro-batch of its tokens: QKV, attention out, fc1 (gate+up), fc2
+    for k, n in ((h, 3 * h), (h, h), (h, 2 * ffn), (ffn, h)):
+        a, b = torch.randn(tokens // 2, k), torch.randn(k, n)
+        seconds = _best(lambda: [a @ b for _ in range(20)], repeats) / 20
+        rates.append(2 * a.shape[0] * k * n / seconds)
+    flops_per_s = statistics.median(rates)
+
+    groups = build_groups(Layout(tp=1, dp=1))
+    set_seed(0, groups)
+    state = lm.build_train_state(cfg.model, cfg.optimizer, groups, total_steps=1000)
+    engine = MegatronEngine(state, args.vocab_size)
+    # the demo's actor and its PPO loss, as megarl.controller.rl_worker builds them (GRPO: no KL term)
+    assert algo.kl_coef == 0, "the demo trains without a reference policy"
+    actor = Actor(engine, ActorLossConfig(
+        policy_loss=algo.policy_loss, agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
+        kl_coef=0.0, entropy_coef=algo.entropy_coef, max_len=algo.max_new_tokens, temperature=algo.temperature,
+        rollout_correction=algo.rollout_correction, rollout_correction_threshold=algo.rollout_correction_threshold))
+    rollout = NativeRollout(cfg.model, args, regroup(groups.layout, 1), state.model)
+    rollout.update_weights(0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, args.vocab_size, (shape["prompt"],), generator=gen).tolist()
+               for _ in range(shape["prompts"])]
+
+    def generate(prompt_count: int, new: int) -> float:
+        # no stop tokens: every row decodes ``new`` tokens (the prompt's step + new - 1 decode steps)
+        sampling = SamplingParams(temperature=1.0, n=shape["samples"], max_new_tokens=new, seed=0)
+        return _best(lambda: rollout.generate(prompts[:prompt_count], sampling), repeats)
+
+    # A generate call = per call + per step (a forward) + per row and step (sampling draws from
+    # each row's own generator) + FLOPs: timed at 1 and 9 new tokens, on all rows and on a quarter.
+    prompt, long_new = shape["prompt"], 9
+    slopes, intercepts = {}, {}
+    for count in (shape["prompts"], shape["prompts"] // 4):
+        rows = count * shape["samples"]
+        first = rows * (prompt * (flops.per_token + flops.lm_head) + prompt ** 2 * flops.attention)
+        later = sum(rows * (flops.per_token + flops.lm_head + (prompt + s) * flops.attention)
+                    for s in range(1, long_new))
+        short, long = generate(count, 1), generate(count, long_new)
+        slopes[rows] = (long - short - later / flops_per_s) / (long_new - 1)  # per step at this many rows
+        intercepts[rows] = short - first / flops_per_s - slopes[rows]
+    (many, a), (few, b) = sorted(slopes.items(), reverse=True)
+    gen_row = (a - b) / (many - few)
+    gen_step = b - few * gen_row
+    gen_call = statistics.mean(intercepts.values())
+
+    # training passes over a demo-shaped batch: one token budget and a small one, for the
+    # per-micro-batch cost (slope) and the per-call cost (intercept)
+    rows = shape["rows"]
+    length = prompt + shape["max_new"] - 1
+    width = -(-length // 8) * 8
+    batch = {"tokens": torch.randint(3, args.vocab_size, (rows, width), generator=gen),
+             "position_ids": torch.arange(width).expand(rows, -1).contiguous(),
+             "loss_mask": torch.zeros(rows, width)}
+    batch["labels"] = torch.roll(batch["tokens"], -1, 1)
+    batch["loss_mask"][:, prompt - 1:length] = 1
+    batch["advantages"] = torch.randn(rows, width, generator=gen) * batch["loss_mask"]
+    lengths = torch.full((rows,), length)
+    batch["old_log_probs"] = batch["rollout_log_probs"] = actor.compute_log_prob(
+        batch, lengths, MicroBatching(max_tokens=shape["micro_batch_tokens"]))
+
+    budgets = (shape["micro_batch_tokens"], length * 8)
+    micro = [len(engine.micro_batches(batch, lengths, MicroBatching(max_tokens=b))) for b in budgets]
+    fwd = [_best(lambda: actor.compute_log_prob(batch, lengths, MicroBatching(max_tokens=b)), repeats)
+           for b in budgets]
+    upd = [_best(lambda: actor.update(batch, lengths, MicroBatching(max_tokens=b)), repeats) for b in budgets]
+    fwd_flops = flops.forward([width] * rows)  # padded rows: the engine computes the padding too
+    fwd_micro = (fwd[1] - fwd[0]) / (micro[1] - micro[0])
+    upd_micro = (upd[1] - upd[0]) / (micro[1] - micro[0])
+    sync = _best(lambda: rollout.update_weights(1), repeats)
+    result = {"flops_per_s": flops_per_s,
+              "gen_call_s": gen_call, "gen_step_s": gen_step, "gen_row_step_s": gen_row,
+              "fwd_call_s": fwd[0] - micro[0] * fwd_micro - fwd_flops / flops_per_s, "fwd_micro_s": fwd_micro,
+              "upd_call_s": upd[0] - micro[0] * upd_micro - 3 * fwd_flops / flops_per_s, "upd_micro_s": upd_micro,
+              "sync_call_s": sync, "raw": {"generate_step_s": slopes, "micro_batches": micro,
+                                           "forward_s": fwd, "update_s": upd}}
+    out.write_text(json.dumps(result))
+    groups.destroy()
+
+
+def _fit(sizes, times) -> dict:
+    """latency + bytes / bandwidth: the latency is the median time of the small messages
+    (<= 4 KiB; robust to a stray slow sample on a shared machine), the bandwidth the inverse
+    least-squares slope of time against bytes over the large ones (>= 64 KiB)."""
+    latency = statistics.median(t for s, t in zip(sizes, times) if s <= 4096)
+    large = [(s, t) for s, t in zip(sizes, times) if s >= 65536]
+    mean_s = statistics.mean(s for s, _ in large)
+    mean_t = statistics.mean(t for _, t in large)
+    slope = (sum((s - mean_s) * (t - mean_t) for s, t in large) / sum((s - mean_s) ** 2 for s, _ in large))
+    return {"latency_s": latency, "bytes_per_s": 1 / max(slope, 1e-12), "raw_s": times}
+
+
+def _comm_worker(out: Path, repeats: int) -> None:
+    """Gloo between pairs of processes (ranks 2k, 2k+1 at once, as the demo's tp=2 groups run):
+    one-way point-to-point (half a ping-pong) and the collectives Megatron's tensor parallelism
+    uses, all-reduce, all-gather and reduce-scatter, at 4 B .. 1 MiB (a whole tensor's bytes)."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.runtime import init_distributed
+
+    init_distributed()
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group, peer = pairs[rank // 2], rank ^ 1
+    sizes = [2 ** k for k in range(2, 21, 2)]
+    times = {"p2p": [], "all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    for size in sizes:
+        whole = torch.zeros(max(size // 4, 2))
+        half = torch.zeros(whole.numel() // 2)
+
+        def p2p():
+            if rank % 2 == 0:
+                dist.send(whole, peer)
+                dist.recv(whole, peer)
+            else:
+                dist.recv(whole, peer)
+                dist.send(whole, peer)
+
+        ops = {"p2p": p2p, "all_reduce": lambda: dist.all_reduce(whole, group=group),
+               "all_gather": lambda: dist.all_gather_into_tensor(whole, half, group=group),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(half, whole, group=group)}
+        for name, op in ops.items():
+            dist.barrier()
+            seconds = _best(lambda: [op() for _ in range(20)], repeats) / 20
+            times[name].append(seconds / 2 if name == "p2p" else seconds)
+    if rank == 0:
+        out.write_text(json.dumps({"world": world, **{name: _fit(sizes, t) for name, t in times.items()},
+                                   "bytes": sizes}))
+    dist.barrier()
+
+
+def _ray_worker(out: Path, worlds, repeats: int) -> None:
+    """A local Ray with max(worlds) actors: the driver's round trip of one call to each of
+    ``world`` of them, as the loop's verbs travel: a DP verb (that rank's share of a demo-sized
+    batch in, a [rows, seq] column out) and generate (the prompts in, every rank's copy of all the
+    step's responses out). Medians of many: Ray's latency varies call to call."""
+    import ray
+    import torch
+
+    from megarl.protocol import Batch
+    from megarl.rollout.types import Response
+
+    ray.init(num_cpus=max(worlds), include_dashboard=False, log_to_driver=False)
+    try:
+        @ray.remote(num_cpus=1)
+        class Echo:
+            def call(self, batch: Batch):
+                # as the log-prob verb answers: a [rows, seq] column of the chunk
+                return Batch({"log_probs": torch.zeros_like(batch["loss_mask"])})
+
+            def generate(self, prompts, samples: int, new: int):
+                return [Response(p, s, list(range(new)), [-0.5] * new, "length", 0)
+                        for p in range(len(prompts)) for s in range(samples)]
+
+        actors = [Echo.remote() for _ in range(max(worlds))]
+
+        def median(call) -> float:
+            call()
+            samples = []
+            for _ in range(10 * repeats):
+                begin = time.perf_counter()
+                call()
+                samples.append(time.perf_counter() - begin)
+            return statistics.median(samples)
+
+        result = {"ray_call_s": {}, "ray_generate_s": {}}
+        prompts = [[1, 5, 6, 7, 8, 9]] * 16
+        for world in worlds:
+            rows, width = 128 // (world // 2), 16  # a DP rank's chunk at tp=2: 128 rows over dp = world/2
+            columns = ("tokens", "labels", "position_ids", "loss_mask", "rollout_log_probs", "old_log_probs",
+                       "advantages", "returns")
+            batch = Batch({**{k: torch.zeros(rows, width) for k in columns},
+                           **{k: torch.zeros(rows) for k in ("lengths", "scores", "raw_scores", "index")}})
+            result["ray_call_s"][world] = median(lambda: ray.get([a.call.remote(batch) for a in actors[:world]]))
+            result["ray_generate_s"][world] = median(
+                lambda: ray.get([a.generate.remote(prompts, 8, 5) for a in actors[:world]]))
+        out.write_text(json.dumps(result))
+    finally:
+        ray.shutdown()
+
+
+def measure(worlds=(2, 4), repeats: int = 3) -> dict:
+    """All constants, each group from its own subprocess (torchrun for the distributed ones)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               RAY_AUTH_MODE="disabled")
+    constants = {"cores": len(os.sched_getaffinity(0)), "comm": {}}
+    with tempfile.TemporaryDirectory() as work:
+        jobs = [("compute", 1), *[("comm", w) for w in worlds], ("ray", 0)]
+        for what, nproc in jobs:
+            out = Path(work) / f"{what}{nproc}.json"
+            script = [__file__, what, "--out", str(out), "--repeats", str(repeats),
+                      "--worlds", ",".join(map(str, worlds))]
+            cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+                   if nproc else [sys.executable]) + script
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if proc.returncode or not out.is_file():
+                sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+            result = json.loads(out.read_text())
+            if what == "comm":
+                constants["comm"][nproc] = result
+            elif what == "ray":
+                constants.update({k: {int(w): s for w, s in v.items()} for k, v in result.items()})
+            else:
+                constants.update(result)
+    return constants
+
+
+# ------------------------------------------------------------------------------ prediction
+def _cost(fit: dict, nbytes: float) -> float:
+    return fit["latency_s"] + nbytes / fit["bytes_per_s"]
+
+
+def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, response_max: float,
+            sync_bytes: float) -> dict:
+    """Seconds of each phase of one demo step at ``world`` ranks (actor tp=2, dp = world/2,
+    sequence parallel; rollout t_g = 1), from the constants ``c``. ``response_mean`` /
+    ``response_max``: the run's response lengths (the workload, not a timing); ``sync_bytes``:
+    what the planner makes a rank receive."""
+    import torch
+
+    from megarl.engines import batching
+    from megarl.rollout.types import Response
+
+    assert tp == 2, "the collectives are measured in pairs: tp=2"
+    flops, args = shape["flops"], shape["args"]
+    layers, h = args.config_kwargs["num_layers"], args.config_kwargs["hidden_size"]
+    rate, dp, comm = c["flops_per_s"], world // tp, c["comm"][world]
+    # every rank is busy at once in every phase: each gets cores/world of a core
+    share = min(1.0, c["cores"] / world)
+    ray = c["ray_call_s"][world]
+    rows, prompt = shape["rows"], shape["prompt"]
+
+    # generate: each of the `world` replicas decodes rows/world rows, for as many steps as its
+    # longest row (every step after the prompt's is one decode step)
+    gen_rows = rows / world
+    steps = round(response_max)
+    gen_flops = gen_rows * (prompt * (flops.per_token + flops.lm_head) + prompt ** 2 * flops.attention)
+    gen_flops += sum(gen_rows * (flops.per_token + flops.lm_head + (prompt + s) * flops.attention)
+                     for s in range(1, steps))
+    # then every replica's responses to every rank (all_gather_object: the sizes, then the
+    # pickled lists, over a ring of `world` ranks)
+    share_bytes = len(pickle.dumps([Response(i, 0, list(range(steps)), [-0.5] * steps, "length", 0)
+                                    for i in range(rows // world)]))
+    gathered = (world - 1) * (_cost(comm["all_gather"], 16) + _cost(comm["all_gather"], 2 * share_bytes))
+    row_steps = gen_rows * response_mean  # finished rows leave the batch
+    generate = (c["ray_generate_s"][world] + gathered
+                + (c["gen_call_s"] + steps * c["gen_step_s"] + row_steps * c["gen_row_step_s"] + gen_flops / rate)
+                / share)
+
+    # training passes: this DP rank's rows in token-budget micro-batches, padded to the batch width
+    length = round(prompt + response_mean - 1)
+    width = -(-(prompt + steps - 1) // 8) * 8
+    local_rows = rows // dp
+    micro = len(batching.token_budget_micro_batches(torch.full((local_rows,), length),
+                                                    shape["micro_batch_tokens"]))
+    act = local_rows * width / micro * h * 4  # bytes of one micro-batch's fp32 activations
+    # Tensor-parallel collectives per micro-batch with sequence parallelism. Forward: in each layer
+    # an all-gather before QKV and before fc1, a reduce-scatter after the attention projection and
+    # after fc2; the embedding's reduce-scatter and the all-gather before the output layer; two
+    # all-reduces of the vocabulary-parallel log-prob (max, then the sums). Backward: each
+    # column-parallel layer (QKV, fc1, output) gathers its input again for the weight gradient and
+    # reduce-scatters the input gradient; each reduce-scatter of the forward becomes an all-gather.
+    column, row = 2 * layers + 1, 2 * layers + 1  # row-parallel layers and the embedding
+    fwd_comm = (column * _cost(comm["all_gather"], act) + row * _cost(comm["reduce_scatter"], act)
+                + 2 * _cost(comm["all_reduce"], act / h * 3))
+    bwd_comm = (column + row) * _cost(comm["all_gather"], act) + column * _cost(comm["reduce_scatter"], act)
+    local_flops = flops.forward([width] * local_rows) / tp
+    old_log_prob = ray + (c["fwd_call_s"] + micro * c["fwd_micro_s"] + local_flops / rate) / share + micro * fwd_comm
+    # after the backward: the DP all-reduce of this rank's gradients (one bucket), the TP all-reduce
+    # of the replicated norm weights' gradients, the finite check over the model- and data-parallel
+    # groups, the grad norm and the loss report
+    grads = shape["spec"].numel() / tp * 4
+    small = 4 + (dp > 1)
+    step_comm = (_cost(comm["all_reduce"], grads) if dp > 1 else 0.0) + small * _cost(comm["all_reduce"], 64)
+    update = (ray + (c["upd_call_s"] + micro * c["upd_micro_s"] + 3 * local_flops / rate) / share
+              + micro * (fwd_comm + bwd_comm) + step_comm)
+    # weight sync: two Ray calls (resume_memory, update_weights); the in-process copies as on one
+    # process; one message from the micro-DP peer
+    sync = 2 * ray + c["sync_call_s"] / share + _cost(comm["p2p"], sync_bytes)
+    return {"generate": generate, "old_log_prob": old_log_prob, "actor_update": update, "weight_sync": sync,
+            "detail": {"micro_batches": micro, "share": share, "gen_steps": steps, "ray_s": ray,
+                       "tp_comm_old_log_prob_s": micro * fwd_comm,
+                       "comm_update_s": micro * (fwd_comm + bwd_comm) + step_comm}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", nargs="?", default="all", choices=["all", "compute", "comm", "ray"])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if args.what == "compute":
+        _compute_worker(args.out, args.repeats)
+    elif args.what == "comm":
+        _comm_worker(args.out, args.repeats)
+    elif args.what == "ray":
+        _ray_worker(args.out, worlds, args.repeats)
+    else:
+        print(json.dumps(measure(worlds, args.repeats), indent=1))
+
+
+if __name__ == "__main__":
+    main()
