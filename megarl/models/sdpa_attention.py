@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -139,8 +140,14 @@ class SDPACoreAttention(MegatronModule):
                 allowed = ~attention_mask[:, :, i * chunk:(i + 1) * chunk, :end].bool()
                 if causal:
                     allowed = allowed & _causal_mask(chunk, end, query.device)
-            outs.append(self._attend(q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :end], v[:, :, :end],
-                                     allowed, causal))
+            args = (q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :end], v[:, :, :end], allowed, causal)
+            if torch.is_grad_enabled():
+                # SDPA would save the chunk's causal mask as floats for the backward, O(s²/cp) per
+                # layer (benchmarks/long_context.py); recomputing the attention in the backward
+                # keeps only q, k, v, which are held anyway
+                outs.append(torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False))
+            else:
+                outs.append(self._attend(*args))
         out = torch.cat(outs, dim=2)  # [b, np, s/cp, hv]
         b = query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], b, -1)  # [s/cp, b, np*hv]
