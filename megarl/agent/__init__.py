@@ -1,0 +1,1 @@
+"""Multi-turn, tool-using rollouts (agentic RL): environments, tool calls and the agent loop."""
