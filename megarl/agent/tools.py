@@ -1,0 +1,465 @@
+"""The built-in tools of agentic rollouts: a calculator (``ast``-evaluated arithmetic, no
+``eval``) and a sandboxed Python runner (a limited subprocess in a throw-away directory).
+
+A tool is a :class:`Tool`: a JSON-schema definition (what the chat template shows the model) and
+a callable; it answers with text, or raises :class:`ToolError` whose message goes to the model.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Dict, Optional, Union
+
+
+class ToolError(Exception):
+    """A failed tool call; the message is shown to the model as the tool's answer."""
+
+
+@dataclass
+class Tool:
+    """A tool the model may call: ``fn(**arguments)`` returns the answer text (sync functions run
+    in a worker thread, coroutine functions on the event loop) or raises :class:`ToolError`."""
+
+    name: str
+    description: str
+    parameters: Dict[str, Any]
+    """JSON schema of the arguments (``{"type": "object", "properties": ..., "required": [...]}``)."""
+    fn: Callable[..., Union[str, Awaitable[str]]]
+
+    @property
+    def definition(self) -> Dict[str, Any]:
+        """The OpenAI/HF function definition that chat templates render into the prompt."""
+        return {"type": "function",
+                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+    def check_arguments(self, arguments: Dict[str, Any]) -> None:
+        """Refuse missing, unexpected or wrongly typed arguments with a message for the model (the
+        simple JSON types only: a tool checks richer constraints itself)."""
+        properties = self.parameters.get("properties", {})
+        missing = [k for k in self.parameters.get("required", []) if k not in arguments]
+        if missing:
+            raise ToolError(f"missing argument {missing[0]!r}; {self.name} takes: {', '.join(properties)}")
+        for key, value in arguments.items():
+            if key not in properties:
+                raise ToolError(f"unexpected argument {key!r}; {self.name} takes: {', '.join(properties)}")
+            expected = properties[key].get("type")
+            if expected in _JSON_TYPES and not _JSON_TYPES[expected](value):
+                raise ToolError(f"argument {key!r} must be of type {expected}, got {type(value).__name__}")
+
+
+_JSON_TYPES: Dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+# ----------------------------------------------------------------------------------------------
+# Calculator
+
+MAX_EXPRESSION_CHARS = 256
+MAX_MAGNITUDE = 1e100
+"""No value (operand, intermediate or result) may exceed this: it bounds the size of the ints
+Python computes with, so ``9**9**9`` is refused before it takes minutes."""
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def _bounded(value: Union[int, float]) -> Union[int, float]:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ToolError("result out of range")
+    if abs(value) > MAX_MAGNITUDE:
+        raise ToolError(f"result out of range (limit {MAX_MAGNITUDE:g})")
+    return value
+
+
+def _evaluate(node: ast.AST) -> Union[int, float]:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return _bounded(node.value)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(left) > 1 and right * math.log10(abs(left)) > math.log10(MAX_MAGNITUDE):
+            raise ToolError(f"result out of range (limit {MAX_MAGNITUDE:g})")
+        try:
+            result = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ToolError("division by zero") from None
+        except OverflowError:
+            raise ToolError("result out of range") from None
+        if isinstance(result, complex):  # a negative number to a fractional power
+            raise ToolError("the result is not a real number")
+        return _bounded(result)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitXor):
+        raise ToolError("'^' is not a power here: use **")
+    raise ToolError(f"unsupported syntax at column {getattr(node, 'col_offset', 0) + 1}: numbers, "
+                    f"+ - * / // % ** and parentheses only")
+
+
+def format_number(value: Union[int, float]) -> str:
+    """An integral value as an integer ("1776", not "1776.0"); others to 12 significant digits."""
+    if isinstance(value, int):
+        return str(value)
+    if value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return format(value, ".12g")
+
+
+def calculator(expression: str) -> str:
+    """The value of an arithmetic expression: ints and floats, + - * / // % **, unary minus and
+    parentheses. Errors (syntax, division by zero, out-of-range values) raise :class:`ToolError`."""
+    if not isinstance(expression, str) or not expression.strip():
+        raise ToolError("empty expression")
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ToolError(f"expression too long ({len(expression)} chars; limit {MAX_EXPRESSION_CHARS})")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as err:
+        raise ToolError(f"invalid expression at column {err.offset or 0}: {err.msg}") from None
+    return format_number(_evaluate(tree.body))
+
+
+CALCULATOR = Tool(
+    name="calculator",
+    description="Evaluate an arithmetic expression (+ - * / // % **, parentheses) and return its value.",
+    parameters={"type": "object",
+                "properties": {"expression": {"type": "string", "description": "e.g. (17 + 4) * 3"}},
+                "required": ["expression"]},
+    fn=calculator,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Sandboxed Python
+
+
+@dataclass
+class SandboxLimits:
+    """Limits of one :func:`run_python` call."""
+
+    timeout_s: float = 10.0
+    """Wall-clock limit; past it the whole process group is killed (SIGKILL)."""
+    cpu_s: Optional[int] = None
+    """CPU-time limit (RLIMIT_CPU); None: ``ceil(timeout_s)``."""
+    memory_mb: int = 512
+    """Address-space limit (RLIMIT_AS) in MiB; an allocation past it raises MemoryError."""
+    max_file_mb: int = 16
+    """Largest file the code may write (RLIMIT_FSIZE), stdout and stderr included; a write past
+    it fails with OSError (EFBIG: Python ignores SIGXFSZ)."""
+    max_open_files: int = 64
+    """RLIMIT_NOFILE."""
+    max_output_chars: int = 8192
+    """stdout and stderr are each cut to this many characters in the result."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"sandbox timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        if self.cpu_s is None:
+            self.cpu_s = math.ceil(self.timeout_s)
+        for name, low in (("cpu_s", 1), ("memory_mb", 32), ("max_file_mb", 1), ("max_open_files", 16),
+                          ("max_output_chars", 1)):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+                raise ValueError(f"sandbox {name}={value!r} must be an integer >= {low}")
+
+
+@dataclass
+class ToolResult:
+    """What a :func:`run_python` call did. ``error`` is None for a clean exit, else why it failed."""
+
+    stdout: str
+    stderr: str
+    exit_code: Optional[int]
+    """The process's exit status; negative: killed by that signal; None: never started."""
+    error: Optional[str]
+    seconds: float
+    netns: bool = False
+    """The code ran in its own (empty) network namespace (where user namespaces are allowed)."""
+
+    def format(self) -> str:
+        """The text the model reads: stdout, then stderr and the error, each marked."""
+        parts = [self.stdout] if self.stdout else []
+        if self.stderr:
+            parts.append(f"[stderr]\n{self.stderr}")
+        if self.error:
+            parts.append(f"[error] {self.error}")
+        return "\n".join(p.rstrip("\n") for p in parts) if parts else "(no output)"
+
+
+# Runs in the child before the user's code, with ``-I`` (isolated mode: no PYTHON* variables,
+# no user site, the script's directory not on sys.path). Order matters: the limits first, then
+# the network namespace (needs ctypes), then the audit hook, which from then on refuses ctypes calls.
+_BOOTSTRAP = r'''
+def _make_hook(root):
+    # The hook's state lives in this finished frame's cells, reachable only through the hook, which
+    # Python cannot list; it calls only C functions bound here, so patching a module (posixpath,
+    # os, builtins) from the user's code cannot change what it checks.
+    import posix, stat
+    lstat, readlink, getcwd, fspath, is_link = posix.lstat, posix.readlink, posix.getcwd, posix.fspath, stat.S_ISLNK
+    refuse, is_a, str_, bytes_, int_ = PermissionError, isinstance, str, bytes, int
+    write_flags = posix.O_WRONLY | posix.O_RDWR | posix.O_CREAT | posix.O_TRUNC | posix.O_APPEND
+    refused_prefixes = ("socket.", "ctypes.", "subprocess.", "os.exec", "os.spawn", "os.posix_spawn",
+                        "os.fork", "os.system", "os.kill", "os.startfile", "pty.", "signal.pthread_kill",
+                        "gc.get_", "sys._current_frames")
+
+    def resolve(path, dir_fd):
+        # os.path.realpath, on C functions only: the symbolic links are followed, a missing
+        # component is taken as it is
+        if is_a(path, int_):
+            return readlink(f"/proc/self/fd/{path}")
+        path = fspath(path)
+        if is_a(path, bytes_):
+            path = path.decode("utf-8", "surrogateescape")
+        # the audit events pass -1 (or AT_FDCWD) for "no dir_fd"
+        base = readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None and dir_fd >= 0 else getcwd()
+        pending = (path if path.startswith("/") else base + "/" + path).split("/")[::-1]
+        parts, links = [], 0
+        while pending:
+            part = pending.pop()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if parts:
+                    parts.pop()
+                continue
+            here = "/" + "/".join(parts + [part])
+            try:
+                mode = lstat(here).st_mode
+            except OSError:
+                mode = 0
+            if is_link(mode):
+                links += 1
+                if links > 40:
+                    raise OSError("too many levels of symbolic links")
+                target = readlink(here)
+                if target.startswith("/"):
+                    parts = []
+                pending.extend(target.split("/")[::-1])
+            else:
+                parts.append(part)
+        return "/" + "/".join(parts)
+
+    def inside(event, path, dir_fd=None):
+        try:
+            real = resolve(path, dir_fd)
+        except (OSError, TypeError, ValueError):
+            raise refuse(f"sandbox: {event} {path!r}: cannot resolve the path") from None
+        if real != root and not real.startswith(root + "/") and real != "/dev/null":
+            raise refuse(f"sandbox: {event} {path!r}: outside the sandbox directory")
+
+    def hook(event, args):
+        # ``import ctypes`` opens the main program (numpy needs that); any other library, foreign
+        # call or raw memory access is refused.
+        if event.startswith(refused_prefixes) and not (event == "ctypes.dlopen" and args[0] is None):
+            raise refuse(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0] == "_posixsubprocess":  # its fork_exec raises no audit event
+            raise refuse(f"sandbox: importing {args[0]} is not allowed")
+        if event == "open":
+            path, mode, flags = args
+            writing = (is_a(mode, str_) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) \
+                or (flags or 0) & write_flags
+            if writing and path is not None and not is_a(path, int_):  # an open fd was checked as it was opened
+                inside("writing", path)
+        elif event in ("os.remove", "os.rmdir"):
+            inside("removing", args[0], args[1])
+        elif event == "os.mkdir":
+            inside("creating", args[0], args[2])
+        elif event in ("os.chmod", "os.utime"):
+            inside("changing", args[0], args[-1])
+        elif event == "os.chown":
+            inside("changing", args[0], args[3])
+        elif event in ("os.truncate", "os.setxattr", "os.removexattr"):
+            inside("changing", args[0])
+        elif event in ("os.rename", "os.link"):
+            inside("moving" if event == "os.rename" else "linking", args[0], args[2])
+            inside("moving" if event == "os.rename" else "linking", args[1], args[3])
+        elif event == "os.symlink":
+            inside("linking", args[1], args[2])
+
+    return hook
+
+
+def _sandbox():
+    import json, os, resource, sys, traceback, linecache
+    cfg = json.loads(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (cfg["memory"], cfg["memory"]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["fsize"], cfg["fsize"]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (cfg["nofile"], cfg["nofile"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # No new processes (nor threads) from native code, for an unprivileged user: the kernel
+    # exempts root; the audit hook refuses fork/exec from Python in any case.
+    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    netns = False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        netns = libc.unshare(0x10000000 | 0x40000000) == 0  # CLONE_NEWUSER | CLONE_NEWNET
+        del libc, ctypes
+    except Exception:
+        pass
+    os.write(cfg["netns_fd"], b"1" if netns else b"0")
+    os.close(cfg["netns_fd"])
+
+    with open(cfg["code_path"], encoding="utf-8") as f:
+        source = f.read()
+    code = compile(source, "main.py", "exec")
+    linecache.cache["main.py"] = (len(source), None, source.splitlines(True), "main.py")
+    sys.argv = ["main.py"]
+    sys.addaudithook(_make_hook(os.path.realpath(os.getcwd())))
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    del cfg, f, source
+    try:
+        exec(code, namespace)
+    except SystemExit:
+        raise
+    except BaseException as err:  # the user's error, printed without this bootstrap's frame
+        traceback.print_exception(type(err), err, err.__traceback__.tb_next)
+        sys.exit(1)
+_sandbox()
+'''
+
+
+
+def _read_head(path: str, limit: int) -> str:
+    with open(path, "rb") as f:
+        data = f.read(4 * limit + 4)
+    text = data.decode("utf-8", errors="replace")
+    if len(text) > limit or os.path.getsize(path) > len(data):
+        return text[:limit] + f"\n... (output cut at {limit} characters)"
+    return text
+
+
+def _wait_unreaped(pid: int, deadline: float) -> bool:
+    """Wait until ``pid`` exits, leaving it a zombie (so that its process-group id stays taken
+    until the group is killed); False if ``deadline`` passes first."""
+    pause = 0.001
+    while True:
+        status = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if status is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause = min(pause * 2, 0.02)
+
+
+def run_python(code: str, limits: Optional[SandboxLimits] = None) -> ToolResult:
+    """Run ``code`` in a sandboxed Python subprocess and report what it printed and how it ended.
+
+    What it does: a fresh temporary directory is the cwd (and HOME, TMPDIR), removed afterwards;
+    the child is ``sys.executable -I`` with a minimal environment, in its own session and process
+    group, with RLIMIT_CPU/AS/FSIZE/NOFILE/NPROC set; past ``timeout_s`` the process group is
+    SIGKILLed and reaped, and it is killed in any case once the leader exits, so nothing is left
+    running. Networking: the child first tries to enter a new user + network namespace (no
+    interface but a down loopback) where the kernel allows unprivileged user namespaces, and in any
+    case installs an audit hook (which Python cannot remove) refusing sockets, ctypes, subprocesses,
+    fork/exec, signals to other processes, and writes, renames, removals or links whose path
+    resolves outside its directory.
+
+    What it does not: it is a guard against careless or misbehaving model code on a training node,
+    not a security boundary. Reads are unrestricted (the code can read any file the trainer can);
+    a native exploit (a crafted code object, a C extension's bug) escapes the audit hook; without
+    user namespaces an escaped process keeps the network and, for root, ignores RLIMIT_NPROC.
+
+    Every outcome of the user's code (exception, refused operation, timeout, memory or CPU limit)
+    is a :class:`ToolResult` with ``error`` set; only bad ``limits`` raise.
+    """
+    limits = limits or SandboxLimits()
+    root = tempfile.mkdtemp(prefix="megarl-sandbox-")
+    work = os.path.join(root, "work")
+    os.mkdir(work)
+    code_path, out_path, err_path = (os.path.join(root, n) for n in ("main.py", "stdout", "stderr"))
+    with open(code_path, "w", encoding="utf-8") as f:
+        f.write(code)
+    netns_read, netns_write = os.pipe()
+    cfg = {"cpu_s": limits.cpu_s, "memory": limits.memory_mb << 20, "fsize": limits.max_file_mb << 20,
+           "nofile": limits.max_open_files, "code_path": code_path, "netns_fd": netns_write}
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work,
+           # numerical libraries would start a thread pool, which RLIMIT_NPROC forbids
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    start = time.monotonic()
+    proc = None
+    try:
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(cfg)], cwd=work, env=env,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                    pass_fds=(netns_write,))
+        os.close(netns_write)
+        netns_write = -1
+        exited = _wait_unreaped(proc.pid, start + limits.timeout_s)
+        try:  # the whole group: a process that escaped the hook dies with it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        seconds = time.monotonic() - start
+        with os.fdopen(netns_read, "rb") as f:
+            netns_read = -1
+            netns = f.read() == b"1"
+        stdout = _read_head(out_path, limits.max_output_chars)
+        stderr = _read_head(err_path, limits.max_output_chars)
+    finally:
+        if proc is not None and proc.returncode is None:  # interrupted (e.g. KeyboardInterrupt): still kill it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for fd in (netns_read, netns_write):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(root, ignore_errors=True)
+    return ToolResult(stdout, stderr, proc.returncode, _diagnose(exited, proc.returncode, stderr, limits), seconds,
+                      netns)
+
+
+def _diagnose(exited: bool, returncode: int, stderr: str, limits: SandboxLimits) -> Optional[str]:
+    if not exited:
+        return f"timed out after {limits.timeout_s:g} s (killed)"
+    if returncode == 0:
+        return None
+    if returncode == -signal.SIGXCPU:
+        return f"CPU time limit of {limits.cpu_s} s exceeded (killed)"
+    if returncode < 0:
+        return f"killed by signal {signal.Signals(-returncode).name}"
+    last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
+    if last.startswith("MemoryError"):
+        return f"memory limit of {limits.memory_mb} MiB exceeded (MemoryError)"
+    if "sandbox: " in last:
+        return "refused by the sandbox: " + last.split("sandbox: ", 1)[1]
+    return last or f"exit code {returncode}"
+
+
+def python_tool(limits: Optional[SandboxLimits] = None) -> Tool:
+    """The sandboxed runner as a tool: the answer is the output; a failure raises
+    :class:`ToolError` with the output and the reason."""
+    limits = limits or SandboxLimits()
+
+    def python(code: str) -> str:
+        result = run_python(code, limits)
+        if result.error is not None:
+            raise ToolError(result.format())
+        return result.format()
+
+    return Tool(
+        name="python",
+        description=(f"Run a Python 3 program and return what it prints (stdout, stderr). No network; files only "
+                     f"in its working directory; limits: {limits.timeout_s:g} s, {limits.memory_mb} MiB."),
+        parameters={"type": "object",
+                    "properties": {"code": {"type": "string", "description": "the program; print the results"}},
+                    "required": ["code"]},
+        fn=python,
+    )
