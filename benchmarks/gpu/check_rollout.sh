@@ -7,7 +7,10 @@
 #      the trainer's state offloaded while SGLang generates) and split
 #      (trainer.placement=split parallel.rollout.nproc=1: the trainer's rank and the rollout's
 #      rank are separate worker groups that share this one GPU; the weights go over NCCL), each
-#      summarised from its metrics.jsonl: generated tokens/s, sync seconds, peak memory per phase.
+#      summarised from its metrics.jsonl: generated tokens/s, sync seconds, peak memory per phase;
+#   3. with SGLang importable, a 3-step multi-turn run (colocated, rollout.env = the e2e test's
+#      three-turn environment): the agent loop over SGLang, its first-step rollout/trainer
+#      log-prob gap and its observation tokens printed and checked (AGENT line).
 #
 #   benchmarks/gpu/check_rollout.sh [DIR_WITH_MEGATRON_CORE_WHEEL]
 #
@@ -43,4 +46,16 @@ python benchmarks/gpu/summarize_run.py colocated "$runs/colocated" "$steps" || s
 python -m megarl.cli train "${common[@]}" trainer.placement=split parallel.rollout.nproc=1 \
     trainer.run_dir="$runs/split" || status=1
 python benchmarks/gpu/summarize_run.py split "$runs/split" "$steps" || status=1
+python -m megarl.cli train "${common[@]}" trainer.train_steps=3 trainer.placement=colocated \
+    rollout.env=tests.e2e.test_agent:ThreeTurnEnv rollout.max_turns=3 rollout.max_total_tokens=20 \
+    trainer.run_dir="$runs/agent" || status=1
+python - "$runs/agent/metrics.jsonl" <<'PY' || status=1
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if '"step"' in line]
+keys = ("rollout/logp_max_abs_diff", "agent/turns_mean", "agent/observation_tokens_mean", "agent/rows_per_call")
+print("AGENT", json.dumps({k: rows[0].get(k) for k in keys}))
+# SGLang's kernels differ from the trainer's (bf16): the gap is small, not zero
+sys.exit(0 if len(rows) == 3 and rows[0]["agent/observation_tokens_mean"] > 0
+         and rows[0]["rollout/logp_max_abs_diff"] < 0.5 else 1)
+PY
 exit "$status"

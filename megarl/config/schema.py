@@ -156,6 +156,10 @@ class DataConfig:
     """Prompts per RL step; times algorithm.samples_per_prompt must divide by the actor's dp."""
     micro_batch_tokens: int = bounded(1024, ge=1)
     """Token budget of one micro-batch in log-prob and update passes."""
+    task: str = "reverse_digits"
+    """The built-in task (data.train_files empty; also what ``megarl train-lm`` trains on):
+    ``reverse_digits`` (``d1..dn=`` → the digits reversed) or ``calculator`` (``a*b=`` → the product,
+    multi-turn with a calculator tool: rollout.env=megarl.agent.tasks:CalculatorTask)."""
     num_digits: int = bounded(6, ge=1)
     """Built-in reverse-the-digits task: digits per problem (train-lm sequences are 2*num_digits+2 tokens)."""
     label_noise: float = bounded(0.0, ge=0, le=1)
@@ -371,6 +375,37 @@ class RewardModelConfig:
 class MegarlConfig:
     """The whole tree."""
 
+@dataclass
+class RolloutConfig:
+    """Multi-turn rollouts (megarl/agent): an environment answers each policy turn (a tool's
+    result), the loop appends its observation and lets the policy go on. Distinct from
+    ``parallel.rollout`` (the generation layout). The per-turn generation limit is
+    ``algorithm.max_new_tokens``."""
+
+    env: Optional[str] = None
+    """null = single-turn (one response per sample, scored by ``algorithm.reward_fn``). Else the
+    environment of each episode: ``calculator``, ``python`` (built-in tool environments),
+    ``http://...`` (an environment behind an HTTP endpoint) or ``package.module:Class`` (trusted
+    code, an ``megarl.agent.env.Environment`` subclass built without arguments); a new instance
+    per episode."""
+    max_turns: int = bounded(4, ge=1)
+    """Policy turns per episode at most; the environment's ``done`` ends it earlier."""
+    max_total_tokens: Optional[int] = bounded(None, ge=1)
+    """Budget of an episode's whole response (policy and observation tokens, after the prompt):
+    a turn generates at most min(algorithm.max_new_tokens, what is left), and an observation that
+    does not fit ends the episode. Prompts get the model's positions minus this. null =
+    max_turns x algorithm.max_new_tokens. The overlong penalty (algorithm.overlong_buffer) counts
+    against this budget."""
+    reward: str = "env"
+    """``env``: an episode's reward is the sum of its environment's step rewards; ``verifier``:
+    ``algorithm.reward_fn`` scores the final turn's text (the existing verifiers on the final
+    answer)."""
+    max_tool_seconds: float = bounded(30.0, gt=0)
+    """Time limit of one environment step (s), also an HTTP environment's request timeout; a step
+    past it ends as an error observation ("tool timed out") and the episode goes on (counted in
+    agent/tool_errors_mean)."""
+
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: LayoutsConfig = field(default_factory=LayoutsConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -379,3 +414,4 @@ class MegarlConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)

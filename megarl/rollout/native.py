@@ -197,7 +197,7 @@ class NativeRollout(RolloutEngine):
         blocked = ~(valid[:, None, None, :width] | eye)
         context = _DecodeContext(len(rows), total) if self.kv_cache else None
         active = list(range(len(rows)))
-        generators = [generator_for(seed, p, s) for p, s in rows]
+        generators = [generator_for(*sampling.stream_key(seed, p), s) for p, s in rows]
         produced: List[List[int]] = [[] for _ in rows]
         log_probs: List[List[float]] = [[] for _ in rows]
         finish = [""] * len(rows)

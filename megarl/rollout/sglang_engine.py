@@ -388,9 +388,10 @@ def request_params(rows: Sequence[Tuple[int, int]], sampling: SamplingParams) ->
     (SGLang seeds each request alone; the samples of a prompt must differ)."""
     base = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
             "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": list(sampling.stop_token_ids)}
-    if sampling.seed is None:
+    if sampling.seed is None and sampling.prompt_seeds is None:
         return [dict(base) for _ in rows]
-    return [base | {"sampling_seed": (sampling.seed * 1_000_003 + p * 7_919 + s) % (1 << 31)} for p, s in rows]
+    keys = [(sampling.stream_key(sampling.seed or 0, p), s) for p, s in rows]
+    return [base | {"sampling_seed": (seed * 1_000_003 + p * 7_919 + s) % (1 << 31)} for (seed, p), s in keys]
 
 
 # SGLang's memory-saver tags (sglang/srt/constants.py): released together, resumed in two steps

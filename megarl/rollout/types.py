@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,6 +27,10 @@ class SamplingParams:
     """Tokens that end a response (kept as its last token; finish reason 'stop')."""
     seed: Optional[int] = None
     """Seed of the draws; each sample's stream depends only on (seed, prompt index, sample index)."""
+    prompt_seeds: Optional[Sequence[int]] = None
+    """Per prompt, a seed that replaces (seed, prompt index) in naming its samples' streams, so
+    that a prompt's draws do not depend on which other prompts share the call (the agent loop
+    batches whichever episodes wait for a turn); None = (seed, prompt index)."""
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -36,6 +40,10 @@ class SamplingParams:
         if self.top_k < 0 or self.n < 1 or self.max_new_tokens < 1:
             raise ValueError(f"sampling.top_k={self.top_k} must be >= 0, n={self.n} and "
                              f"max_new_tokens={self.max_new_tokens} >= 1")
+
+    def stream_key(self, seed: int, prompt_index: int) -> Tuple[int, int]:
+        """(seed, prompt) that, with the sample index, name one sample's random stream."""
+        return (seed, prompt_index) if self.prompt_seeds is None else (self.prompt_seeds[prompt_index], -1)
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +68,12 @@ class Response:
     # to, in the trainer's input positions (the last response token is never fed); MoE models
     # with routing recorded only (routing replay), else None.
     routing: Optional[torch.Tensor] = None
+    # Multi-turn episodes (megarl.agent.loop): 1 where the policy generated the token, 0 where an
+    # environment's observation put it (no loss, log-prob 0); None = every token is the policy's.
+    policy_mask: Optional[List[int]] = None
+    # The episode's own prompt where its environment changed the record's (tools in the chat
+    # template, text from ``reset``); None = the record's prompt ids.
+    prompt_ids: Optional[List[int]] = None
 
     @property
     def length(self) -> int:

@@ -13,12 +13,12 @@ from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, trai
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
-          after_step=None) -> None:
+          after_step=None, agent=None) -> None:
     algo, data = cfg.algorithm, cfg.data
     roles.rollout.update_weights(start_step - 1)
     for step in range(start_step, cfg.trainer.train_steps + 1):
         sampled = sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
-                              seed=cfg.trainer.seed + step, eos_token_ids=eos_token_ids, phase=log.phase)
+                              seed=cfg.trainer.seed + step, eos_token_ids=eos_token_ids, phase=log.phase, agent=agent)
         roles.rollout.release_memory()  # the training roles get the device (hybrid engine)
         batch, metrics = train_on(make_batch(sampled, pad_token_id, policy_version=step - 1), roles, algo, log)
         metrics = sampling_metrics(sampled) | metrics

@@ -19,12 +19,12 @@ from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, trai
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
-          after_step=None) -> None:
+          after_step=None, agent=None) -> None:
     algo, data, t = cfg.algorithm, cfg.data, cfg.trainer
 
     def draw(step, rollout, phase):
         return sample_step(rollout, stream, scorer, algo, data.prompts_per_step, seed=t.seed + step,
-                           eos_token_ids=eos_token_ids, phase=phase)
+                           eos_token_ids=eos_token_ids, phase=phase, agent=agent)
 
     roles.rollout.update_weights(start_step - 1)
     producer = Producer(draw, roles.rollout, start_step, t.train_steps, bound=t.max_staleness or 1,

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS, kl_penalty_rewards
+from megarl.agent.loop import Agent, merge_round_metrics
 from megarl.algorithms.presets import preset, resolve
 from megarl.data.datasets import PromptRecord
 from megarl.protocol import Batch
@@ -141,6 +142,7 @@ class Sampled:
     rounds: int = 1
     dropped_groups: int = 0
     reward_metrics: Dict[str, float] = field(default_factory=dict)  # failed/timed-out samples (Scorer)
+    agent_metrics: Dict[str, float] = field(default_factory=dict)  # multi-turn episodes (megarl.agent.loop)
 
 
 def _untimed(name: str):
@@ -148,26 +150,38 @@ def _untimed(name: str):
 
 
 def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per_step: int, seed: int,
-                eos_token_ids: Sequence[int], phase=_untimed) -> Sampled:
+                eos_token_ids: Sequence[int], phase=_untimed, agent: Optional[Agent] = None) -> Sampled:
     """Generate and score ``prompts_per_step`` groups (refilling dropped groups under dynamic
     sampling); a response ends at any of ``eos_token_ids``. ``phase(name)``: a context manager
-    that times the ``generate`` and ``reward`` parts."""
+    that times the ``generate`` and ``reward`` parts. With ``agent`` (``rollout.env`` set), each
+    sample is a multi-turn episode (a turn ends at an EOS id) whose reward is its environment's
+    (``rollout.reward=env``) or ``scorer``'s on the final turn (``verifier``)."""
     sampling = SamplingParams(temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k,
                               n=algo.samples_per_prompt, max_new_tokens=algo.max_new_tokens,
                               stop_token_ids=list(eos_token_ids), seed=seed)
     kept: List[tuple] = []  # (record, ids, responses of the group, shaped scores, raw scores)
     spare: List[tuple] = []
     rounds = 0
+    agent_metrics: List[Dict[str, float]] = []
+    longest = algo.max_new_tokens if agent is None else agent.budget(algo.max_new_tokens)
     while len(kept) < prompts_per_step and rounds < (algo.max_sampling_rounds if algo.dynamic_sampling else 1):
         records = stream.next(prompts_per_step - len(kept))
         ids = [stream.token_ids(r) for r in records]
         sampling.seed = seed * 1000 + rounds
         with phase("generate"):
-            responses = rollout.generate(ids, sampling)
+            if agent is None:
+                responses = rollout.generate(ids, sampling)
+            else:
+                episodes = agent.run(rollout, records, ids, sampling)
+                responses = episodes.responses
+                agent_metrics.append(episodes.metrics)
         with phase("reward"):
-            raw = scorer(records, responses, ids)
+            if agent is None:
+                raw = scorer(records, responses, ids)
+            else:
+                raw = episodes.rewards if agent.cfg.reward == "env" else scorer(records, episodes.final_turns, ids)
         lengths = torch.tensor([r.length for r in responses])
-        shaped = raw + overlong_penalty(lengths, algo.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        shaped = raw + overlong_penalty(lengths, longest, algo.overlong_buffer, algo.overlong_penalty)
         group = torch.tensor([r.prompt_index for r in responses])
         keep = varied_groups(shaped, group) if algo.dynamic_sampling else torch.ones(len(records), dtype=torch.bool)
         for g, record in enumerate(records):
@@ -192,6 +206,7 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
             base = scorer(sampled.records, greedy, sampled.prompt_ids)
         sampled.baseline = base[torch.tensor([r.prompt_index for r in responses])]
     sampled.reward_metrics = scorer.take_metrics()
+    sampled.agent_metrics = merge_round_metrics(agent_metrics)
     return sampled
 
 
@@ -200,20 +215,23 @@ SEQ_MULTIPLE = 8  # batch widths divide by any tp <= 8 (sequence parallelism spl
 
 def make_batch(sampled: Sampled, pad_id: int, policy_version: Optional[int] = None) -> Batch:
     """Right-padded next-token batch: inputs ``tokens``, ``labels``, ``loss_mask`` on the
-    positions that predict response tokens, ``rollout_log_probs`` there, and per-row fields
+    positions that predict response tokens (the policy's only: an episode's observation tokens
+    are context), ``rollout_log_probs`` there, and per-row fields
     (``policy_versions``: the rollout weights' version that generated each row; the batch's
     ``policy_version`` is ``policy_version``, default their oldest); with
     recorded MoE routing, ``routing`` [rows, seq, moe_layers, topk] (-1 past each row's tokens)."""
     rows = sampled.responses
-    seqs = [sampled.prompt_ids[r.prompt_index] + r.token_ids for r in rows]
+    prompts = [sampled.prompt_ids[r.prompt_index] if r.prompt_ids is None else r.prompt_ids for r in rows]
+    seqs = [prompt + r.token_ids for prompt, r in zip(prompts, rows)]
     width = -(-(max(len(s) for s in seqs) - 1) // SEQ_MULTIPLE) * SEQ_MULTIPLE
     full = torch.full((len(rows), width + 1), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(len(rows), width)
     rollout_logp = torch.zeros(len(rows), width)
-    for i, (r, seq) in enumerate(zip(rows, seqs)):
+    for i, (r, seq, prompt) in enumerate(zip(rows, seqs, prompts)):
         full[i, : len(seq)] = torch.tensor(seq)
-        start = len(sampled.prompt_ids[r.prompt_index]) - 1
-        loss_mask[i, start:start + r.length] = 1
+        start = len(prompt) - 1
+        # multi-turn: only the policy's tokens are trained, never an observation's
+        loss_mask[i, start:start + r.length] = 1 if r.policy_mask is None else torch.tensor(r.policy_mask, dtype=torch.float)
         rollout_logp[i, start:start + r.length] = torch.tensor(r.log_probs)
     tensors = {
         "tokens": full[:, :-1].contiguous(), "labels": full[:, 1:].contiguous(),
@@ -273,7 +291,7 @@ def advantages(batch: Batch, algo) -> Batch:
 def sampling_metrics(sampled: Sampled) -> Dict[str, float]:
     """What drawing the step's batch took: dynamic-sampling rounds, dropped groups, reward failures."""
     return {"sampling/rounds": sampled.rounds, "sampling/dropped_groups": sampled.dropped_groups,
-            **sampled.reward_metrics}
+            **sampled.reward_metrics, **sampled.agent_metrics}
 
 
 def train_on(batch: Batch, roles, algo, log) -> Tuple[Batch, Dict[str, float]]:
