@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megarl.engines import batching
 from megarl.engines.batching import MicroBatch, Tensors
 from megarl.engines.vocab_parallel import log_prob_and_entropy
+from megarl.models.builder import set_aux_loss_copies
 from megarl.parallel.context import gather_sequence, split_for_rank
 from megarl.training.lm import TrainState
 
@@ -118,6 +119,8 @@ class MegatronEngine:
         # Micro-batches of different lengths need Megatron to exchange shapes between stages
         # (the interleaved schedule gets equal shapes instead, see micro_batches).
         state.model[0].config.variable_seq_lengths = not state.groups.layout.vpp
+        if state.groups.layout.cp > 1:  # every CP rank computes the whole loss (see the module docstring)
+            set_aux_loss_copies(state.model, state.groups.layout.cp)
         self.routers: Dict[int, list] = {}  # id(model chunk) -> its MoE routers' handles (track_routing)
         self.routing_replay = False
         self.routing_mismatch: Dict[str, float] = {}  # of the last log-prob pass with routing
@@ -188,12 +191,16 @@ class MegatronEngine:
         layout = self.groups.layout
         sp = (self.groups.tp_rank, layout.tp) if layout.sequence_parallel and layout.tp > 1 else (0, 1)
 
+        config = self.state.model[0].config
+        aux_loss = not forward_only and config.num_moe_experts and config.moe_aux_loss_coeff
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             if routing:
                 routing_replay.set_targets(self.routers.get(id(model), ()), self._cp_local(mb, "routing"), *sp)
+            extra = {"padding_mask": self._padding_mask(mb, model, *sp)} if aux_loss else {}
             logits = model(self._cp_local(mb, "tokens"), self._cp_local(mb, "position_ids"), None,
-                           packed_seq_params=mb.packed_seq_params)
+                           packed_seq_params=mb.packed_seq_params, **extra)
             return logits, partial(loss_func, mb)
 
         model = self.state.model
@@ -209,6 +216,28 @@ class MegatronEngine:
         finally:
             for handles in self.routers.values():
                 routing_replay.clear(handles)
+
+    def _padding_mask(self, mb: MicroBatch, model, sp_rank: int, sp: int) -> torch.Tensor:
+        """True on the padding of ``mb`` as this rank feeds it ([n, s] on its CP share), for
+        Megatron's router: the load-balancing loss then counts real tokens only, so neither the
+        batch's padding nor a layout's (CP and SP multiples, packing) changes it. Megatron splits
+        the mask for sequence parallelism at the first pipeline stage only: later stages get
+        their slice here."""
+        if mb.packed_seq_params is None:
+            width = mb.tensors["tokens"].shape[1]
+            pad = torch.arange(width).unsqueeze(0) >= mb.lengths.unsqueeze(1)
+        else:
+            segments = batching.segment_lengths(mb)
+            real = mb.lengths.tolist() + [0] * (len(segments) - len(mb.lengths))  # the last may be all padding
+            pad = torch.cat([torch.arange(n) >= r for n, r in zip(segments, real)]).unsqueeze(0)
+        if self.groups.layout.cp > 1:
+            pad = split_for_rank(pad, batching.segment_lengths(mb), self.groups.layout.cp, self.groups.pg.cp.rank())
+        while not hasattr(model, "pre_process") and hasattr(model, "module"):  # DDP wrappers
+            model = model.module
+        if sp > 1 and not model.pre_process:
+            share = pad.shape[1] // sp
+            pad = pad[:, sp_rank * share:(sp_rank + 1) * share]
+        return pad.to(mb.tensors["tokens"].device)
 
     def _cp_local(self, mb: MicroBatch, key: str) -> torch.Tensor:
         """``mb.tensors[key]`` ([n, s, ...]), or this CP rank's share of its sequences."""

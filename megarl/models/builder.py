@@ -7,6 +7,7 @@ Megatron's local modules with :class:`SDPACoreAttention` as core attention.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List, Optional
 
 import torch
@@ -55,22 +56,23 @@ def resolve_dtype(choice: str) -> torch.dtype:
     return _DTYPES[choice]
 
 
-def check_layout(args: MegatronModelArgs, layout: Layout, model_cfg) -> None:
+def check_layout(args: MegatronModelArgs, layout: Layout, model_cfg, training: bool = True) -> None:
     """Raise :class:`LayoutError` if the model cannot be split as ``layout`` says (pure: call it
-    before any process group exists)."""
+    before any process group exists); ``training=False``: an eval-only (generation) model."""
     kw = args.config_kwargs
     layout.validate_model(
         num_layers=kw["num_layers"], num_attention_heads=kw["num_attention_heads"],
         num_query_groups=kw["num_query_groups"], ffn_hidden_size=kw["ffn_hidden_size"],
         padded_vocab_size=padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by),
-        num_experts=args.num_experts, moe_ffn_hidden_size=kw.get("moe_ffn_hidden_size"))
+        num_experts=args.num_experts, moe_ffn_hidden_size=kw.get("moe_ffn_hidden_size"), training=training)
 
 
 def _left_for_loading(weight: torch.Tensor) -> None:
     """The init method of weights about to be loaded: leaves them as allocated."""
 
 
-def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cfg, initialize: bool = True):
+def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cfg, initialize: bool = True,
+                       training: bool = True):
     """The Megatron TransformerConfig for ``args`` in ``groups.layout``; ``initialize=False``
     skips random initialisation (weights about to be loaded).
 
@@ -82,7 +84,7 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
 
     layout = groups.layout
     kw = args.config_kwargs
-    check_layout(args, layout, model_cfg)
+    check_layout(args, layout, model_cfg, training)
     dtype = resolve_dtype(model_cfg.params_dtype)
     use_te = resolve_impl(model_cfg.transformer_impl)
     on_cpu = not torch.cuda.is_available()
@@ -174,12 +176,13 @@ def layer_spec(config, use_te: bool, vp_stage: Optional[int], pp_rank: int):
 
 
 def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelArgs] = None,
-                initialize: bool = True) -> List[torch.nn.Module]:
-    """GPTModel chunks of this rank (one per virtual pipeline stage) for ``model_cfg``."""
+                initialize: bool = True, training: bool = True) -> List[torch.nn.Module]:
+    """GPTModel chunks of this rank (one per virtual pipeline stage) for ``model_cfg``;
+    ``training=False``: a model that only runs forward in eval mode (see :func:`check_layout`)."""
     from megatron.core.models.gpt import GPTModel
 
     args = args or megatron_args_from_hf(model_cfg.hf_config)
-    config = transformer_config(args, groups, model_cfg, initialize)
+    config = transformer_config(args, groups, model_cfg, initialize, training)
     use_te = resolve_impl(model_cfg.transformer_impl)
     vocab = padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by)
     layout = groups.layout
@@ -204,4 +207,69 @@ def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelA
             pg_collection=groups.pg,
             vp_stage=vp,
         ))
+    if training and args.num_experts and config.moe_aux_loss_coeff:
+        for chunk in chunks:
+            _scale_aux_loss_to_micro_batch(chunk)
     return chunks
+
+
+def _tokens_per_expert_and_count(routing_map, reduce_group, topk=None, with_padding_mask=False):
+    """Megatron 0.16's ``get_tokens_per_expert_and_token_count`` with the local count kept local:
+    its all-reduce runs in place on the local counts, so with a padding mask the "local" number
+    of tokens it returns is already the group's."""
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    local_tokens_per_expert = routing_map.sum(dim=0)
+    global_tokens_per_expert = reduce_from_tensor_model_parallel_region(local_tokens_per_expert.clone(), reduce_group)
+    if with_padding_mask:
+        return (global_tokens_per_expert, local_tokens_per_expert.sum() / topk,
+                global_tokens_per_expert.sum() / topk)
+    local = routing_map.shape[0]
+    return global_tokens_per_expert, local, local * reduce_group.size()
+
+
+def _attach_aux_loss(router, attach, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
+                     reduce_group_has_dp=False, valid_token_count=None):
+    """Megatron 0.16's router with ``calculate_per_token_loss`` scales each rank's share of a
+    load-balancing loss by the rank's own token count (``valid_token_count``), while the main
+    loss's gradients are divided by the tokens of the whole micro-batch. A micro-batch split over
+    sequence-parallel or context-parallel ranks (the loss's ``tp_cp`` reduce group) therefore got
+    1/(tp·cp) of the single process's load-balancing gradient. Scale by the micro-batch's tokens
+    over that group instead, so every layout trains the same model (the layout-parity tests
+    check it with the loss on). ``router.loss_copies``: how many ranks of the group count each
+    loss token (see :func:`set_aux_loss_copies`)."""
+    if reduce_group is router.tp_cp_group and reduce_group.size() > 1 and not reduce_group_has_dp:
+        if valid_token_count is None:
+            valid_token_count = activation.shape[0]
+        if torch.is_tensor(valid_token_count):  # a padding mask: ranks may hold different counts
+            valid_token_count = valid_token_count.detach().clone()
+            torch.distributed.all_reduce(valid_token_count, group=reduce_group)
+        else:
+            valid_token_count = valid_token_count * reduce_group.size()
+        valid_token_count = valid_token_count * getattr(router, "loss_copies", 1)
+    return attach(activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
+                  reduce_group_has_dp=reduce_group_has_dp, valid_token_count=valid_token_count)
+
+
+def _scale_aux_loss_to_micro_batch(model: torch.nn.Module) -> None:
+    from megatron.core.transformer.moe import router as megatron_router
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    megatron_router.get_tokens_per_expert_and_token_count = _tokens_per_expert_and_count
+    for module in model.modules():
+        if isinstance(module, TopKRouter) and module.config.calculate_per_token_loss:
+            module.attach_and_log_load_balancing_loss = functools.partial(
+                _attach_aux_loss, module, module.attach_and_log_load_balancing_loss)
+
+
+def set_aux_loss_copies(chunks: List[torch.nn.Module], copies: int) -> None:
+    """A loss that every one of ``copies`` context-parallel ranks computes whole (the RL engine
+    gathers log-probs to whole sequences) counts each token ``copies`` times in Megatron's
+    per-token normaliser, and its gradients are ``copies`` times too: the load-balancing loss,
+    computed on each rank's share, is scaled the same way so that it keeps its weight."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                module.loss_copies = copies

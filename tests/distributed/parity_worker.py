@@ -29,7 +29,18 @@ from megarl.runtime import init_distributed, set_seed
 from megarl.training import lm
 from megarl.training.dist_ckpt import load_model, save_model
 
-MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json"}
+MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
+          "moe_aux": "configs/models/tiny-qwen3-moe.json"}
+# moe_aux: the MoE model with Megatron's load-balancing loss on (its gradient only; the reported
+# loss excludes it), which every layout must reduce over the same tokens as the single process
+AUX_LOSS_COEFF = {"moe_aux": 0.1}
+# moe_aux runs the layouts that split a micro-batch's tokens (sp, cp) or change its padding
+# (vpp pads micro-batches to one width, cp and packing pad sequences), and dp·ep
+AUX_LAYOUTS = {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1v2", "t1p1d1e1c2", "t2p1d1e1c2"}
+
+
+def model_config(name: str, **kwargs) -> ModelConfig:
+    return ModelConfig(hf_config=MODELS[name], moe_aux_loss_coeff=AUX_LOSS_COEFF.get(name), **kwargs)
 GLOBAL_BATCH, SEQ, MICRO, STEPS, SEED = 8, 16, 2, 3, 1234
 
 
@@ -117,11 +128,12 @@ def run(args) -> None:
             sizes, recompute = spec.split(":") if ":" in spec else (spec, "")
             given = [int(x) for x in sizes.split(",")]
             tp, pp, dp, ep, vpp, cp = given + [0, 1][len(given) - 4:]  # vpp 0 = none, cp 1
-            if model_name == "dense" and ep > 1:
-                continue
-            model_cfg = ModelConfig(hf_config=MODELS[model_name], moe_token_dispatcher=args.dispatcher,
-                                    recompute_granularity=recompute or None)
             layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp or None, cp=cp)
+            if (model_name == "dense" and ep > 1) or (model_name == "moe_aux" and layout_name(layout, recompute)
+                                                       not in AUX_LAYOUTS):
+                continue
+            model_cfg = model_config(model_name, moe_token_dispatcher=args.dispatcher,
+                                     recompute_granularity=recompute or None)
             groups = build_groups(layout)
             set_seed(SEED, groups)
             if args.reference and not init.exists():
@@ -175,7 +187,7 @@ def compare(args) -> None:
     out = Path(args.workdir)
     report = {}
     for model_name in args.models:
-        model_cfg = ModelConfig(hf_config=MODELS[model_name])
+        model_cfg = model_config(model_name)
         groups = build_groups(Layout())
         ref_dir = out / model_name / "t1p1d1e1"
         ref = {kind: _full_tensors(model_cfg, groups, ref_dir / kind)
@@ -215,7 +227,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["run", "compare"])
     parser.add_argument("--workdir", required=True)
-    parser.add_argument("--models", nargs="+", default=["dense", "moe"])
+    parser.add_argument("--models", nargs="+", default=["dense", "moe", "moe_aux"])
     parser.add_argument("--layouts", nargs="*", default=["1,1,1,1"])
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--dispatcher", default="alltoall")

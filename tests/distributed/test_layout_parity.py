@@ -9,6 +9,10 @@ weights after one update, against the single process, <= 1e-5. Layouts include c
 parallelism (cp=2, tp2·cp2). Activation recompute (selective, full) at one process matches the
 run without it to 1e-6 and really recomputes (twice the core-attention calls).
 
+The MoE model also runs with Megatron's load-balancing loss on (``moe_aux``) at the layouts that
+split a micro-batch's tokens over ranks (sp, cp) or pad it differently (vpp, cp, packing): its
+gradient must not depend on either.
+
 Every layout loads the initial weights the single-process run wrote (a Megatron dist
 checkpoint), and saves its reduced gradients and final weights the same way, so they are read
 back as whole tensors whatever the layout.
@@ -31,7 +35,10 @@ LAYOUTS_2 = ["2,1,1,1", "1,2,1,1", "1,1,2,1", "1,1,2,2", "1,2,1,1,2", "1,1,1,1,0
 LAYOUTS_4 = ["2,2,1,1", "2,1,1,1,0,2"]
 COMMON = {"t1p1d1e1", "t1p1d1e1rselective", "t1p1d1e1rfull", "t2p1d1e1", "t1p2d1e1", "t1p1d2e1", "t2p2d1e1",
           "t1p2d1e1v2", "t1p1d1e1c2", "t2p1d1e1c2"}
-EXPECTED = {"dense": COMMON, "moe": COMMON | {"t1p1d2e2"}}
+# moe_aux: the MoE model with the load-balancing loss on, at the layouts that split or pad a
+# micro-batch's tokens (parity_worker.AUX_LAYOUTS)
+EXPECTED = {"dense": COMMON, "moe": COMMON | {"t1p1d2e2"},
+            "moe_aux": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1v2", "t1p1d1e1c2", "t2p1d1e1c2"}}
 ENGINE_METRICS = [f"engine_{what}_{mode}" for mode in ("padded", "packed")
                   for what in ("log_probs", "entropy", "loss", "grad_norm", "weights")]
 
@@ -51,13 +58,13 @@ def report(tmp_path_factory):
     return json.loads((work / "report.json").read_text())
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("model", ["dense", "moe", "moe_aux"])
 def test_every_layout_ran(report, model):
     ran = {key.split("/")[1] for key in report if key.startswith(model + "/")}
     assert ran == EXPECTED[model]
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("model", ["dense", "moe", "moe_aux"])
 @pytest.mark.parametrize("metric", ["loss", "grads", "step_losses", "grad_norms", "weights"] + ENGINE_METRICS)
 def test_layout_matches_single_process(report, model, metric):
     worst = {key: entry[metric] for key, entry in report.items() if key.startswith(model + "/")}
