@@ -112,8 +112,9 @@ class Layout:
 
     def validate_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int,
                        ffn_hidden_size: int, padded_vocab_size: int, num_experts: Optional[int] = None,
-                       moe_ffn_hidden_size: Optional[int] = None) -> None:
-        """Raise :class:`LayoutError` if the model cannot be split this way, saying what to change."""
+                       moe_ffn_hidden_size: Optional[int] = None, training: bool = True) -> None:
+        """Raise :class:`LayoutError` if the model cannot be split this way, saying what to change.
+        ``training=False``: a model that only runs forward in eval mode (the native rollout's)."""
         def need(value: int, by: int, what: str, knob: str) -> None:
             if value % by:
                 ok = [k for k in _divisors(value)]
@@ -132,7 +133,10 @@ class Layout:
             need(num_experts, self.ep, "num_experts", "ep")
             if moe_ffn_hidden_size:
                 need(moe_ffn_hidden_size, self.etp, "moe_ffn_hidden_size", "etp")
-            if self.tp > 1 and not self.sequence_parallel:
+            # Megatron refuses to train MoE at tp > 1 without sequence parallelism; in eval mode
+            # every tp rank routes all tokens and the dispatchers' reduce-scatter sums the partial
+            # expert outputs back, so the generation model (one-token steps, no SP) may.
+            if training and self.tp > 1 and not self.sequence_parallel:
                 raise LayoutError("MoE with tp > 1 needs sequence_parallel=true")
         elif self.ep > 1:
             raise LayoutError(f"ep={self.ep} is set but the model has no experts; use ep=1")

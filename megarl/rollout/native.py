@@ -12,6 +12,25 @@ without CPU mode's function hook: at small batches a step is dominated by per-op
 Each generation data-parallel replica (d·d_g of them) decodes a contiguous share of the rows;
 the responses are gathered so that every rank returns all of them.
 
+Every planned generation layout runs:
+
+- MoE at t_g > 1: the generation model runs without sequence parallelism (one-token steps), so
+  every tensor-parallel rank routes all tokens; the dispatcher gathers them over the expert
+  tensor-parallel group and its reduce-scatter sums the partial expert outputs back (eval only:
+  Megatron refuses to *train* MoE so).
+- e_g > 1: the members of an expert-parallel group are different replicas (different rows,
+  lengths and step counts), yet every expert forward needs all of them. All replicas of a stage
+  decode in lock-step (an expert group need not hold whole replicas: at t_g=2, e_g=3 the tensor
+  ranks of one replica fall in two): as many micro-batches each, and at every step an all-reduce
+  (MAX) of "rows still live" over the stage's ranks; a replica with nothing left (or no rows at
+  all) feeds a one-token pad row, whose output is discarded, until every replica is done. Needs
+  the alltoall dispatcher (it takes different token counts per rank; allgather does not).
+- p_g > 1: each rank builds its pipeline stage; a forward sends the hidden states stage to stage
+  (prefill, then one-token steps; each stage keeps the KV cache of its own layers), the last stage
+  samples and broadcasts the tokens and their log-probs to its pipeline, so every stage drops the
+  same finished rows. Simple, not interleaved: one micro-batch in flight per pipeline, so the
+  stages take turns (correct, not fast). Recorded routing is gathered over the stages.
+
 ``dtype`` lets generation run in another precision than training (e.g. bf16 weights and
 activations while the actor trains in fp32): the hybrid engine casts each fp32 training shard
 into the bf16 generation tensors at every sync, and tokens are sampled from the bf16 logits cast
@@ -47,7 +66,7 @@ from megarl.runtime import cpu_mode
 
 
 class NativeRollout(RolloutEngine):
-    """Generation with the actor's architecture in layout ``regrouping.gen`` (p_g = 1)."""
+    """Generation with the actor's architecture in layout ``regrouping.gen``."""
 
     def __init__(self, model_cfg, args: MegatronModelArgs, regrouping: Union[Regrouping, TransferPlan],
                  train_chunks: Optional[List[torch.nn.Module]] = None, bucket_bytes: int = 256 << 20,
@@ -64,17 +83,10 @@ class NativeRollout(RolloutEngine):
             model_cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
         split = isinstance(regrouping, TransferPlan)
         gen = dataclasses.replace(regrouping.gen, sequence_parallel=False)  # decode steps are one token long
-        if gen.pp != 1:
-            raise ValueError(f"the native rollout runs without pipeline stages; set rollout.pp=1 (got {gen.pp})")
-        if gen.ep > 1:
-            raise ValueError(f"the native rollout needs rollout.ep=1 (got {gen.ep}): replicas decode "
-                             f"different rows for different numbers of steps, while expert "
-                             f"parallelism needs every member of an expert group in each step; "
-                             f"use sglang for expert-parallel generation")
-        if args.num_experts and gen.tp > 1:
-            raise ValueError(f"the native rollout runs MoE models at rollout.tp=1 (got {gen.tp}): Megatron's "
-                             f"MoE needs sequence parallelism with tp > 1, which one-token decode steps "
-                             f"cannot use; set rollout.tp=1 (and rollout.ep as needed) or use sglang")
+        if gen.ep > 1 and model_cfg.moe_token_dispatcher != "alltoall":
+            raise ValueError(f"rollout.ep={gen.ep} needs model.moe_token_dispatcher=alltoall (got "
+                             f"'{model_cfg.moe_token_dispatcher}'): the replicas of an expert group feed "
+                             f"different numbers of tokens, which only the alltoall dispatcher takes")
         self.args, self.vocab = args, args.vocab_size
         self.max_batch_rows = max_batch_rows
         self.kv_cache = kv_cache  # False: recompute the whole sequence every step (a baseline)
@@ -84,15 +96,19 @@ class NativeRollout(RolloutEngine):
             else:
                 positions = sorted(range(len(regrouping.gen_rank)), key=lambda r: regrouping.gen_rank[r])
                 self.groups = build_placed_groups(gen, positions)
-            self.model = build_model(model_cfg, self.groups, args, initialize=False)[0].eval()
+            self.model = build_model(model_cfg, self.groups, args, initialize=False, training=False)[0].eval()
         except LayoutError as err:
             raise ValueError(f"rollout layout {gen}: {err}") from None
         _cache_rotated_keys(self.model)
         if gen.tp == 1:
             _plain_linears(self.model)
+        self.lockstep = gen.ep > 1  # the replicas decode step by step together (see the module docstring)
+        self.stages = dist.get_process_group_ranks(self.groups.pg.pp) if gen.pp > 1 else None  # global ranks
+        self.first_stage, self.last_stage = self.groups.is_first_stage, self.groups.is_last_stage
         tensors = {n: t.data for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())}
-        self.routers = []  # pp = 1: every MoE layer, in MoE layer order
-        if record_routing and args.num_experts:
+        self.routers = []  # this stage's MoE layers, in MoE layer order
+        self.record_routing = bool(record_routing and args.num_experts)
+        if self.record_routing:
             self.routers = sorted(routing_replay.attach([self.model])[0], key=lambda h: h.moe_index)
             for handle in self.routers:
                 handle.record = True
@@ -155,8 +171,10 @@ class NativeRollout(RolloutEngine):
         share = -(-len(rows) // dp)
         mine = rows[dp_rank * share:(dp_rank + 1) * share]
         out: List[Response] = []
+        # in lock-step, every replica decodes as many micro-batches (some empty)
+        span = max(share, 1) if self.lockstep else len(mine)
         with cpu_mode.suspended():  # the decode names no CUDA device, and the hook taxes every op
-            for start in range(0, len(mine), self.max_batch_rows):
+            for start in range(0, span, self.max_batch_rows):
                 out += self._decode(prompts, mine[start:start + self.max_batch_rows], sampling, seed)
         if dp > 1:
             parts = [None] * dp
@@ -166,12 +184,50 @@ class NativeRollout(RolloutEngine):
                                  seconds=time.perf_counter() - begin)
         return out
 
-    def _logits(self, tokens: torch.Tensor, blocked: torch.Tensor, context) -> torch.Tensor:
-        """Next-token logits [rows, vocab] (real vocabulary) after ``tokens`` [rows, s]."""
+    def _logits(self, tokens: torch.Tensor, blocked: Optional[torch.Tensor], context) -> Optional[torch.Tensor]:
+        """Next-token logits [rows, vocab] (real vocabulary) after ``tokens`` [rows, s]; at p_g > 1
+        this stage's part of the forward (from and to its neighbours), logits on the last stage
+        only (None on the others)."""
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        if self.stages is not None and not self.first_stage:
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.model.config.hidden_size,
+                                 dtype=self.model.config.params_dtype, device=tokens.device)
+            dist.recv(hidden, src=self.stages[self.groups.pp_rank - 1], group=self.groups.pg.pp)
+            self.model.set_input_tensor(hidden)
         logits = self.model(tokens, positions, blocked, inference_context=context,
                             runtime_gather_output=True)  # [rows, 1 or s, padded vocab], gathered over tp
+        if not self.last_stage:  # [s, rows, hidden]
+            dist.send(logits.contiguous(), dst=self.stages[self.groups.pp_rank + 1], group=self.groups.pg.pp)
+            return None
         return logits[:, -1, : self.vocab]
+
+    def _sampled(self, logits, sampling: SamplingParams, generators):
+        """The next tokens and their log-probs [rows] each; at p_g > 1 the last stage samples and
+        broadcasts them to its pipeline (token ids are exact in float64, and so are fp32 log-probs)."""
+        if self.stages is None:
+            return sample(logits, sampling, generators)
+        both = torch.empty(len(generators), 2, dtype=torch.float64, device=self.weights[0].device)
+        if self.last_stage:
+            chosen, chosen_logp = sample(logits, sampling, generators)
+            both[:, 0], both[:, 1] = chosen, chosen_logp
+        dist.broadcast(both, src=self.stages[-1], group=self.groups.pg.pp)
+        return both[:, 0].long(), both[:, 1]
+
+    def _pace(self, live: bool) -> bool:
+        """Lock-step (e_g > 1): whether any replica of this stage still has live rows."""
+        flag = torch.tensor([int(live)], device=self.weights[0].device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.pg.tp_dp_cp)
+        return bool(flag.item())
+
+    def _pad_step(self) -> None:
+        """Lock-step: one forward of a one-token pad row (no cache; the output is discarded), so
+        that the other replicas' expert collectives find this one."""
+        self._logits(torch.zeros(1, 1, dtype=torch.long, device=self.weights[0].device), None, None)
+
+    def _idle(self) -> None:
+        """Lock-step: pad steps for as long as another replica still decodes."""
+        while self._pace(False):
+            self._pad_step()
 
     def _routing(self, rows: int) -> torch.Tensor:
         """The last forward's top-k experts, [rows, s, moe_layers, topk] (the router saw [s, rows])."""
@@ -181,6 +237,9 @@ class NativeRollout(RolloutEngine):
     @torch.no_grad()
     def _decode(self, prompts, rows, sampling: SamplingParams, seed: int) -> List[Response]:
         if not rows:
+            if self.lockstep:  # a pad step stands in for the prefill too
+                self._pad_step()
+                self._idle()
             return []
         device = self.weights[0].device
         lengths = [len(prompts[p]) for p, _ in rows]
@@ -203,7 +262,7 @@ class NativeRollout(RolloutEngine):
         finish = [""] * len(rows)
         logits = self._logits(tokens, blocked, context)
         routing = None  # per row, the routing of each position fed: prompt, then each generated token but the last
-        if self.routers:
+        if self.routers:  # at p_g > 1 a stage may hold no MoE layer
             prefill = self._routing(len(rows))
             routing = [[prefill[i, width - n:]] for i, n in enumerate(lengths)]
         position = width  # where the next token goes
@@ -212,7 +271,7 @@ class NativeRollout(RolloutEngine):
             context.enable_decode_mode()
         stop = set(sampling.stop_token_ids)
         for step in range(sampling.max_new_tokens):
-            chosen, chosen_logp = sample(logits, sampling, [generators[i] for i in active])
+            chosen, chosen_logp = self._sampled(logits, sampling, [generators[i] for i in active])
             keep = []
             for j, (i, token, logp) in enumerate(zip(active, chosen.tolist(), chosen_logp.tolist())):
                 produced[i].append(token)
@@ -223,6 +282,11 @@ class NativeRollout(RolloutEngine):
                     finish[i] = "length"
                 else:
                     keep.append(j)
+            if self.lockstep:
+                if not keep:
+                    self._idle()
+                    break
+                self._pace(True)
             if not keep:
                 break
             tokens = torch.cat([tokens, chosen.view(-1, 1).to(device)], dim=1)
@@ -244,8 +308,12 @@ class NativeRollout(RolloutEngine):
                 for j, i in enumerate(active):
                     routing[i].append(fed[j])
             position += 1
-        return [Response(p, s, produced[i], log_probs[i], finish[i], self.policy_version,
-                         torch.cat(routing[i]) if routing is not None else None)
+        routes = [torch.cat(r) for r in routing] if routing is not None else [None] * len(rows)
+        if self.record_routing and self.stages is not None:  # each stage recorded its own MoE layers
+            parts = [None] * len(self.stages)
+            dist.all_gather_object(parts, routes if routing is not None else None, group=self.groups.pg.pp)
+            routes = [torch.cat([part[i] for part in parts if part is not None], dim=1) for i in range(len(rows))]
+        return [Response(p, s, produced[i], log_probs[i], finish[i], self.policy_version, routes[i])
                 for i, (p, s) in enumerate(rows)]
 
 

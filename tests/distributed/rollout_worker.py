@@ -2,12 +2,14 @@
 
 ``reference WORK MODEL...``: one process builds each full model, saves it as a dist checkpoint
 and greedy continuations of PROMPTS by full recomputation (no cache).
-``run WORK CASE...``, a case being ``model@t,p,d,e>t_g,e_g``: the actor in the training layout
+``run WORK CASE...``, a case being ``model@t,p,d,e>t_g,e_g[,p_g]``: the actor in the training layout
 (the trainer's engine), the native rollout in the generation layout fed by the hybrid engine;
 greedy with and without a stop token, seeded sampling twice, and the trainer's log-probs of
-every response against the rollout's own. A case ending in ``+bf16`` also builds a second rollout
-with bf16 weights (``dtype="bfloat16"``) from the same fp32 training shards and measures its
-log-prob mismatch against the fp32 trainer.
+every response against the rollout's own (and, for MoE, the trainer's routing against the
+rollout's recorded one). At e_g > 1 also greedy with stop tokens that end the first replica's rows
+at once while the others run on (the replicas' lock-step). A case ending in ``+bf16`` also builds
+a second rollout with bf16 weights (``dtype="bfloat16"``) from the same fp32 training shards and
+measures its log-prob mismatch against the fp32 trainer.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
 from megarl.hybrid import regroup
 from megarl.models import build_model
 from megarl.models.hf_config import megatron_args_from_hf
+from megarl.models.routing_replay import moe_layer_index
 from megarl.parallel import Layout, build_groups
 from megarl.rollout import SamplingParams
 from megarl.rollout.native import NativeRollout
@@ -75,6 +78,10 @@ def trainer_log_probs(engine: MegatronEngine, responses, temperature: float) -> 
     batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
              "position_ids": torch.arange(width).expand(len(seqs), -1).contiguous()}
     lengths = torch.tensor([len(s) for s in seqs])
+    if all(r.routing is not None for r in responses):  # the experts of every position fed, -1 elsewhere
+        batch["routing"] = torch.full((len(seqs), width, *responses[0].routing.shape[1:]), -1, dtype=torch.int32)
+        for i, r in enumerate(responses):
+            batch["routing"][i, : len(seqs[i]) - 1] = r.routing
     logp = engine.forward_log_probs(batch, lengths, MicroBatching(max_tokens=48), temperature)["log_probs"]
     out = torch.zeros(len(responses), MAX_NEW)
     for i, r in enumerate(responses):
@@ -119,15 +126,19 @@ def run(work: Path, case: str) -> None:
     name, rest = case.split("@")
     train, gen = rest.split(">")
     tp, pp, dp, ep = (int(x) for x in train.split(","))
-    gen_tp, gen_ep = (int(x) for x in gen.split(","))
+    gen_tp, gen_ep, gen_pp = (int(x) for x in (gen + ",1").split(",")[:3])
     model_cfg = ModelConfig(hf_config=MODELS[name])
     args = megatron_args_from_hf(MODELS[name])
     groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None))
     set_seed(11, groups)
     state = lm.build_frozen_state(model_cfg, groups, str(work / f"{name}-ckpt"))
     engine = MegatronEngine(state, args.vocab_size)
-    rg = regroup(groups.layout, gen_tp, 1, gen_ep, args.num_experts or 0)
-    rollout = NativeRollout(model_cfg, args, rg, state.model, bucket_bytes=1 << 16, max_batch_rows=3)
+    rg = regroup(groups.layout, gen_tp, gen_pp, gen_ep, args.num_experts or 0)
+    moe = bool(args.num_experts)
+    if moe:  # the rollout records each token's experts; the trainer counts those it would route elsewhere
+        engine.track_routing(replay=False)
+    rollout = NativeRollout(model_cfg, args, rg, state.model, bucket_bytes=1 << 16, max_batch_rows=3,
+                            record_routing=moe)
     rollout.update_weights(policy_version=1)
     record = {"case": case}
     # which layers take the decode's own paths (the rotated-key cache, plain matmuls at t_g = 1)
@@ -157,6 +168,17 @@ def run(work: Path, case: str) -> None:
     record["stop_equal"] = [r.token_ids == e for r, e in zip(stopped, expected)]
     record["stop_finish"] = [(r.finish_reason, "stop" if stop in g else "length") for r, g in zip(stopped, greedy_ref)]
 
+    if gen_ep > 1:  # the first replica's rows stop at their first token, the others' run on
+        gen_dp = rg.gen.dp
+        share = -(-len(PROMPTS) // gen_dp)
+        stops = sorted({greedy_ref[i][0] for i in range(share)})
+        early = rollout.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=MAX_NEW, stop_token_ids=stops))
+        cut = [next((k + 1 for k, t in enumerate(g) if t in stops), len(g)) for g in greedy_ref]
+        record["early_equal"] = [r.token_ids == g[:n] for r, g, n in zip(early, greedy_ref, cut)]
+        record["early_lengths"] = [r.length for r in early]
+        record["early_replica_rows"] = [len(PROMPTS[d * share:(d + 1) * share]) for d in range(gen_dp)]
+        record["early_logp_diff"] = max_diff(engine, early, 1.0)
+
     sampling = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, n=3, max_new_tokens=MAX_NEW, seed=1234)
     first = rollout.generate(PROMPTS, sampling)
     again = rollout.generate(PROMPTS, sampling)
@@ -165,6 +187,12 @@ def run(work: Path, case: str) -> None:
     record["reproducible"] = [r.token_ids for r in first] == [r.token_ids for r in again]
     record["distinct_samples"] = len({tuple(r.token_ids) for r in first})
     record["sampled_logp_diff"] = max_diff(engine, first, 0.8)
+    if moe:  # fp32 on both sides: the same experts everywhere
+        record["routing_shapes_ok"] = all(r.routing.shape == (len(PROMPTS[r.prompt_index]) + r.length - 1,
+                                                              len(moe_layer_index(rollout.model.config)),
+                                                              args.config_kwargs["moe_router_topk"])
+                                          for r in first)
+        record["routing_mismatch"] = engine.routing_mismatch["routing_mismatch_frac"]
     record["sampled_tokens"] = [r.token_ids for r in first]
     if flag == "bf16":
         bf16_rollout(record, model_cfg, args, rg, state, engine, sampling)

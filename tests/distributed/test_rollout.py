@@ -4,11 +4,17 @@ rollout's (max abs <= 1e-5, fp32: a PPO ratio of 1 at the first step); seeded sa
 reproducible; stop tokens, max length, prompts of different lengths and n > 1 are reported;
 released memory refuses to generate until resumed and re-synced. A bf16 rollout
 (parallel.rollout.dtype) fed by fp32 training shards at tp=2 -> t_g=1 generates with bf16 weights and
-activations, and its log-prob mismatch to the fp32 trainer is far above fp32's."""
+activations, and its log-prob mismatch to the fp32 trainer is far above fp32's.
+
+Every planned generation layout runs: MoE at t_g=2 (no sequence parallelism in the decode), MoE at
+e_g=2 (replicas decode in lock-step; one replica's rows stop at once while the other's run on,
+and at d_g=4 one replica has no rows at all), dense and MoE at p_g=2 (stage-to-stage decode).
+Each MoE rollout records its routing: the fp32 trainer routes every token fed to the same experts."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +22,11 @@ from tests.distributed.launch import torchrun
 
 WORKER = "tests/distributed/rollout_worker.py"
 TOL = 1e-5
-CASES = {  # world size -> model@t,p,d,e>t_g,e_g[+bf16]
-    2: ["llama@2,1,1,1>1,1+bf16", "llama@2,1,1,1>2,1+sglang"],
-    4: ["llama@2,2,1,1>1,1+sglang", "llama@2,1,2,1>2,1", "qwen3-moe@2,1,2,2>1,1+sglang", "deepseek@2,1,2,1>1,1"],
+CASES = {  # world size -> model@t,p,d,e>t_g,e_g[,p_g][+bf16]
+    2: ["llama@2,1,1,1>1,1+bf16", "llama@2,1,1,1>2,1+sglang", "qwen3-moe@2,1,1,1>2,1", "qwen3-moe@1,1,2,2>1,2",
+        "llama@1,2,1,1>1,1,2", "qwen3-moe@1,2,1,1>1,1,2"],
+    4: ["llama@2,2,1,1>1,1+sglang", "llama@2,1,2,1>2,1", "qwen3-moe@2,1,2,2>1,1+sglang", "deepseek@2,1,2,1>1,1",
+        "qwen3-moe@1,1,4,2>1,2"],
 }
 SGLANG = [c.partition("+")[0] for cases in CASES.values() for c in cases if c.endswith("+sglang")]
 ALL = [c.partition("+")[0] for cases in CASES.values() for c in cases]  # "+bf16": an extra check
@@ -83,6 +91,32 @@ def test_stop_tokens_and_finish_reasons(results, case):
     assert any(got == "stop" for got, _ in r["stop_finish"]) and any(got == "length" for got, _ in r["stop_finish"])
 
 
+EXPERT_PARALLEL = [c for c in ALL if int((c.split(">")[1] + ",1").split(",")[1]) > 1]
+MOE = [c for c in ALL if not c.startswith("llama")]
+
+
+@pytest.mark.parametrize("case", EXPERT_PARALLEL)
+def test_expert_parallel_replicas_finish_at_different_steps(results, case):
+    """Stop tokens end the first replica's rows after one token while its expert-group partner
+    decodes on (pad rows keep the first in the group's collectives); the tokens are still the
+    greedy ones and the log-probs the trainer's."""
+    r = results[case]
+    assert all(r["early_equal"]), r["early_equal"]
+    first = r["early_replica_rows"][0]
+    assert r["early_lengths"][:first] == [1] * first and max(r["early_lengths"][first:]) == 8
+    assert r["early_logp_diff"] <= TOL
+    if case == "qwen3-moe@1,1,4,2>1,2":  # 5 prompts over 4 replicas: the last has none
+        assert r["early_replica_rows"] == [2, 2, 1, 0]
+
+
+@pytest.mark.parametrize("case", MOE)
+def test_recorded_routing_is_the_trainers(results, case):
+    """Response.routing: one top-k set per MoE layer for every position fed (gathered over the
+    stages at p_g > 1); the fp32 trainer routes every such token to the same experts."""
+    r = results[case]
+    assert r["routing_shapes_ok"] and r["routing_mismatch"] == 0.0
+
+
 @pytest.mark.parametrize("case", ALL)
 def test_sampling_n_and_seed(results, case):
     r = results[case]
@@ -143,3 +177,18 @@ def test_sglang_split_broadcast_is_the_hf_export(results, case):
     assert r["broadcast_names_equal"] and r["broadcast_exact"]
     assert r["broadcast_sent"][0] == r["broadcast_model_bytes"]
     assert r["broadcast_buckets"] > 2 and r["broadcast_max_bucket"] <= 48 << 10
+
+
+def test_expert_parallel_generation_needs_the_alltoall_dispatcher():
+    """The replicas of an expert group feed different token counts; allgather needs equal ones."""
+    from megarl.config import ModelConfig
+    from megarl.hybrid import regroup
+    from megarl.models.hf_config import megatron_args_from_hf
+    from megarl.parallel import Layout
+    from megarl.rollout.native import NativeRollout
+
+    path = str(Path(__file__).resolve().parents[2] / "configs/models/tiny-qwen3-moe.json")
+    args = megatron_args_from_hf(path)
+    rg = regroup(Layout(dp=2, ep=2, etp=1), 1, 1, 2, args.num_experts)
+    with pytest.raises(ValueError, match="rollout.ep=2 needs model.moe_token_dispatcher=alltoall"):
+        NativeRollout(ModelConfig(hf_config=path, moe_token_dispatcher="allgather"), args, rg)

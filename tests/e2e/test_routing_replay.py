@@ -5,7 +5,10 @@ it off, same seed.
 
 Without replay the trainer routes some (token, layer) pairs to other experts than the bf16 rollout
 did; with replay it uses the rollout's experts everywhere, and its log-probs come closer to the
-rollout's. A dense model with routing_replay is refused before any worker starts."""
+rollout's. A dense model with routing_replay is refused before any worker starts.
+
+An fp32 native rollout at tp=1·ep=2 (the two generation replicas decode in lock-step as one
+expert group) produces the trainer's log-probs: the first PPO ratio is 1."""
 
 from __future__ import annotations
 
@@ -28,16 +31,18 @@ def megarl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
-def config(work: Path, model_dir: Path, data: Path, replay: bool) -> Path:
-    path = work / f"replay_{replay}.yaml"
+def config(work: Path, model_dir: Path, data: Path, replay: bool, rollout: str = "{tp: 1, dtype: bfloat16}",
+           name: str = "") -> Path:
+    name = name or str(replay)
+    path = work / f"replay_{name}.yaml"
     path.write_text(f"""
 model: {{path: {model_dir}}}
-parallel: {{actor: {{tp: 2, ep: 2, etp: 1}}, rollout: {{tp: 1, dtype: bfloat16}}}}
+parallel: {{actor: {{tp: 2, ep: 2, etp: 1}}, rollout: {rollout}}}
 optimizer: {{lr: 0.0}}
 data: {{train_files: [{data}], prompts_per_step: 8}}
 algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 16,
              routing_replay: {str(replay).lower()}}}
-trainer: {{train_steps: 1, save_interval: 0, nproc_per_node: 2, run_dir: {work / f'run_{replay}'}}}
+trainer: {{train_steps: 1, save_interval: 0, nproc_per_node: 2, run_dir: {work / f'run_{name}'}}}
 logging: {{mlflow: false, progress_bar: false, rollout_dump_interval: 1}}
 """)
     return path
@@ -63,6 +68,23 @@ def runs(tmp_path_factory):
                                                                   if m.startswith(("moe/", "rollout/"))}
                                                   for k, r in out.items()}))
     return work, out
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_rollout(runs):
+    """One RL step with an fp32 rollout at tp=1·ep=2 on the same model and prompts."""
+    work, _ = runs
+    path = config(work, work / "model", work / "prompts.jsonl", False, rollout="{tp: 1, ep: 2}", name="ep2")
+    proc = megarl("train", str(path), cwd=work)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((work / "run_ep2" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_expert_parallel_native_rollout_gives_the_trainer_log_probs(expert_parallel_rollout):
+    m = expert_parallel_rollout
+    print("ep2 rollout metrics:", json.dumps({k: v for k, v in m.items() if k.startswith(("moe/", "rollout/"))}))
+    assert m["rollout/logp_max_abs_diff"] <= 1e-5
+    assert m["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_both_runs_train_on_the_same_rollout(runs):
