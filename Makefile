@@ -1,5 +1,5 @@
 # The README's two commands. Each creates .venv on first use (scripts/bootstrap.sh).
-.PHONY: demo test test-fast venv
+.PHONY: demo agent-demo test test-fast venv
 
 venv:
 	@scripts/bootstrap.sh
@@ -9,6 +9,11 @@ venv:
 # GRPO overrides: ARGS="key=value ...").
 demo: venv
 	scripts/demo.sh $(ARGS)
+
+# The agentic demo: a tiny Llama learns to call a calculator tool with multi-turn GRPO
+# (scripts/agent_demo.sh; about 4 minutes on 2 cores).
+agent-demo: venv
+	scripts/agent_demo.sh $(ARGS)
 
 # Command two: the test suite (multi-process Megatron on CPU included).
 test: venv

@@ -161,7 +161,11 @@ class DataConfig:
     ``reverse_digits`` (``d1..dn=`` → the digits reversed) or ``calculator`` (``a*b=`` → the product,
     multi-turn with a calculator tool: rollout.env=megarl.agent.tasks:CalculatorTask)."""
     num_digits: int = bounded(6, ge=1)
-    """Built-in reverse-the-digits task: digits per problem (train-lm sequences are 2*num_digits+2 tokens)."""
+    """Built-in task size: digits per problem for reverse_digits (train-lm sequences are 2*num_digits+2
+    tokens), digits per operand for calculator (sequences up to 8*num_digits+9 tokens)."""
+    tool_call_rate: float = bounded(0.25, ge=0, le=1)
+    """``megarl train-lm`` with data.task=calculator: the fraction of demonstrations that call the
+    calculator; the others answer directly with the product (which a tiny model cannot compute)."""
     label_noise: float = bounded(0.0, ge=0, le=1)
     """``megarl train-lm``: probability that an answer digit of the built-in task is replaced by a
     random one (noisy demonstrations; ``make demo``'s warm start); 0 = clean."""
@@ -372,10 +376,6 @@ class RewardModelConfig:
 
 
 @dataclass
-class MegarlConfig:
-    """The whole tree."""
-
-@dataclass
 class RolloutConfig:
     """Multi-turn rollouts (megarl/agent): an environment answers each policy turn (a tool's
     result), the loop appends its observation and lets the policy go on. Distinct from
@@ -405,6 +405,10 @@ class RolloutConfig:
     past it ends as an error observation ("tool timed out") and the episode goes on (counted in
     agent/tool_errors_mean)."""
 
+
+@dataclass
+class MegarlConfig:
+    """The whole tree."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: LayoutsConfig = field(default_factory=LayoutsConfig)

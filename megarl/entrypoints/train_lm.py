@@ -1,4 +1,4 @@
-"""Tiny multi-process Megatron training on the built-in reverse-digits task (every rank runs this).
+"""Tiny multi-process Megatron training on a built-in task, reverse-digits or calculator (every rank runs this).
 
 Shows the whole stack working on any machine: the layout's process groups, a GPTModel built
 from an HF config, Megatron DDP with the distributed optimizer, the pipeline schedule, and the
@@ -10,6 +10,7 @@ checkpoint with an ``hf/`` folder, the supervised warm start of ``make demo``. S
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,17 @@ from megarl.config import MegarlConfig, load_config
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed, shutdown
 from megarl.training import lm
-from megarl.training.tasks import reverse_digits_batch
+from megarl.training.tasks import calculator_batch, calculator_sequence_length, reverse_digits_batch
+
+log = logging.getLogger(__name__)
+TASKS = ("reverse_digits", "calculator")
+
+
+def make_batch(data, step: int, seed: int) -> dict:
+    """Step ``step``'s global batch of the built-in task ``data.task`` (DataConfig)."""
+    if data.task == "calculator":
+        return calculator_batch(step, data.global_batch_size, data.num_digits, seed, data.tool_call_rate)
+    return reverse_digits_batch(step, data.global_batch_size, data.num_digits, seed, data.label_noise)
 
 
 def check_config(cfg: MegarlConfig) -> None:
@@ -36,9 +47,20 @@ def check_config(cfg: MegarlConfig) -> None:
     vocab = read_hf_config(hf_config).get("vocab_size", 0)
     if vocab < DigitTokenizer().vocab_size:
         raise ValueError(f"model.hf_config {hf_config}: vocab_size {vocab} is smaller than the built-in "
-                         f"digit tokenizer's {DigitTokenizer().vocab_size} tokens the reverse-digits task uses")
+                         f"digit tokenizer's {DigitTokenizer().vocab_size} tokens the built-in tasks use")
     if not 0.0 <= cfg.data.label_noise <= 1.0:
         raise ValueError(f"data.label_noise={cfg.data.label_noise} must be a probability in [0, 1]")
+    if cfg.data.task not in TASKS:
+        raise ValueError(f"data.task='{cfg.data.task}': megarl train-lm trains on one of {sorted(TASKS)}")
+    if cfg.data.task == "calculator":
+        if cfg.data.label_noise:
+            log.warning("data.label_noise=%s is ignored with data.task=calculator (its demonstrations answer "
+                        "directly at data.tool_call_rate's complement instead)", cfg.data.label_noise)
+        seq = calculator_sequence_length(cfg.data.num_digits)
+        positions = read_hf_config(hf_config).get("max_position_embeddings", seq)
+        if seq > positions:
+            raise ValueError(f"data.num_digits={cfg.data.num_digits}: calculator demonstrations are {seq} tokens, "
+                             f"more than model.hf_config {hf_config}'s max_position_embeddings {positions}")
     if cfg.trainer.save_dir and Path(cfg.trainer.save_dir).exists():
         raise FileExistsError(f"trainer.save_dir {cfg.trainer.save_dir} already exists; remove it or choose "
                               f"another path")
@@ -84,8 +106,7 @@ def main(argv=None) -> int:
     first = last = None
     start = time.perf_counter()
     for step in range(cfg.trainer.train_steps):
-        batch = reverse_digits_batch(step, cfg.data.global_batch_size, cfg.data.num_digits, cfg.trainer.seed,
-                                     cfg.data.label_noise)
+        batch = make_batch(cfg.data, step, cfg.trainer.seed)
         metrics = lm.train_step(state, lm.dp_shard(batch, groups), cfg.data.micro_batch_size)
         first = metrics["loss"] if first is None else first
         last = metrics["loss"]

@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from megarl.algorithms.correction import check_rollout_correction
-from megarl.algorithms.presets import resolve
+from megarl.agent.envs import env_factory
+from megarl.agent.loop import Agent, check_config as check_agent_config, total_budget
+from megarl.algorithms.presets import preset, resolve
 from megarl.checkpoint.load import check_pretrained, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, ParallelConfig, load_config, validate
-from megarl.data.datasets import load_records, reverse_digits_records
+from megarl.config.schema import RolloutConfig
+from megarl.data.datasets import builtin_records, load_records
 from megarl.data.tokenizer import load_tokenizer
 from megarl.hybrid import regroup
 from megarl.models.builder import check_layout
@@ -44,6 +47,7 @@ class Prepared:
     stream: PromptStream
     scorer: Scorer
     tokenizer: Any
+    agent: Optional[Agent] = None  # multi-turn episodes (rollout.env), else None
 
 
 def world_size(cfg: MegarlConfig) -> int:
@@ -131,11 +135,49 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     if data.train_files:
         records = load_records(data.train_files, data.prompt_key, data.answer_key, data.bad_rows)
     else:
-        records = reverse_digits_records(data.builtin_size, data.num_digits, cfg.trainer.seed)
-    room = args.max_position_embeddings - algo.max_new_tokens
+        records = builtin_records(data.task, data.builtin_size, data.num_digits, cfg.trainer.seed)
+    agent = None
+    if check_agent(cfg, args):
+        try:
+            agent = Agent(cfg.rollout, env_factory(cfg.rollout.env, cfg.rollout.max_tool_seconds), tokenizer)
+        except ValueError as err:  # a chat template that cannot place observations
+            raise ConfigError(f"rollout.env with tokenizer {data.tokenizer}: {err}") from None
+    response_room = agent.budget(algo.max_new_tokens) if agent else algo.max_new_tokens
+    room = args.max_position_embeddings - response_room
     stream = PromptStream(records, tokenizer, cfg.trainer.seed, room)
     check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
-    return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer)
+    return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent)
+
+
+def check_agent(cfg: MegarlConfig, args) -> bool:
+    """The ``rollout:`` section (multi-turn episodes) and what it cannot combine with; True when
+    ``rollout.env`` is set."""
+    r, algo = cfg.rollout, cfg.algorithm
+    if r.env is None:
+        if r != RolloutConfig():
+            log.warning("rollout.* is set but rollout.env is null: the run is single-turn and ignores it")
+        return False
+    try:
+        check_agent_config(r, algo.max_new_tokens)
+        env_factory(r.env, r.max_tool_seconds)  # imports and checks the environment
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    budget = total_budget(r, algo.max_new_tokens)
+    if budget >= args.max_position_embeddings:
+        raise ConfigError(f"rollout.max_total_tokens={budget} (null: max_turns x algorithm.max_new_tokens) leaves no "
+                          f"room for prompts in the model's {args.max_position_embeddings} positions; lower it")
+    if algo.routing_replay:
+        # the native engine records the routing of each call's tokens; a multi-turn sample spans
+        # several calls (each re-reads the earlier turns), so no single record replays them all
+        raise ConfigError("algorithm.routing_replay=true does not support multi-turn rollouts (rollout.env); "
+                          "set algorithm.routing_replay=false or rollout.env=null")
+    if preset(algo).greedy_baseline:
+        raise ConfigError(f"algorithm.name={algo.name}: the greedy baseline is a single-turn response; with "
+                          f"rollout.env use another estimator (e.g. grpo, rloo)")
+    if r.reward == "verifier" and algo.reward_fn == "model":
+        raise ConfigError("rollout.reward=verifier scores the final turn with algorithm.reward_fn; the reward "
+                          "model (reward_fn=model) reads whole sequences: use a verifier or rollout.reward=env")
+    return True
 
 
 def check_placement(cfg: MegarlConfig, args) -> None:
@@ -159,8 +201,6 @@ def check_placement(cfg: MegarlConfig, args) -> None:
     if r.pp != 1 or r.ep != 1:
         raise ConfigError(f"trainer.placement=split generates with parallel.rollout.pp=1 and ep=1 "
                           f"(got pp={r.pp}, ep={r.ep})")
-    if args.num_experts and r.tp > 1:
-        raise ConfigError(f"parallel.rollout.tp={r.tp}: the native rollout runs MoE models at tp=1")
     if any(vars(t.offload).values()):
         raise ConfigError("trainer.offload is for colocated placement (the rollout borrows the trainer's devices); "
                           "with trainer.placement=split the rollout has its own: set trainer.offload.* to false")
@@ -388,7 +428,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         train = one_step_off.train if cfg.trainer.loop == "one_step_off" else loop.train
         tok = prepared.tokenizer
         train(cfg, roles, prepared.stream, prepared.scorer, log, tok.eos_token_ids, tok.pad_token_id,
-              start_step=done + 1, after_step=after_step)
+              start_step=done + 1, after_step=after_step, agent=prepared.agent)
         finish_checkpoints(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
         (log.run_dir / "final.json").write_text(json.dumps(final))
