@@ -5,6 +5,7 @@ both, the policy version each batch was drawn from, and the staleness logged."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -70,7 +71,7 @@ class Log:
         self.rows.append({"step": step, "policy_version": batch.policy_version, **metrics})
 
 
-def run(train, name, steps=3, roles=None, **trainer):
+def run(train, name, steps=3, roles=None, agent=None, **trainer):
     a = algo(name=name)
     cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2),
                           trainer=SimpleNamespace(**{"seed": 0, "train_steps": steps, "placement": "colocated",
@@ -78,7 +79,8 @@ def run(train, name, steps=3, roles=None, **trainer):
     roles, log = roles or Roles(critic=name == "ppo"), Log()
     scorer = Scorer(a, TOK)
     try:
-        train(cfg, roles, stream(), scorer, log, eos_token_ids=[TOK.eos_token_id], pad_token_id=TOK.pad_token_id)
+        train(cfg, roles, stream(), scorer, log, eos_token_ids=[TOK.eos_token_id], pad_token_id=TOK.pad_token_id,
+              agent=agent)
     finally:
         scorer.close()
     return roles.events, log.rows
@@ -174,3 +176,27 @@ def test_producer_error_reaches_the_trainer():
     roles.rollout.generate = fail
     with pytest.raises(RuntimeError, match="rollout rank 1 is gone"):
         run(one_step_off.train, "grpo", steps=3, roles=roles, placement="split")
+
+
+def test_split_one_step_off_runs_multi_turn_episodes_in_the_drawing_thread():
+    """Multi-turn episodes (the agent loop) drawn by the producer thread under split placement:
+    every generate call of an episode's turns happens there, each step's batch holds whole
+    episodes with their observation tokens masked, within the staleness bound."""
+    from megarl.agent.loop import Agent
+    from megarl.config.schema import RolloutConfig
+    from tests.unit.agent.test_loop import CountingEnv, ScriptedRollout as TurnRollout
+
+    class VersionedTurns(TurnRollout):  # the turns of the weights last synced
+        version = 0
+
+        def generate(self, prompts, sampling):
+            return [dataclasses.replace(r, policy_version=self.version) for r in super().generate(prompts, sampling)]
+
+    roles = SplitRoles(gen_s=0.0, train_s=0.05)
+    roles.scripted = VersionedTurns()
+    agent = Agent(RolloutConfig(env="scripted", max_turns=3, max_total_tokens=64), lambda: CountingEnv(turns=3), TOK)
+    events, rows = run(one_step_off.train, "grpo", steps=3, roles=roles, agent=agent, placement="split")
+    assert [r["agent/turns_mean"] for r in rows] == [3.0, 3.0, 3.0]
+    assert all(0 < r["agent/observation_token_frac"] < 1 for r in rows)
+    assert [r["sampling/staleness"] for r in rows] == [0, 1, 1]
+    assert sum(e.startswith("generate") for e in events) >= 3 * 3  # at least one call per turn per step
