@@ -115,12 +115,10 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         if not args.num_experts:
             raise ConfigError("algorithm.routing_replay=true needs an MoE model; model.hf_config describes a dense "
                               "one (no experts); set algorithm.routing_replay=false")
-        if cfg.model.recompute_granularity == "full" or layout.cp > 1:
-            # full recompute re-routes in the backward pass, out of step with the micro-batch being
-            # replayed; context parallelism reorders the sequence the routers see
-            raise ConfigError(f"algorithm.routing_replay=true does not support model.recompute_granularity="
-                              f"'{cfg.model.recompute_granularity}' or parallel.actor.cp={layout.cp}; use "
-                              f"selective or no recompute and cp=1")
+        if cfg.model.recompute_granularity == "full":
+            # full recompute re-routes in the backward pass, out of step with the micro-batch being replayed
+            raise ConfigError("algorithm.routing_replay=true does not support model.recompute_granularity='full'; "
+                              "use selective or no recompute")
     check_pretrained_sources(cfg)
     tokenizer = load_tokenizer(data.tokenizer, data.chat_template)
     if tokenizer.vocab_size > args.vocab_size:

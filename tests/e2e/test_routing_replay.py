@@ -7,6 +7,8 @@ Without replay the trainer routes some (token, layer) pairs to other experts tha
 did; with replay it uses the rollout's experts everywhere, and its log-probs come closer to the
 rollout's. A dense model with routing_replay is refused before any worker starts.
 
+With the actor at cp=2·ep=2 the replay gives the same trainer log-probs as at tp=2·ep=2.
+
 An fp32 native rollout at tp=1·ep=2 (the two generation replicas decode in lock-step as one
 expert group) produces the trainer's log-probs: the first PPO ratio is 1."""
 
@@ -32,12 +34,12 @@ def megarl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def config(work: Path, model_dir: Path, data: Path, replay: bool, rollout: str = "{tp: 1, dtype: bfloat16}",
-           name: str = "") -> Path:
+           name: str = "", actor: str = "{tp: 2, ep: 2, etp: 1}") -> Path:
     name = name or str(replay)
     path = work / f"replay_{name}.yaml"
     path.write_text(f"""
 model: {{path: {model_dir}}}
-parallel: {{actor: {{tp: 2, ep: 2, etp: 1}}, rollout: {rollout}}}
+parallel: {{actor: {actor}, rollout: {rollout}}}
 optimizer: {{lr: 0.0}}
 data: {{train_files: [{data}], prompts_per_step: 8}}
 algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 16,
@@ -78,6 +80,27 @@ def expert_parallel_rollout(runs):
     proc = megarl("train", str(path), cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((work / "run_ep2" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+@pytest.fixture(scope="module")
+def context_parallel_replay(runs):
+    """The replay run again with the actor at cp=2·ep=2: each CP rank's routers get the rollout's
+    experts of its own chunks of every sequence."""
+    work, _ = runs
+    path = config(work, work / "model", work / "prompts.jsonl", True, name="cp2", actor="{tp: 1, cp: 2, ep: 2, etp: 1}")
+    proc = megarl("train", str(path), cwd=work)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((work / "run_cp2" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_replay_with_context_parallelism_matches_the_tp_run(runs, context_parallel_replay):
+    """Replayed routing makes the fp32 trainer's log-probs a function of the weights and the
+    rollout's experts only: cp=2·ep=2 gives those of tp=2·ep=2 (same rollout, same seed)."""
+    _, m = runs
+    cp = context_parallel_replay
+    assert cp["moe/routing_mismatch_frac"] == 0.0
+    for key in ("rollout/logp_mean_abs_diff", "rollout/logp_max_abs_diff"):
+        assert cp[key] == pytest.approx(m[True][key], abs=1e-6), key
 
 
 def test_expert_parallel_native_rollout_gives_the_trainer_log_probs(expert_parallel_rollout):
