@@ -3,25 +3,30 @@ measured here, and the GRPO demo's step predicted per phase from them.
 
     python benchmarks/cpu_cost.py          # measure the constants and print them (JSON)
 
-Constants (each from seconds of microbenchmark in a subprocess, one thread per process):
-- ``flops_per_s``: fp32 matmul rate of one process at the demo model's weight shapes;
+Constants (each from seconds of microbenchmark in a subprocess, one thread per process; each a
+median of repeats, as the phases it predicts are means of ordinary steps):
+- ``flops_per_s``: fp32 matmul rate of one process at the demo model's weight shapes, per CPU second;
 - ``comm[world]``: gloo between pairs of processes, with ``world`` processes exchanging at once
   (pairs, as the demo's tp=2 groups): point-to-point, all-reduce, all-gather, reduce-scatter, each
-  fitted as latency + bytes / bandwidth over 4 B .. 1 MiB;
-- the fixed costs of the real engines on one process (world 1, tp=1): native generate per call,
-  per step and per row and step (each row samples from its own generator); the log-prob pass and
-  the update per call and per micro-batch (from two token budgets); the in-process weight sync;
-  FLOPs / rate subtracted. On a model this small a pass is mostly Python and dispatch, which FLOP
-  counts cannot give;
-- ``ray_call_s[world]``, ``ray_generate_s[world]``: a Ray round trip from a driver to ``world``
-  actors, as a DP verb (a batch share in, a column out) and as generate (prompts in, every
-  rank's copy of the step's responses out);
-- ``cores``: os.sched_getaffinity; processes beyond it share the cores.
+  fitted as latency + bytes / bandwidth over 4 B .. 1 MiB; ``cpu_share``, the fraction of a core
+  each of ``world`` busy processes gets (CPU time / wall time, with whatever else runs on the
+  machine);
+- the fixed costs of the real engines on one process (world 1, tp=1), in CPU seconds: native
+  generate per call, per step and per row and step (each row samples from its own generator);
+  the log-prob pass and the update per call and per micro-batch (from two token budgets); the
+  in-process weight sync; FLOPs / rate subtracted. On a model this small a pass is mostly Python
+  and dispatch, which FLOP counts cannot give;
+- ``ray_call_s[world]``, ``ray_bare_s[world]``, ``ray_generate_s[world]``: a Ray round trip from a
+  driver to ``world`` actors, as a DP verb (a batch share in, a column out), as a call that
+  carries no data (the weight sync's two) and as generate (prompts in, every rank's copy of the
+  step's responses out);
+- ``cores``: os.sched_getaffinity.
 
 :func:`predict` adds what the layout changes: FLOPs split over tp and dp, the tensor-parallel
-collectives of each micro-batch, the DP gradient all-reduce, the responses' all-gather, the
-planner's weight-sync bytes, and the core share (each of ``world`` busy processes gets
-cores/world of a core).
+collectives of each micro-batch and the optimizer step's (counted in a tp=2 pass: 12 per
+micro-batch forward, 15 more in its backward, 3 + 4 per step at dp > 1), each at its gloo cost,
+the DP gradient all-reduce, the responses' all-gather, the planner's weight-sync bytes; the
+engines' CPU seconds become wall seconds at the core share (``cpu_share``, or the one the run got).
 """
 
 from __future__ import annotations
@@ -43,15 +48,33 @@ sys.path.insert(0, str(ROOT))
 DEMO = ROOT / "configs" / "grpo_demo.yaml"
 
 
-def _best(fn, repeats: int) -> float:
-    """Best wall time of ``fn()`` over ``repeats`` runs after one warm-up (the least disturbed run)."""
+def _typical(fn, repeats: int, clock=time.perf_counter) -> float:
+    """Median time of ``fn()`` on ``clock`` over ``repeats`` runs after one warm-up. The median,
+    not the best: the phases it is compared with are means over ordinary steps on a shared
+    machine, and a best case (the least disturbed run) made every constant, and so every
+    prediction, too low."""
     fn()
-    best = float("inf")
+    samples = []
     for _ in range(repeats):
-        begin = time.perf_counter()
+        begin = clock()
         fn()
-        best = min(best, time.perf_counter() - begin)
-    return best
+        samples.append(clock() - begin)
+    return statistics.median(samples)
+
+
+def _cpu_share(seconds: float = 1.0) -> float:
+    """The fraction of a core this process gets while busy: CPU time over wall time of a loop of
+    small torch ops (what a demo pass is made of). With ``world`` such processes at once and
+    whatever else runs on the machine (other jobs, Ray's daemons), it is what each rank of a
+    phase gets; cores / world is only its upper bound."""
+    import torch
+
+    x, y = torch.randn(1024, 64), torch.empty(1024, 64)
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        for _ in range(64):
+            torch.mul(x, 1.0001, out=y)
+    return (time.process_time() - cpu) / (time.perf_counter() - wall)
 
 
 def demo_shape(cfg) -> dict:
@@ -101,7 +124,7 @@ def _compute_worker(out: Path, repeats: int) -> None:
     # the demo's weight matmuls on a micro-batch of its tokens: QKV, attention out, fc1 (gate+up), fc2
     for k, n in ((h, 3 * h), (h, h), (h, 2 * ffn), (ffn, h)):
         a, b = torch.randn(tokens // 2, k), torch.randn(k, n)
-        seconds = _best(lambda: [a @ b for _ in range(20)], repeats) / 20
+        seconds = _typical(lambda: [a @ b for _ in range(20)], repeats, time.process_time) / 20
         rates.append(2 * a.shape[0] * k * n / seconds)
     flops_per_s = statistics.median(rates)
 
@@ -124,7 +147,7 @@ def _compute_worker(out: Path, repeats: int) -> None:
     def generate(prompt_count: int, new: int) -> float:
         # no stop tokens: every row decodes ``new`` tokens (the prompt's step + new - 1 decode steps)
         sampling = SamplingParams(temperature=1.0, n=shape["samples"], max_new_tokens=new, seed=0)
-        return _best(lambda: rollout.generate(prompts[:prompt_count], sampling), repeats)
+        return _typical(lambda: rollout.generate(prompts[:prompt_count], sampling), repeats, time.process_time)
 
     # A generate call = per call + per step (a forward) + per row and step (sampling draws from
     # each row's own generator) + FLOPs: timed at 1 and 9 new tokens, on all rows and on a quarter.
@@ -159,14 +182,16 @@ def _compute_worker(out: Path, repeats: int) -> None:
         batch, lengths, MicroBatching(max_tokens=shape["micro_batch_tokens"]))
 
     budgets = (shape["micro_batch_tokens"], length * 8)
+    cpu = time.process_time  # the work, in CPU seconds: predict() divides by the share of a core each rank gets
     micro = [len(engine.micro_batches(batch, lengths, MicroBatching(max_tokens=b))) for b in budgets]
-    fwd = [_best(lambda: actor.compute_log_prob(batch, lengths, MicroBatching(max_tokens=b)), repeats)
+    fwd = [_typical(lambda: actor.compute_log_prob(batch, lengths, MicroBatching(max_tokens=b)), repeats, cpu)
            for b in budgets]
-    upd = [_best(lambda: actor.update(batch, lengths, MicroBatching(max_tokens=b)), repeats) for b in budgets]
+    upd = [_typical(lambda: actor.update(batch, lengths, MicroBatching(max_tokens=b)), repeats, cpu)
+           for b in budgets]
     fwd_flops = flops.forward([width] * rows)  # padded rows: the engine computes the padding too
     fwd_micro = (fwd[1] - fwd[0]) / (micro[1] - micro[0])
     upd_micro = (upd[1] - upd[0]) / (micro[1] - micro[0])
-    sync = _best(lambda: rollout.update_weights(1), repeats)
+    sync = _typical(lambda: rollout.update_weights(1), repeats, cpu)
     result = {"flops_per_s": flops_per_s,
               "gen_call_s": gen_call, "gen_step_s": gen_step, "gen_row_step_s": gen_row,
               "fwd_call_s": fwd[0] - micro[0] * fwd_micro - fwd_flops / flops_per_s, "fwd_micro_s": fwd_micro,
@@ -202,6 +227,8 @@ def _comm_worker(out: Path, repeats: int) -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    dist.barrier()
+    share = _cpu_share()  # every rank busy at once, as in a phase; again at the end (the load drifts)
     group, peer = pairs[rank // 2], rank ^ 1
     sizes = [2 ** k for k in range(2, 21, 2)]
     times = {"p2p": [], "all_reduce": [], "all_gather": [], "reduce_scatter": []}
@@ -222,11 +249,14 @@ def _comm_worker(out: Path, repeats: int) -> None:
                "reduce_scatter": lambda: dist.reduce_scatter_tensor(half, whole, group=group)}
         for name, op in ops.items():
             dist.barrier()
-            seconds = _best(lambda: [op() for _ in range(20)], repeats) / 20
+            seconds = _typical(lambda: [op() for _ in range(20)], repeats) / 20
             times[name].append(seconds / 2 if name == "p2p" else seconds)
+    dist.barrier()
+    share = torch.tensor([share + _cpu_share()]) / 2
+    dist.all_reduce(share)
     if rank == 0:
         out.write_text(json.dumps({"world": world, **{name: _fit(sizes, t) for name, t in times.items()},
-                                   "bytes": sizes}))
+                                   "bytes": sizes, "cpu_share": share.item() / world}))
     dist.barrier()
 
 
@@ -249,6 +279,10 @@ def _ray_worker(out: Path, worlds, repeats: int) -> None:
                 # as the log-prob verb answers: a [rows, seq] column of the chunk
                 return Batch({"log_probs": torch.zeros_like(batch["loss_mask"])})
 
+            def bare(self):
+                # as resume_memory and update_weights travel: no data either way
+                return None
+
             def generate(self, prompts, samples: int, new: int):
                 return [Response(p, s, list(range(new)), [-0.5] * new, "length", 0)
                         for p in range(len(prompts)) for s in range(samples)]
@@ -264,7 +298,7 @@ def _ray_worker(out: Path, worlds, repeats: int) -> None:
                 samples.append(time.perf_counter() - begin)
             return statistics.median(samples)
 
-        result = {"ray_call_s": {}, "ray_generate_s": {}}
+        result = {"ray_call_s": {}, "ray_bare_s": {}, "ray_generate_s": {}}
         prompts = [[1, 5, 6, 7, 8, 9]] * 16
         for world in worlds:
             rows, width = 128 // (world // 2), 16  # a DP rank's chunk at tp=2: 128 rows over dp = world/2
@@ -273,6 +307,7 @@ def _ray_worker(out: Path, worlds, repeats: int) -> None:
             batch = Batch({**{k: torch.zeros(rows, width) for k in columns},
                            **{k: torch.zeros(rows) for k in ("lengths", "scores", "raw_scores", "index")}})
             result["ray_call_s"][world] = median(lambda: ray.get([a.call.remote(batch) for a in actors[:world]]))
+            result["ray_bare_s"][world] = median(lambda: ray.get([a.bare.remote() for a in actors[:world]]))
             result["ray_generate_s"][world] = median(
                 lambda: ray.get([a.generate.remote(prompts, 8, 5) for a in actors[:world]]))
         out.write_text(json.dumps(result))
@@ -280,7 +315,7 @@ def _ray_worker(out: Path, worlds, repeats: int) -> None:
         ray.shutdown()
 
 
-def measure(worlds=(2, 4), repeats: int = 3) -> dict:
+def measure(worlds=(2, 4), repeats: int = 5) -> dict:
     """All constants, each group from its own subprocess (torchrun for the distributed ones)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                RAY_AUTH_MODE="disabled")
@@ -312,11 +347,13 @@ def _cost(fit: dict, nbytes: float) -> float:
 
 
 def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, response_max: float,
-            sync_bytes: float) -> dict:
+            sync_bytes: float, core_share: float | None = None) -> dict:
     """Seconds of each phase of one demo step at ``world`` ranks (actor tp=2, dp = world/2,
     sequence parallel; rollout t_g = 1), from the constants ``c``. ``response_mean`` /
     ``response_max``: the run's response lengths (the workload, not a timing); ``sync_bytes``:
-    what the planner makes a rank receive."""
+    what the planner makes a rank receive; ``core_share``: the share of a core the run's ranks got
+    (on a shared machine the load drifts between the microbenchmark and the run), by default the
+    microbenchmark's."""
     import torch
 
     from megarl.engines import batching
@@ -326,8 +363,9 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     flops, args = shape["flops"], shape["args"]
     layers, h = args.config_kwargs["num_layers"], args.config_kwargs["hidden_size"]
     rate, dp, comm = c["flops_per_s"], world // tp, c["comm"][world]
-    # every rank is busy at once in every phase: each gets cores/world of a core
-    share = min(1.0, c["cores"] / world)
+    # every rank is busy at once in every phase: each gets the share of a core measured with
+    # `world` busy processes (at most cores/world); the engines' costs are CPU seconds
+    share = comm["cpu_share"] if core_share is None else core_share
     ray = c["ray_call_s"][world]
     rows, prompt = shape["rows"], shape["prompt"]
 
@@ -367,17 +405,18 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     bwd_comm = (column + row) * _cost(comm["all_gather"], act) + column * _cost(comm["reduce_scatter"], act)
     local_flops = flops.forward([width] * local_rows) / tp
     old_log_prob = ray + (c["fwd_call_s"] + micro * c["fwd_micro_s"] + local_flops / rate) / share + micro * fwd_comm
-    # after the backward: the DP all-reduce of this rank's gradients (one bucket), the TP all-reduce
-    # of the replicated norm weights' gradients, the finite check over the model- and data-parallel
-    # groups, the grad norm and the loss report
+    # after the backward (counted in a tp=2 update): the TP all-reduce of the replicated norm
+    # weights' gradients, the finite check and the grad norm over the model-parallel group; over
+    # the data-parallel group, which has one rank at dp=1, the DP all-reduce of this rank's
+    # gradients (one bucket), the token count, the finite check and the two loss reports
     grads = shape["spec"].numel() / tp * 4
-    small = 4 + (dp > 1)
+    small = 3 + 4 * (dp > 1)
     step_comm = (_cost(comm["all_reduce"], grads) if dp > 1 else 0.0) + small * _cost(comm["all_reduce"], 64)
     update = (ray + (c["upd_call_s"] + micro * c["upd_micro_s"] + 3 * local_flops / rate) / share
               + micro * (fwd_comm + bwd_comm) + step_comm)
-    # weight sync: two Ray calls (resume_memory, update_weights); the in-process copies as on one
-    # process; one message from the micro-DP peer
-    sync = 2 * ray + c["sync_call_s"] / share + _cost(comm["p2p"], sync_bytes)
+    # weight sync: two Ray calls that carry no data (resume_memory, update_weights); the in-process
+    # copies as on one process; one message from the micro-DP peer
+    sync = 2 * c["ray_bare_s"][world] + c["sync_call_s"] / share + _cost(comm["p2p"], sync_bytes)
     return {"generate": generate, "old_log_prob": old_log_prob, "actor_update": update, "weight_sync": sync,
             "detail": {"micro_batches": micro, "share": share, "gen_steps": steps, "ray_s": ray,
                        "tp_comm_old_log_prob_s": micro * fwd_comm,
@@ -389,7 +428,7 @@ def main() -> None:
     parser.add_argument("what", nargs="?", default="all", choices=["all", "compute", "comm", "ray"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     if args.what == "compute":

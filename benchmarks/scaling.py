@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,19 +214,44 @@ def measured_run(world: int, tp: int, nnodes: int = 1) -> dict:
             if cluster:
                 cmd.append(f"trainer.ray_address={cluster.address}")
                 env = cluster.env
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            stderr_path = Path(run) / "stderr.txt"
+            with open(stderr_path, "w") as stderr:
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+                share = _core_share_while(proc, stderr_path)
+            stderr = stderr_path.read_text()
             if proc.returncode:
-                sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+                sys.exit(f"{' '.join(cmd)} failed:\n{stderr[-4000:]}")
             rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()][1:]
         # the driver's worker list, "rank: pid N@address (node ID)": how many Ray nodes the ranks ran on
-        nodes = len(set(re.findall(r"\d+: pid \d+@[^\s,]+ \(node (\w+)\)", proc.stderr)))
+        nodes = len(set(re.findall(r"\d+: pid \d+@[^\s,]+ \(node (\w+)\)", stderr)))
     finally:
         if cluster:
             cluster.stop()
     mean = lambda k: sum(r[k] for r in rows) / len(rows)
     return {**{p: mean(f"time/{p}_s") for p in PHASES + ("reward", "step")},
             "response_mean": mean("response/length_mean"), "response_max": mean("response/length_max"),
-            "nodes": nodes}
+            "nodes": nodes, "core_share": share}
+
+
+def _core_share_while(proc: subprocess.Popen, stderr: Path) -> float:
+    """The share of a core the run's workers got while runnable, from the kernel's scheduler
+    statistics of their main threads (/proc/PID/schedstat: time on a CPU, time waiting in a run
+    queue) between the driver's worker list and the run's end. Like the response lengths, it is
+    what the run was given (here: how loaded the shared machine was), not a timing of its phases;
+    time blocked (in a collective, between verbs) counts in neither."""
+    first, last = {}, {}
+    while proc.poll() is None:
+        for pid in map(int, re.findall(r"\d+: pid (\d+)@", stderr.read_text())):
+            try:
+                on_cpu, waiting = map(int, Path(f"/proc/{pid}/schedstat").read_text().split()[:2])
+            except (OSError, ValueError):  # exited
+                continue
+            first.setdefault(pid, (on_cpu, waiting))
+            last[pid] = (on_cpu, waiting)
+        time.sleep(0.2)
+    on_cpu = sum(last[p][0] - first[p][0] for p in last)
+    waiting = sum(last[p][1] - first[p][1] for p in last)
+    return on_cpu / (on_cpu + waiting) if on_cpu else 1.0
 
 
 def cpu_breakdown() -> None:
@@ -240,20 +266,24 @@ def cpu_breakdown() -> None:
     cfg = load_config([ROOT / "configs/grpo_demo.yaml"])
     shape = cpu_cost.demo_shape(cfg)
     pair = lambda fit: f"{fit['latency_s'] * 1e6:.0f} us + bytes / {fit['bytes_per_s'] / 1e9:.2f} GB/s"
-    print(f"Constants measured on this machine ({c['cores']} cores; one thread per process): matmul "
-          f"{c['flops_per_s'] / 1e9:.1f} GFLOP/s per process; native generate {c['gen_call_s'] * 1e3:.1f} ms per "
-          f"call + {c['gen_step_s'] * 1e3:.2f} ms per step + {c['gen_row_step_s'] * 1e6:.0f} us per row and step; "
-          f"log-prob pass {c['fwd_call_s'] * 1e3:.1f} ms "
-          f"per call + {c['fwd_micro_s'] * 1e3:.1f} ms per micro-batch; update {c['upd_call_s'] * 1e3:.1f} ms per "
+    print(f"Constants measured on this machine ({c['cores']} cores; one thread per process; medians; engine "
+          f"costs in CPU seconds): matmul {c['flops_per_s'] / 1e9:.1f} GFLOP per CPU second; native generate "
+          f"{c['gen_call_s'] * 1e3:.1f} ms per call + {c['gen_step_s'] * 1e3:.2f} ms per step + "
+          f"{c['gen_row_step_s'] * 1e6:.0f} us per row and step; log-prob pass {c['fwd_call_s'] * 1e3:.1f} ms per "
+          f"call + {c['fwd_micro_s'] * 1e3:.1f} ms per micro-batch; update {c['upd_call_s'] * 1e3:.1f} ms per "
           f"call + {c['upd_micro_s'] * 1e3:.1f} ms per micro-batch; in-process weight sync "
           f"{c['sync_call_s'] * 1e3:.2f} ms (one process, tp=1, FLOPs/rate subtracted); Ray round trip to all "
-          f"workers " + ", ".join(f"{s * 1e3:.1f} ms at world {w}" for w, s in c["ray_call_s"].items()) + ".")
+          f"workers " + ", ".join(f"{s * 1e3:.1f} ms at world {w}" for w, s in c["ray_call_s"].items())
+          + " (a DP verb's batch and column; " + ", ".join(f"{s * 1e3:.1f} ms" for s in c["ray_bare_s"].values())
+          + " with no data).")
     for world, fits in c["comm"].items():
         print(f"  gloo in pairs, {world} processes running: " + "; ".join(
-            f"{name} {pair(fits[name])}" for name in ("p2p", "all_reduce", "all_gather", "reduce_scatter")))
+            f"{name} {pair(fits[name])}" for name in ("p2p", "all_reduce", "all_gather", "reduce_scatter"))
+              + f"; each process gets {fits['cpu_share']:.2f} of a core")
     print("Model: every phase = Ray round trip + (engine's per-call + per-micro-batch or per-decode-step "
-          "cost + FLOPs / rate) / core share + the layout's gloo messages (tensor-parallel collectives per "
-          "micro-batch, DP gradient all-reduce, the planner's weight-sync bytes); reward (the verifier, "
+          "CPU seconds + FLOPs / rate) / measured core share + the layout's gloo messages, each at latency + "
+          "bytes / bandwidth (tensor-parallel collectives counted per micro-batch and per "
+          "optimizer step, DP gradient all-reduce, the planner's weight-sync bytes); reward (the verifier, "
           "on the driver) is measured, not modelled.")
     print(f"\nGRPO demo ({shape['prompts']} prompts x {shape['samples']} samples, {shape['max_new']} new tokens), "
           f"mean of steps 2-6, seconds: predicted / measured (ratio; * = off by more than "
@@ -271,10 +301,10 @@ def cpu_breakdown() -> None:
         traffic = rank_traffic(model, regroup(layout, cfg.parallel.rollout.tp), 0, "micro_dp", world // nnodes)
         sync_bytes = traffic["received"] * 4  # fp32
         predicted = cpu_cost.predict(c, shape, world, tp, measured["response_mean"], measured["response_max"],
-                                     sync_bytes)
-        # the step: the phases, the measured reward and release_memory's Ray call (the batch's
-        # assembly and the advantages, on the driver, are not modelled)
-        predicted["step"] = sum(predicted[p] for p in PHASES) + measured["reward"] + c["ray_call_s"][world]
+                                     sync_bytes, measured["core_share"])
+        # the step: the phases, the measured reward and release_memory's Ray call, which carries no
+        # data (the batch's assembly and the advantages, on the driver, are not modelled)
+        predicted["step"] = sum(predicted[p] for p in PHASES) + measured["reward"] + c["ray_bare_s"][world]
         setting = f"world {world}" + (f" ({nnodes} Ray nodes)" if nnodes > 1 else "") + f" tp={tp} dp={world // tp}"
         cells = []
         for phase in PHASES + ("step",):
@@ -285,7 +315,8 @@ def cpu_breakdown() -> None:
             cells.append(f"{predicted[phase]:.3f} / {measured[phase]:.3f} ({ratio:4.2f}){flag}")
         print(f"{setting:>33s} " + " ".join(f"{cell:>24s}" for cell in cells) + f" {measured['reward']:7.3f}")
         d = predicted["detail"]
-        print(f"{'':>33s} of which: Ray {d['ray_s'] * 1e3:.1f} ms per call, core share {d['share']:.2f}, "
+        print(f"{'':>33s} of which: Ray {d['ray_s'] * 1e3:.1f} ms per call, core share during the run {d['share']:.2f} "
+              f"({c['comm'][world]['cpu_share']:.2f} in the microbenchmark), "
               f"{d['micro_batches']} micro-batch(es) per rank, {d['gen_steps']} generation steps, gloo in the "
               f"log-prob pass {d['tp_comm_old_log_prob_s'] * 1e3:.1f} ms and in the update "
               f"{d['comm_update_s'] * 1e3:.1f} ms; sync {sync_bytes / 1e3:.0f} kB per rank")
