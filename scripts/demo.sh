@@ -12,23 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-out="${DEMO_DIR:-runs/demo}"
-megarl="${MEGARL:-.venv/bin/megarl}"
-python="${PYTHON:-.venv/bin/python}"
-read -r -a sft_args <<< "${SFT_ARGS:-}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
-
-times=()
-stage() {  # stage NUMBER TITLE COMMAND...: run it, stop the demo if it fails, record its time
-    local number=$1 title=$2 start=$SECONDS
-    shift 2
-    printf '\n=== stage %s/5: %s\n$ %s\n' "$number" "$title" "$*"
-    "$@" || { echo "=== stage $number failed (exit $?): $title" >&2; exit 1; }
-    times+=("stage $number: $((SECONDS - start)) s  $title")
-}
-
-rm -rf "$out"  # the demo's own output: a run directory with checkpoints would be resumed
-mkdir -p "$out"
+DEMO_DEFAULT_DIR=runs/demo DEMO_STAGES=5
+source scripts/stages.sh
 stage 1 "supervised warm start of a random tiny Llama -> $out/sft_model" \
     "$megarl" train-lm configs/demo/sft.yaml "trainer.save_dir=$out/sft_model" "${sft_args[@]}"
 stage 2 "the warm start as a Hugging Face directory -> $out/sft_hf" \
