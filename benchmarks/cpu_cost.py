@@ -8,14 +8,16 @@ median of repeats, as the phases it predicts are means of ordinary steps):
 - ``flops_per_s``: fp32 matmul rate of one process at the demo model's weight shapes, per CPU second;
 - ``comm[world]``: gloo between pairs of processes, with ``world`` processes exchanging at once
   (pairs, as the demo's tp=2 groups): point-to-point, all-reduce, all-gather, reduce-scatter, each
-  fitted as latency + bytes / bandwidth over 4 B .. 1 MiB; ``cpu_share``, the fraction of a core
+  fitted as latency + bytes / bandwidth over 4 B .. 1 MiB; ``world_latency_s``, all-reduce and
+  all-gather over all ``world`` ranks at 4 B .. 4 KiB; ``cpu_share``, the fraction of a core
   each of ``world`` busy processes gets (CPU time / wall time, with whatever else runs on the
-  machine);
+  machine); and in the demo's layout at that world, with its real roles (``_layout_costs``):
+  the weight sync's CPU seconds per rank outside its gloo calls (``sync_cpu_s``);
 - the fixed costs of the real engines on one process (world 1, tp=1), in CPU seconds: native
-  generate per call, per step and per row and step (each row samples from its own generator);
-  the log-prob pass and the update per call and per micro-batch (from two token budgets); the
-  in-process weight sync; FLOPs / rate subtracted. On a model this small a pass is mostly Python
-  and dispatch, which FLOP counts cannot give;
+  generate per call, per step and per row and step (each row samples from its own generator;
+  a non-negative line through three row counts); the log-prob pass and the update per call and
+  per micro-batch (from two token budgets); FLOPs / rate subtracted. On a model this small a
+  pass is mostly Python and dispatch, which FLOP counts cannot give;
 - ``ray_call_s[world]``, ``ray_bare_s[world]``, ``ray_generate_s[world]``: a Ray round trip from a
   driver to ``world`` actors, as a DP verb (a batch share in, a column out), as a call that
   carries no data (the weight sync's two) and as generate (prompts in, every rank's copy of the
@@ -25,8 +27,9 @@ median of repeats, as the phases it predicts are means of ordinary steps):
 :func:`predict` adds what the layout changes: FLOPs split over tp and dp, the tensor-parallel
 collectives of each micro-batch and the optimizer step's (counted in a tp=2 pass: 12 per
 micro-batch forward, 15 more in its backward, 3 + 4 per step at dp > 1), each at its gloo cost,
-the DP gradient all-reduce, the responses' all-gather, the planner's weight-sync bytes; the
-engines' CPU seconds become wall seconds at the core share (``cpu_share``, or the one the run got).
+the DP gradient all-reduce, the responses' all-gather, the weight sync's two world-wide
+all-reduces and the planner's bytes; the engines' CPU seconds become wall seconds at the core
+share (``cpu_share``, or the one the run got).
 """
 
 from __future__ import annotations
@@ -60,6 +63,21 @@ def _typical(fn, repeats: int, clock=time.perf_counter) -> float:
         fn()
         samples.append(clock() - begin)
     return statistics.median(samples)
+
+
+def nonnegative_line(xs, ys) -> tuple:
+    """(intercept, slope) of the least-squares line through (xs, ys) with both >= 0: a cost per
+    call and per unit cannot be negative, and noise must not make one so. Where the free fit
+    has a negative term, the best fit with that term at 0."""
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    if slope < 0:
+        return max(my, 0.0), 0.0
+    if intercept < 0:
+        return 0.0, max(sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0)
+    return intercept, slope
 
 
 def _cpu_share(seconds: float = 1.0) -> float:
@@ -150,10 +168,12 @@ def _compute_worker(out: Path, repeats: int) -> None:
         return _typical(lambda: rollout.generate(prompts[:prompt_count], sampling), repeats, time.process_time)
 
     # A generate call = per call + per step (a forward) + per row and step (sampling draws from
-    # each row's own generator) + FLOPs: timed at 1 and 9 new tokens, on all rows and on a quarter.
+    # each row's own generator) + FLOPs: timed at 1 and 9 new tokens, on all rows, a half and a
+    # quarter; the per-step cost against rows is a non-negative line through the three (two
+    # differences of medians can fit a negative per-step cost on a loaded machine)
     prompt, long_new = shape["prompt"], 9
     slopes, intercepts = {}, {}
-    for count in (shape["prompts"], shape["prompts"] // 4):
+    for count in (shape["prompts"], shape["prompts"] // 2, shape["prompts"] // 4):
         rows = count * shape["samples"]
         first = rows * (prompt * (flops.per_token + flops.lm_head) + prompt ** 2 * flops.attention)
         later = sum(rows * (flops.per_token + flops.lm_head + (prompt + s) * flops.attention)
@@ -161,10 +181,8 @@ def _compute_worker(out: Path, repeats: int) -> None:
         short, long = generate(count, 1), generate(count, long_new)
         slopes[rows] = (long - short - later / flops_per_s) / (long_new - 1)  # per step at this many rows
         intercepts[rows] = short - first / flops_per_s - slopes[rows]
-    (many, a), (few, b) = sorted(slopes.items(), reverse=True)
-    gen_row = (a - b) / (many - few)
-    gen_step = b - few * gen_row
-    gen_call = statistics.mean(intercepts.values())
+    gen_step, gen_row = nonnegative_line(list(slopes), list(slopes.values()))
+    gen_call = max(statistics.median(intercepts.values()), 0.0)
 
     # training passes over a demo-shaped batch: one token budget and a small one, for the
     # per-micro-batch cost (slope) and the per-call cost (intercept)
@@ -191,12 +209,11 @@ def _compute_worker(out: Path, repeats: int) -> None:
     fwd_flops = flops.forward([width] * rows)  # padded rows: the engine computes the padding too
     fwd_micro = (fwd[1] - fwd[0]) / (micro[1] - micro[0])
     upd_micro = (upd[1] - upd[0]) / (micro[1] - micro[0])
-    sync = _typical(lambda: rollout.update_weights(1), repeats, cpu)
     result = {"flops_per_s": flops_per_s,
               "gen_call_s": gen_call, "gen_step_s": gen_step, "gen_row_step_s": gen_row,
               "fwd_call_s": fwd[0] - micro[0] * fwd_micro - fwd_flops / flops_per_s, "fwd_micro_s": fwd_micro,
               "upd_call_s": upd[0] - micro[0] * upd_micro - 3 * fwd_flops / flops_per_s, "upd_micro_s": upd_micro,
-              "sync_call_s": sync, "raw": {"generate_step_s": slopes, "micro_batches": micro,
+              "raw": {"generate_step_s": slopes, "micro_batches": micro,
                                            "forward_s": fwd, "update_s": upd}}
     out.write_text(json.dumps(result))
     groups.destroy()
@@ -251,13 +268,126 @@ def _comm_worker(out: Path, repeats: int) -> None:
             dist.barrier()
             seconds = _typical(lambda: [op() for _ in range(20)], repeats) / 20
             times[name].append(seconds / 2 if name == "p2p" else seconds)
+    # over the whole world, small messages only (what the phases send world-wide: the sync's flags
+    # and peaks, the responses' sizes and pickles): latency, the median over 4 B .. 4 KiB
+    world_latency = {}
+    for name in ("all_reduce", "all_gather"):
+        samples = []
+        for size in [s for s in sizes if s <= 4096]:
+            mine = torch.zeros(max(size // 4 // world, 1))
+            every = torch.zeros(mine.numel() * world)
+            op = ((lambda: dist.all_reduce(every)) if name == "all_reduce"
+                  else (lambda: dist.all_gather_into_tensor(every, mine)))
+            dist.barrier()
+            samples.append(_typical(lambda: [op() for _ in range(20)], repeats) / 20)
+        world_latency[name] = statistics.median(samples)
     dist.barrier()
     share = torch.tensor([share + _cpu_share()]) / 2
     dist.all_reduce(share)
+    layout = _layout_costs(repeats)
     if rank == 0:
         out.write_text(json.dumps({"world": world, **{name: _fit(sizes, t) for name, t in times.items()},
-                                   "bytes": sizes, "cpu_share": share.item() / world}))
+                                   "bytes": sizes, "cpu_share": share.item() / world,
+                                   "world_latency_s": world_latency, **layout}))
     dist.barrier()
+
+
+def _schedstat() -> tuple:
+    """(ns on a CPU, ns runnable but waiting for one) of the calling thread, from the kernel."""
+    on_cpu, waiting = map(int, Path("/proc/thread-self/schedstat").read_text().split()[:2])
+    return on_cpu, waiting
+
+
+def _layout_costs(repeats: int) -> dict:
+    """The demo's layout at this world (actor tp=2, dp=world/2; rollout t_g=1), built as the
+    workers build it, with the real rollout role, every rank at once:
+
+    - ``sync_cpu_s``: the weight sync's two verbs, resume_memory then update_weights (the
+      Resharder's changed-flags all-reduce, packing, the exchange with the micro-DP peer and the
+      copies into the generation model; the phase bookkeeping's peaks all-reduce), in CPU seconds,
+      the largest rank's median, less the CPU seconds inside its gloo calls: the part the model
+      divides by the core share (the collectives are modelled from the gloo fits);
+    - checks, printed beside the model's parts to show where a phase's error lies, not used by
+      the model: ``gen_share``, the share of a core the ranks' main threads got while generating
+      the demo's batch (every rank decoding its rows at once), from the scheduler's statistics
+      (time on a CPU over time on a CPU or waiting in a run queue); ``generate_cpu_s``, a rank's
+      CPU seconds in that generate; ``sync_wall_s``, ``generate_wall_s``, the calls' wall seconds
+      without Ray (medians, largest rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.config import load_config
+    from megarl.engines.offload import PhaseOffload
+    from megarl.hybrid import regroup
+    from megarl.parallel import Layout, build_groups
+    from megarl.roles.rollout import Rollout
+    from megarl.rollout import SamplingParams
+    from megarl.rollout.native import NativeRollout
+    from megarl.runtime import set_seed
+    from megarl.training import lm
+
+    cfg = load_config([DEMO])
+    shape, world, tp = demo_shape(cfg), dist.get_world_size(), cfg.parallel.actor.tp
+    args = shape["args"]
+    groups = build_groups(Layout(tp=tp, dp=world // tp))
+    set_seed(0, groups)
+    state = lm.build_train_state(cfg.model, cfg.optimizer, groups, total_steps=1000)
+    engine = NativeRollout(cfg.model, args, regroup(groups.layout, cfg.parallel.rollout.tp), state.model)
+    role = Rollout(engine, PhaseOffload([state], False, False, False))
+    role.update_weights(0)
+    # a gloo call costs CPU too (about 0.5 ms for a few bytes here), which the gloo fits already
+    # count: the CPU seconds inside the sync's collectives (its all-reduces, the exchange's start
+    # and wait) are measured around each call and taken out
+    in_comm = [0.0]
+
+    def counted(fn):
+        def call(*a, **kw):
+            begin = time.process_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                in_comm[0] += time.process_time() - begin
+        return call
+
+    transport, all_reduce = engine.resharder.transport, dist.all_reduce
+    transport.start, transport.wait, dist.all_reduce = counted(transport.start), counted(transport.wait), \
+        counted(all_reduce)
+    sync_cpu, sync_wall = [], []
+    try:
+        for version in range(1, repeats + 2):  # the first one warms up
+            role.release_memory()  # as the loop does before training
+            dist.barrier()
+            cpu, wall, in_comm[0] = time.process_time(), time.perf_counter(), 0.0
+            role.resume_memory()
+            role.update_weights(version)
+            sync_cpu.append(time.process_time() - cpu - in_comm[0])
+            sync_wall.append(time.perf_counter() - wall)
+    finally:
+        dist.all_reduce = all_reduce
+        del transport.start, transport.wait
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, args.vocab_size, (shape["prompt"],), generator=gen).tolist()
+               for _ in range(shape["prompts"])]
+    sampling = SamplingParams(temperature=1.0, n=shape["samples"], max_new_tokens=shape["max_new"], seed=0)
+    on_cpu = waiting = 0
+    gen_wall, gen_cpu = [], []
+    for i in range(repeats + 1):
+        dist.barrier()
+        before, wall, cpu = _schedstat(), time.perf_counter(), time.process_time()
+        role.generate(prompts, sampling)
+        after = _schedstat()
+        gen_wall.append(time.perf_counter() - wall)
+        gen_cpu.append(time.process_time() - cpu)
+        if i:
+            on_cpu, waiting = on_cpu + after[0] - before[0], waiting + after[1] - before[1]
+    mine = torch.tensor([statistics.median(x[1:]) for x in (sync_cpu, sync_wall, gen_wall, gen_cpu)],
+                        dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    counts = torch.tensor([on_cpu, waiting], dtype=torch.float64)
+    dist.all_reduce(counts)
+    groups.destroy()
+    return {"sync_cpu_s": mine[0].item(), "sync_wall_s": mine[1].item(), "generate_wall_s": mine[2].item(),
+            "generate_cpu_s": mine[3].item(), "gen_share": (counts[0] / counts.sum()).item()}
 
 
 def _ray_worker(out: Path, worlds, repeats: int) -> None:
@@ -353,7 +483,9 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     ``response_max``: the run's response lengths (the workload, not a timing); ``sync_bytes``:
     what the planner makes a rank receive; ``core_share``: the share of a core the run's ranks got
     (on a shared machine the load drifts between the microbenchmark and the run), by default the
-    microbenchmark's."""
+    microbenchmark's. Every phase ends in a collective (or Ray's wait for every rank), so it takes
+    as long as the last rank: all ranks' CPU seconds over their cores, the share each gets while
+    all are runnable; a rank that finishes early and blocks does not speed the others up."""
     import torch
 
     from megarl.engines import batching
@@ -376,11 +508,13 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     gen_flops = gen_rows * (prompt * (flops.per_token + flops.lm_head) + prompt ** 2 * flops.attention)
     gen_flops += sum(gen_rows * (flops.per_token + flops.lm_head + (prompt + s) * flops.attention)
                      for s in range(1, steps))
-    # then every replica's responses to every rank (all_gather_object: the sizes, then the
-    # pickled lists, over a ring of `world` ranks)
+    # then every replica's responses to every rank (all_gather_object over the world: the sizes,
+    # then the pickled lists, each one world-wide all-gather; the payload's bytes at the pairs'
+    # all-gather bandwidth, (world - 1) shares arriving at each rank)
     share_bytes = len(pickle.dumps([Response(i, 0, list(range(steps)), [-0.5] * steps, "length", 0)
                                     for i in range(rows // world)]))
-    gathered = (world - 1) * (_cost(comm["all_gather"], 16) + _cost(comm["all_gather"], 2 * share_bytes))
+    gathered = (2 * comm["world_latency_s"]["all_gather"]
+                + (world - 1) * 2 * share_bytes / comm["all_gather"]["bytes_per_s"])
     row_steps = gen_rows * response_mean  # finished rows leave the batch
     generate = (c["ray_generate_s"][world] + gathered
                 + (c["gen_call_s"] + steps * c["gen_step_s"] + row_steps * c["gen_row_step_s"] + gen_flops / rate)
@@ -414,11 +548,16 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     step_comm = (_cost(comm["all_reduce"], grads) if dp > 1 else 0.0) + small * _cost(comm["all_reduce"], 64)
     update = (ray + (c["upd_call_s"] + micro * c["upd_micro_s"] + 3 * local_flops / rate) / share
               + micro * (fwd_comm + bwd_comm) + step_comm)
-    # weight sync: two Ray calls that carry no data (resume_memory, update_weights); the in-process
-    # copies as on one process; one message from the micro-DP peer
-    sync = 2 * c["ray_bare_s"][world] + c["sync_call_s"] / share + _cost(comm["p2p"], sync_bytes)
+    # weight sync: two Ray calls that carry no data (resume_memory, update_weights); the two verbs'
+    # CPU seconds on a rank of this layout (the Resharder's packing and copies, its Python);
+    # two world-wide all-reduces of a few bytes (the Resharder's changed flags, the phase
+    # bookkeeping's memory peaks) and one exchange with the micro-DP peer (the planner's bytes)
+    sync = (2 * c["ray_bare_s"][world] + comm["sync_cpu_s"] / share
+            + 2 * comm["world_latency_s"]["all_reduce"] + _cost(comm["p2p"], sync_bytes))
     return {"generate": generate, "old_log_prob": old_log_prob, "actor_update": update, "weight_sync": sync,
-            "detail": {"micro_batches": micro, "share": share, "gen_steps": steps, "ray_s": ray,
+            "detail": {"micro_batches": micro, "share": share, "gen_steps": steps,
+                       "ray_s": ray, "gather_s": gathered,
+                       "sync_collectives_s": 2 * comm["world_latency_s"]["all_reduce"] + _cost(comm["p2p"], sync_bytes),
                        "tp_comm_old_log_prob_s": micro * fwd_comm,
                        "comm_update_s": micro * (fwd_comm + bwd_comm) + step_comm}}
 

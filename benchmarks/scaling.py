@@ -265,31 +265,35 @@ def cpu_breakdown() -> None:
     c = cpu_cost.measure()
     cfg = load_config([ROOT / "configs/grpo_demo.yaml"])
     shape = cpu_cost.demo_shape(cfg)
+    tp = cfg.parallel.actor.tp
     pair = lambda fit: f"{fit['latency_s'] * 1e6:.0f} us + bytes / {fit['bytes_per_s'] / 1e9:.2f} GB/s"
     print(f"Constants measured on this machine ({c['cores']} cores; one thread per process; medians; engine "
           f"costs in CPU seconds): matmul {c['flops_per_s'] / 1e9:.1f} GFLOP per CPU second; native generate "
           f"{c['gen_call_s'] * 1e3:.1f} ms per call + {c['gen_step_s'] * 1e3:.2f} ms per step + "
           f"{c['gen_row_step_s'] * 1e6:.0f} us per row and step; log-prob pass {c['fwd_call_s'] * 1e3:.1f} ms per "
           f"call + {c['fwd_micro_s'] * 1e3:.1f} ms per micro-batch; update {c['upd_call_s'] * 1e3:.1f} ms per "
-          f"call + {c['upd_micro_s'] * 1e3:.1f} ms per micro-batch; in-process weight sync "
-          f"{c['sync_call_s'] * 1e3:.2f} ms (one process, tp=1, FLOPs/rate subtracted); Ray round trip to all "
+          f"call + {c['upd_micro_s'] * 1e3:.1f} ms per micro-batch (one process, tp=1, FLOPs/rate subtracted); Ray "
+          f"round trip to all "
           f"workers " + ", ".join(f"{s * 1e3:.1f} ms at world {w}" for w, s in c["ray_call_s"].items())
           + " (a DP verb's batch and column; " + ", ".join(f"{s * 1e3:.1f} ms" for s in c["ray_bare_s"].values())
           + " with no data).")
     for world, fits in c["comm"].items():
         print(f"  gloo in pairs, {world} processes running: " + "; ".join(
             f"{name} {pair(fits[name])}" for name in ("p2p", "all_reduce", "all_gather", "reduce_scatter"))
-              + f"; each process gets {fits['cpu_share']:.2f} of a core")
+              + f"; over all {world}: all_reduce {fits['world_latency_s']['all_reduce'] * 1e6:.0f} us, all_gather "
+              f"{fits['world_latency_s']['all_gather'] * 1e6:.0f} us; each process gets {fits['cpu_share']:.2f} of a "
+              f"core busy; weight sync (tp={tp} dp={world // tp}, rollout t_g=1, all ranks at once: resume_memory + "
+              f"update_weights) {fits['sync_cpu_s'] * 1e3:.1f} ms CPU per rank outside its gloo calls")
     print("Model: every phase = Ray round trip + (engine's per-call + per-micro-batch or per-decode-step "
-          "CPU seconds + FLOPs / rate) / measured core share + the layout's gloo messages, each at latency + "
-          "bytes / bandwidth (tensor-parallel collectives counted per micro-batch and per "
-          "optimizer step, DP gradient all-reduce, the planner's weight-sync bytes); reward (the verifier, "
-          "on the driver) is measured, not modelled.")
+          "CPU seconds + FLOPs / rate) / the core share the run got + "
+          "the layout's gloo messages, each at latency + bytes / bandwidth (tensor-parallel collectives counted "
+          "per micro-batch and per optimizer step, DP gradient all-reduce, the responses' all-gather; weight "
+          "sync: the layout's CPU seconds per rank + two world-wide all-reduces + the planner's bytes from the "
+          "peer); reward (the verifier, on the driver) is measured, not modelled.")
     print(f"\nGRPO demo ({shape['prompts']} prompts x {shape['samples']} samples, {shape['max_new']} new tokens), "
           f"mean of steps 2-6, seconds: predicted / measured (ratio; * = off by more than "
           f"{TOLERANCE:.0%})")
     print(f"{'setting':>33s} " + " ".join(f"{p:>24s}" for p in PHASES + ("step",)) + f" {'reward':>7s}")
-    tp = cfg.parallel.actor.tp
     model = ModelSpec.from_args(shape["args"], cfg.model.make_vocab_size_divisible_by)
     off = []
     for world, nnodes in ((2, 1), (4, 1), (4, 2)):
@@ -320,6 +324,18 @@ def cpu_breakdown() -> None:
               f"{d['micro_batches']} micro-batch(es) per rank, {d['gen_steps']} generation steps, gloo in the "
               f"log-prob pass {d['tp_comm_old_log_prob_s'] * 1e3:.1f} ms and in the update "
               f"{d['comm_update_s'] * 1e3:.1f} ms; sync {sync_bytes / 1e3:.0f} kB per rank")
+        fits = c["comm"][world]
+        # the model at the check's workload: every row decodes max_new tokens
+        full = cpu_cost.predict(c, shape, world, tp, shape["max_new"], shape["max_new"], sync_bytes,
+                                measured["core_share"])
+        print(f"{'':>33s} without Ray (the layout's roles in a torchrun, every rank at once, every row at "
+              f"{shape['max_new']} tokens): generate {fits['generate_wall_s'] * 1e3:.1f} ms vs the model's "
+              f"{(full['generate'] - c['ray_generate_s'][world]) * 1e3:.1f} ms (gather "
+              f"{full['detail']['gather_s'] * 1e3:.1f} ms; a rank's CPU {fits['generate_cpu_s'] * 1e3:.1f} ms, "
+              f"its share of a core while runnable {fits['gen_share']:.2f}); weight sync "
+              f"{fits['sync_wall_s'] * 1e3:.1f} ms vs the model's "
+              f"{(predicted['weight_sync'] - 2 * c['ray_bare_s'][world]) * 1e3:.1f} ms (collectives "
+              f"{d['sync_collectives_s'] * 1e3:.1f} ms)")
     print("all phases within" if not off else "off by more than", f"{TOLERANCE:.0%}" + (
         "" if not off else ": " + "; ".join(f"{s} {p} x{r:.2f}" for s, p, r in off)))
 
