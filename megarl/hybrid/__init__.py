@@ -1,7 +1,8 @@
 """3D-HybridEngine: regroup the actor's training shards into its generation layout (HybridFlow §5).
 
 ``shards`` says which slice every rank holds, ``planner`` who sends what to whom (pure, cached),
-``executor`` moves the bytes bucket by bucket.
+``executor`` moves the bytes bucket by bucket, ``names`` reads a built model's tensor names
+(Transformer Engine's spec) as the plans' own.
 """
 
 from megarl.hybrid.executor import P2PTransport, Resharder, SyncStats

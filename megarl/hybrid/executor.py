@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import ReshardPlan, Regrouping, Segment, plan_reshard
 from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
 
@@ -84,8 +85,8 @@ class Resharder:
         self.plan, self.overlap = plan, overlap
         self.rank = dist.get_rank()
         self.transport = transport or P2PTransport()
-        chunks = [getattr(c, "module", c) for c in train_chunks]
-        named = [dict(c.named_parameters()) | dict(c.named_buffers()) for c in chunks]
+        named = [planned_tensors(c) for c in train_chunks]
+        check_planned(train_chunks, plan.sources[self.rank], f"rank {self.rank}")
         self.train: Dict[int, Tuple[LocalTensor, torch.Tensor]] = {}
         self.originals: Dict[int, torch.Tensor] = {}  # the parameters themselves (requires_grad)
         for local in plan.sources[self.rank]:

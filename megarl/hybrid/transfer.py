@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view
+from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
 from megarl.parallel.layout import Layout
@@ -136,8 +137,8 @@ class ShardSender(_Side):
 
     def __init__(self, plan: TransferPlan, rank: int, train_chunks: List[torch.nn.Module]):
         super().__init__(plan, rank)
-        chunks = [getattr(c, "module", c) for c in train_chunks]
-        named = [dict(c.named_parameters()) | dict(c.named_buffers()) for c in chunks]
+        named = [planned_tensors(c) for c in train_chunks]
+        check_planned(train_chunks, plan.sources[rank], f"training rank {rank}")
         self.train: Dict[int, Tuple[LocalTensor, torch.Tensor]] = {}
         for local in plan.sources[rank]:
             tensor = named[local.chunk].get(local.name)

@@ -55,6 +55,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from megarl.hybrid import ModelSpec, Regrouping, Resharder
+from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.transfer import ShardReceiver, TransferPlan
 from megarl.models import build_model
 from megarl.models.hf_config import MegatronModelArgs
@@ -105,7 +106,7 @@ class NativeRollout(RolloutEngine):
         self.lockstep = gen.ep > 1  # the replicas decode step by step together (see the module docstring)
         self.stages = dist.get_process_group_ranks(self.groups.pg.pp) if gen.pp > 1 else None  # global ranks
         self.first_stage, self.last_stage = self.groups.is_first_stage, self.groups.is_last_stage
-        tensors = {n: t.data for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())}
+        tensors = {n: t.data for n, t in planned_tensors(self.model).items()}
         self.routers = []  # this stage's MoE layers, in MoE layer order
         self.record_routing = bool(record_routing and args.num_experts)
         if self.record_routing:
@@ -117,6 +118,8 @@ class NativeRollout(RolloutEngine):
         else:
             self.resharder = Resharder.create(ModelSpec.from_args(args, model_cfg.make_vocab_size_divisible_by),
                                               regrouping, train_chunks, bucket_bytes, outputs=tensors)
+        shard = regrouping.shards[dist.get_rank()] if split else self.resharder.plan.gen[dist.get_rank()]
+        check_planned([self.model], shard, f"rollout rank {dist.get_rank()}")
         self.weights = list(self.resharder.outputs.values())
         self.released = False
         self.stale = True  # no weights yet
