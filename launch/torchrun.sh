@@ -4,7 +4,8 @@
 #   launch/torchrun.sh [CONFIG.yaml] [key=value ...]
 #
 # Environment (defaults in brackets):
-#   NPROC_PER_NODE  processes on this node [number of GPUs, else trainer.nproc_per_node (2)]
+#   NPROC_PER_NODE  processes on this node [GPUs this process may use: CUDA_VISIBLE_DEVICES's
+#                   entries when it is set, else nvidia-smi's; with none, trainer.nproc_per_node's 2]
 #   NNODES          nodes in the job [1]
 #   NODE_RANK       this node's index [0]
 #   MASTER_ADDR     address of node 0 [127.0.0.1; loopback for single-node runs]
@@ -13,11 +14,17 @@
 #   DRY_RUN=1       print the torchrun command and every rank's layout coordinates; start nothing
 set -euo pipefail
 
-if command -v nvidia-smi >/dev/null 2>&1; then
-  default_nproc="$(nvidia-smi --list-gpus | wc -l)"
-else
-  default_nproc=2
+# nvidia-smi lists every GPU of the node, whatever CUDA_VISIBLE_DEVICES hides
+default_nproc=0
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+  IFS=',' read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+  for device in "${visible[@]}"; do
+    case "$device" in -*) break ;; *[![:space:]]*) default_nproc=$((default_nproc + 1)) ;; esac  # CUDA stops at -1
+  done
+elif command -v nvidia-smi >/dev/null 2>&1; then
+  default_nproc="$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)"
 fi
+if [ "$default_nproc" -eq 0 ]; then default_nproc=2; fi
 nproc="${NPROC_PER_NODE:-$default_nproc}"
 nnodes="${NNODES:-1}"
 node_rank="${NODE_RANK:-0}"

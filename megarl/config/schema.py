@@ -84,6 +84,9 @@ class RolloutLayoutConfig:
     """``native`` (Megatron with a KV cache; CPU and GPU) or ``sglang`` (GPU, extra ``sglang``)."""
     bucket_mb: int = bounded(256, ge=1)
     """Hybrid-engine bucket: extra memory a weight sync may hold (MiB)."""
+    mem_fraction_static: float = bounded(0.5, gt=0, lt=1)
+    """engine=sglang: share of each GPU's memory SGLang's engine holds for weights and KV cache
+    (its ``mem_fraction_static``); colocated, the trainer's resident state must fit in the rest."""
     nproc: int = bounded(0, ge=0)
     """Split placement (trainer.placement=split): the rollout's own ranks (its layout: tp above, dp =
     nproc / tp, pp = 1), besides the trainer's nnodes x nproc_per_node; ignored when colocated."""

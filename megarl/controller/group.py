@@ -59,6 +59,26 @@ def _node_placement(world_size: int, nnodes: int, cpus: float, gpus: float):
     return group
 
 
+def gpu_assignment(cluster_gpus: float, ranks: int, engine: str = "native") -> Tuple[int, str]:
+    """GPUs each of a run's ``ranks`` workers (trainer and rollout together) asks Ray for, and why,
+    from the Ray cluster's GPUs (``ray.cluster_resources()``), not the driver's: a GPU-less head node
+    still gives the workers on its GPU nodes one each. One GPU per rank: two ranks of one NCCL
+    communicator cannot share a GPU (NCCL's "Duplicate GPU detected"), and split placement's
+    weights group spans trainer and rollout ranks. Raises ConfigError when the cluster has GPUs but
+    fewer than ``ranks``, or none for ``engine=sglang``."""
+    if not cluster_gpus:
+        if engine == "sglang":
+            raise ConfigError("parallel.rollout.engine=sglang needs GPUs and the Ray cluster has none; "
+                              "use parallel.rollout.engine=native or a cluster with GPU nodes")
+        return 0, "the Ray cluster has no GPUs: workers on CPU (gloo)"
+    if cluster_gpus < ranks:
+        raise ConfigError(f"{ranks} ranks (trainer and rollout) need a GPU each and the Ray cluster has "
+                          f"{cluster_gpus:g}; lower trainer.nproc_per_node or parallel.rollout.nproc "
+                          f"(split placement needs trainer + rollout GPUs; colocated shares them), or hide "
+                          f"the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU")
+    return 1, f"the Ray cluster has {cluster_gpus:g} GPUs: one per rank ({ranks} ranks)"
+
+
 def rendezvous_address(local: bool):
     """(address, free port) on this node: loopback when the whole run is on one machine."""
     address = "127.0.0.1" if local else ray.util.get_node_ip_address()

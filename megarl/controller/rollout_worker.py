@@ -62,7 +62,8 @@ class RolloutWorker:
         dtype = resolve_dtype(cfg.model.params_dtype)  # the trainer's parameters', as the broadcast sends them
         vocab = cfg.model.make_vocab_size_divisible_by
         hf_dir = write_hf_dir(args.hf_config, dtype, cfg.data.tokenizer) if groups.tp_rank == 0 else ""
-        return SGLangRollout(groups, args, hf_dir, dtype, bucket_bytes=r.bucket_mb << 20, vocab_multiple=vocab,
+        return SGLangRollout(groups, args, hf_dir, dtype, mem_fraction=r.mem_fraction_static,
+                             bucket_bytes=r.bucket_mb << 20, vocab_multiple=vocab,
                              weights_plan=hf_bucket_plan(args, dtype, r.bucket_mb << 20, vocab))
 
     def connect_weights(self, address: str, port: int) -> None:

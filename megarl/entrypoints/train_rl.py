@@ -343,34 +343,37 @@ def run(prepared: Prepared) -> List[dict]:
 
 def _run_locked(prepared: Prepared) -> List[dict]:
     from megarl.controller.cluster import RaySession
-    from megarl.controller.group import WorkerGroup
+    from megarl.controller.group import WorkerGroup, gpu_assignment
     from megarl.controller.rl_worker import RLWorker
     from megarl.trainer import loop, one_step_off
     from megarl.config import to_yaml
     from megarl.trainer.checkpoint import Checkpoints
     from megarl.trainer.logger import RunLogger
 
-    import torch
-
     cfg = prepared.cfg
     world = world_size(cfg)
     split = cfg.trainer.placement == "split"
     rollout_ranks = cfg.parallel.rollout.nproc if split else 0
     session = RaySession(cfg.trainer, num_cpus=world + rollout_ranks)  # private on loopback, or trainer.ray_address
-    gpus = 1 if torch.cuda.is_available() else 0
-    if gpus and split:  # fewer GPUs than trainer + rollout ranks (e.g. the one-GPU check): they share
-        import ray
-
-        gpus = min(1.0, ray.cluster_resources().get("GPU", 0) / (world + rollout_ranks)) or 1
     group = rollout_group = None
     try:
-        group = WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus, env=session.worker_env,
+        import ray
+
+        gpus, why = gpu_assignment(ray.cluster_resources().get("GPU", 0), world + rollout_ranks,
+                                   cfg.parallel.rollout.engine)
+        print(f"megarl: {why}", file=sys.stderr, flush=True)
+        env = session.worker_env
+        if cfg.parallel.rollout.engine == "sglang":
+            from megarl.rollout.sglang_engine import worker_env
+
+            env = {**env, **worker_env()}
+        group = WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus, env=env,
                             nnodes=cfg.trainer.nnodes)
         if split:  # the rollout's own ranks, its own torch.distributed world
             from megarl.controller.rollout_worker import RolloutWorker
 
             rollout_group = WorkerGroup(RolloutWorker, rollout_ranks, cfg, cpus_per_worker=1, gpus_per_worker=gpus,
-                                        env=session.worker_env, name="rollout")
+                                        env=env, name="rollout")
     except BaseException:
         for g in (group, rollout_group):
             if g is not None:
@@ -448,7 +451,8 @@ def check_engine_available(cfg: MegarlConfig) -> None:
         return
     import torch
 
-    if not torch.cuda.is_available():
+    # on a cluster the workers' nodes decide (gpu_assignment); a private Ray has this machine's GPUs
+    if not cfg.trainer.ray_address and not torch.cuda.is_available():
         raise ConfigError("parallel.rollout.engine=sglang needs CUDA GPUs, and this machine has none; use "
                           "parallel.rollout.engine=native here (--dry-run prints an SGLang run's plan anywhere)")
     if importlib.util.find_spec("sglang") is None:

@@ -8,6 +8,11 @@ and hands them over bucket by bucket as CUDA-IPC handles, one payload per TP ran
 ``update_weights_from_tensor``: no host copy. Split placement uses ``init_weights_update_group``
 and ``update_weights_from_distributed`` instead.
 
+Devices: each engine spans the GPUs of its replica's t_g generation-TP ranks, SGLang's TP rank i on
+rank i's GPU (where rank i's CUDA-IPC payloads live). A Ray worker sees only its own GPU, so the
+engine's processes start with ``CUDA_VISIBLE_DEVICES`` set to the node ids of those t_g GPUs and
+``base_gpu_id=0`` (:func:`engine_devices`), as verl does for its colocated SGLang engines.
+
 Memory (colocated): SGLang's memory saver releases its weights, KV cache and CUDA graphs while
 the trainer holds the device, and takes them back in two steps: the weights before the sync, the
 KV cache and CUDA graphs only once the trainer has offloaded its states (``resume_kv_cache``), so
@@ -21,21 +26,25 @@ trainer, ``init_weights_update_group`` in SGLang); :meth:`SGLangRollout.receive_
 the matching receives (``update_weights_from_distributed``).
 
 The parts that need no GPU (names, buckets, payload layout, bucket plan, gathering, the process
-group) are plain functions and classes, tested on CPU.
+group, devices) are plain functions and classes, tested on CPU. Pinned: SGLang 0.5.6.post2 (the
+Dockerfile's base image); setup.py's extra asks for sglang>=0.5.0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -380,6 +389,87 @@ class SGLangBroadcaster:
         return self.last
 
 
+# ----------------------------------------------------------------------------- devices and versions
+
+
+def physical_device(visible: Optional[str], index: int) -> str:
+    """The node's id of this process's CUDA device ``index``: its entry in ``visible`` (the
+    process's CUDA_VISIBLE_DEVICES; Ray sets it to the worker's own GPUs), or ``index`` when unset."""
+    if visible is None:
+        return str(index)
+    ids = [d.strip() for d in visible.split(",") if d.strip()]
+    if index >= len(ids):
+        raise ValueError(f"CUDA device {index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids[index]
+
+
+def check_engine_devices(ranks: Sequence[Tuple[str, str]]) -> List[str]:
+    """(host, node device id) of each generation-TP rank, TP rank order → the devices one SGLang
+    engine spans. Raises ValueError when the ranks are on several hosts or share a GPU."""
+    hosts = sorted({host for host, _ in ranks})
+    if len(hosts) > 1:
+        raise ValueError(f"a generation TP group spans hosts {hosts}; SGLang's engine runs on one node: "
+                         f"keep parallel.rollout.tp within trainer.nproc_per_node")
+    ids = [device for _, device in ranks]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"generation TP ranks share GPUs {ids}; SGLang's TP workers need one GPU each")
+    return ids
+
+
+def engine_devices(tp_group) -> List[str]:
+    """The node's ids of the GPUs of the generation TP group's ranks, TP rank order (collective over
+    the group)."""
+    mine = (socket.gethostname(), physical_device(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.current_device()))
+    ranks: list = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(ranks, mine, group=tp_group)
+    return check_engine_devices(ranks)
+
+
+@contextlib.contextmanager
+def visible_devices(ids: Sequence[str]) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES=ids`` for the processes started inside (SGLang's schedulers inherit it
+    at spawn and take device ``base_gpu_id + tp_rank``); this process's CUDA context keeps its own."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def worker_env() -> Dict[str, str]:
+    """Environment of every worker of an SGLang run. SGLang's engine sets NCCL_CUMEM_ENABLE=0 in its
+    processes unless it is set already (``_set_envs_and_config``); the trainer's ranks, which share
+    the split placement's weights group with SGLang's workers, take the same value (NCCL reads it once
+    per process, before its first communicator)."""
+    return {"NCCL_CUMEM_ENABLE": os.environ.get("NCCL_CUMEM_ENABLE", "0")}
+
+
+# SGLang versions whose ``init_weights_update_group`` was read: each TP worker joins the group
+# through ``init_custom_process_group`` (a tcp:// rendezvous, ``PrefixStore(group_name)``, no
+# ``device_id``: NCCL's communicator is made at the first broadcast) and returns, with no collective
+# over the group; :func:`weights_process_group` does the same on the trainer's side.
+RENDEZVOUS_CHECKED = ((0, 5, 6), (0, 5, 23))
+
+
+def release_tuple(version: str) -> Tuple[int, ...]:
+    """``0.5.6.post2`` → (0, 5, 6): the release, without post/dev/rc tags."""
+    return tuple(int(m) for m in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def rendezvous_warning(version: str) -> Optional[str]:
+    """Why the split placement's weights group may not meet SGLang ``version``'s, or None."""
+    low, high = RENDEZVOUS_CHECKED
+    if low <= release_tuple(version) <= high:
+        return None
+    return (f"SGLang {version}: the weights group's rendezvous was checked against SGLang "
+            f"{'.'.join(map(str, low))}..{'.'.join(map(str, high))} (lazy NCCL init, no barrier); if this "
+            f"version's init_weights_update_group adds a collective, the trainer's rank 0 must join it")
+
+
 # ----------------------------------------------------------------------------- the engine (GPU)
 
 
@@ -448,13 +538,16 @@ class SGLangRollout(RolloutEngine):
         self.names = HFNames(args, vocab_multiple)
         self.dtype, self.bucket_bytes = dtype, bucket_bytes
         self.tp_rank = groups.pg.tp.rank()
+        self.devices = engine_devices(groups.pg.tp)
         self.engine = None
         if self.tp_rank == 0:
-            self.engine = sglang.Engine(
-                model_path=hf_dir, tp_size=groups.layout.tp, base_gpu_id=torch.cuda.current_device(),
-                load_format="dummy", enable_memory_saver=True, skip_tokenizer_init=True,
-                mem_fraction_static=mem_fraction, host="127.0.0.1", port=port + groups.pg.dp.rank(),
-                dtype=str(dtype).removeprefix("torch."))
+            with visible_devices(self.devices):
+                self.engine = sglang.Engine(
+                    model_path=hf_dir, tp_size=groups.layout.tp, base_gpu_id=0, gpu_id_step=1,
+                    load_format="dummy", enable_memory_saver=True, skip_tokenizer_init=True,
+                    mem_fraction_static=mem_fraction, host="127.0.0.1", port=port + groups.pg.dp.rank(),
+                    dtype=str(dtype).removeprefix("torch."))
+        self.sglang_version = getattr(sglang, "__version__", "unknown")
         self.released: set = set()
         if resharder is not None:
             # colocated: until the trainer has offloaded after the first sync, hold the weights only
@@ -486,6 +579,11 @@ class SGLangRollout(RolloutEngine):
         dist.barrier()
 
     def resume_kv_cache(self) -> None:
+        """The KV cache and CUDA graphs back, once the trainer has offloaded: the offloaded tensors'
+        blocks go back to the driver first (SGLang's processes cannot use this one's cache), on
+        every rank of the engine before its TP rank 0 asks for them."""
+        torch.cuda.empty_cache()
+        dist.barrier()
         self._resume(GENERATION)
         dist.barrier()
 
@@ -559,6 +657,9 @@ class SGLangRollout(RolloutEngine):
         TP workers of replica d are ranks 1 + d*tp ... of 1 + dp*tp."""
         tp, dp = self.groups.layout.tp, self.groups.layout.dp
         if self.engine is not None:
+            warning = rendezvous_warning(self.sglang_version)
+            if warning:
+                warnings.warn(warning, stacklevel=2)
             self.engine.init_weights_update_group(address, port, 1 + self.groups.pg.dp.rank() * tp, 1 + dp * tp,
                                                   group_name, backend="nccl")
 
@@ -636,5 +737,5 @@ def colocated_rollout(model_cfg, rollout_cfg, args: MegatronModelArgs, regroupin
     resharder = Resharder.create(model, regrouping, train_chunks, bucket_bytes)
     dtype = resharder.dtypes[0]  # the embedding's: the actor's parameter dtype
     hf_dir = write_hf_dir(args.hf_config, dtype, tokenizer) if groups.pg.tp.rank() == 0 else ""
-    return SGLangRollout(groups, args, hf_dir, dtype, resharder, bucket_bytes=bucket_bytes,
-                         vocab_multiple=model_cfg.make_vocab_size_divisible_by)
+    return SGLangRollout(groups, args, hf_dir, dtype, resharder, mem_fraction=rollout_cfg.mem_fraction_static,
+                         bucket_bytes=bucket_bytes, vocab_multiple=model_cfg.make_vocab_size_divisible_by)

@@ -3,13 +3,17 @@ flagged ``+sglang``), with this test's own recording stand-in for the ``sglang``
 
 Colocated: the Rollout role drives ``SGLangRollout`` through two loop steps; the stand-in engine
 records each call and whether the trainer's parameters were off the device at that moment, and
-deserializes every CUDA-IPC payload (here: pickled CPU tensors) per TP rank. Split: the trainer's
+deserializes every CUDA-IPC payload (here: pickled CPU tensors) per TP rank. Each rank sees one
+GPU, as a Ray worker does (CUDA_VISIBLE_DEVICES=<its rank>); the stand-in picks its TP workers'
+devices as SGLang's launcher does (``base_gpu_id + tp_rank * gpu_id_step`` among the
+CUDA_VISIBLE_DEVICES its processes inherit) and refuses one that is not there. Split: the trainer's
 ``SGLangBroadcaster`` sends a sync over a gloo weights group to the last rank, which receives it
 as SGLang's workers do (async broadcasts of the planned tensors, posted up front).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import sys
@@ -48,12 +52,26 @@ class _LocalSerializedTensor:
     values: List[bytes]
 
 
+def engine_devices(kwargs) -> List[str]:
+    """The node's ids of the GPUs the engine's TP workers would use, as SGLang's launcher picks them
+    (sglang/srt/entrypoints/engine.py, 0.5.6.post2); RuntimeError (CUDA's) for one its processes
+    would not see."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    ids = [kwargs.get("base_gpu_id", 0) + tp_rank * kwargs.get("gpu_id_step", 1) for tp_rank in range(kwargs["tp_size"])]
+    missing = [i for i in ids if i >= len(visible)]
+    if missing:
+        raise RuntimeError(f"CUDA error: invalid device ordinal: SGLang TP workers on devices {ids}, "
+                           f"CUDA_VISIBLE_DEVICES={','.join(visible)!r}")
+    return [visible[i] for i in ids]
+
+
 def install_fake_sglang(log: list, offloaded) -> None:
     """A recording ``sglang`` package: Engine, model_runner.LocalSerializedTensor, utils.MultiprocessingSerializer."""
 
     class Engine:
         def __init__(self, **kwargs):
             self.kwargs, self.loaded = kwargs, {}
+            self.devices = engine_devices(kwargs)
             log.append(("start", kwargs["load_format"], kwargs["enable_memory_saver"], kwargs["tp_size"]))
 
         def release_memory_occupation(self, tags=None):
@@ -96,9 +114,18 @@ def colocated(record, model_cfg, rollout_cfg, args, rg, state, full) -> None:
     log: list = []
     params = [p for chunk in state.model for p in chunk.parameters()]
     install_fake_sglang(log, offloaded=lambda: all(p.untyped_storage().nbytes() == 0 for p in params))
+    rank = dist.get_rank()
+    # one GPU per worker, as Ray gives it: its device 0 is the node's GPU <rank>
     with mock.patch("torch.cuda.is_available", return_value=True), mock.patch("torch.cuda.current_device",
-                                                                               return_value=0):
+                                                                               return_value=0), \
+            mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": str(rank)}):
         engine = colocated_rollout(model_cfg, rollout_cfg, args, rg, state.model)
+    tp_ranks = dist.get_process_group_ranks(engine.groups.pg.tp)
+    if engine.engine is not None and engine.engine.devices != [str(r) for r in tp_ranks]:
+        raise AssertionError(f"rank {rank}: the engine's TP workers are on GPUs {engine.engine.devices}, "
+                             f"its generation TP ranks {tp_ranks} on GPUs {tp_ranks}")
+    if engine.engine is not None and engine.engine.kwargs["mem_fraction_static"] != rollout_cfg.mem_fraction_static:
+        raise AssertionError("mem_fraction_static is not parallel.rollout.mem_fraction_static")
     role = Rollout(engine, PhaseOffload([state], params=True, grads=False, optimizer=False))
     sampling = SamplingParams(n=2, max_new_tokens=2, seed=3)
     start = len(log)
