@@ -28,6 +28,7 @@ from megarl.roles.critic import Critic, CriticLossConfig
 from megarl.roles.reference import Reference
 from megarl.roles.rollout import Rollout
 from megarl.runtime import init_distributed, peak_gpu_gb, peak_rss_gb, set_seed
+from megarl.runtime.devices import to_device, to_host
 from megarl.training import lm
 
 def needs_reference(algo) -> bool:
@@ -209,13 +210,14 @@ class RLWorker:
         spec = declared_verbs(type(self.roles[role]))[name]
         method = getattr(self.roles[role], name)
         if spec.dispatch is not Dispatch.DP:
-            return method(*args, **kwargs)
+            return to_host(method(*args, **kwargs))
         (batch,) = args
         tensors, lengths = batch.engine_inputs()
+        tensors = to_device(tensors)  # the one move onto this rank's device; row lengths stay on the host
         mini = (self._mini_batches(batch),) if spec.optimizer_steps else ()
         result = method(tensors, lengths, self.how, *mini, **kwargs)
         if spec.output is not None:
-            out = Batch({spec.output: result})
+            out = Batch({spec.output: to_host(result)})  # the driver may have no GPU
             engine = self.roles[role].engine
             if "routing" in tensors and engine.routers:  # a routing-tracked pass (the actor's); reduced over all ranks
                 out.meta["routing_metrics"] = {f"moe/{k}": v for k, v in engine.routing_mismatch.items()}

@@ -42,6 +42,7 @@ from megarl.engines.batching import MicroBatch, Tensors
 from megarl.engines.vocab_parallel import log_prob_and_entropy
 from megarl.models.builder import set_aux_loss_copies
 from megarl.parallel.context import gather_sequence, split_for_rank
+from megarl.runtime.devices import compute_device
 from megarl.training.lm import TrainState
 
 # (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metric sums);
@@ -283,7 +284,7 @@ class MegatronEngine:
             chunk.train()
         if routing:
             self.routing_mismatch = self._reduce_routing_mismatch()
-        result = torch.zeros(2, rows, seq)
+        result = torch.zeros(2, rows, seq, device=compute_device())  # broadcast over pp (NCCL on GPUs)
         if self.groups.is_last_stage:
             for mb, out in zip(micro, outputs):
                 result[0, mb.rows] = batching.unpack(out[keys[0]], mb, seq)
@@ -349,7 +350,7 @@ class MegatronEngine:
         if not fp16:
             bad = bad or not all(torch.isfinite(buffer.grad_data).all() for chunk in state.model
                                  for buffer in chunk.buffers + chunk.expert_parallel_buffers)
-        flag = torch.tensor([float(bad)], device="cuda" if torch.cuda.is_available() else "cpu")
+        flag = torch.tensor([float(bad)], device=compute_device())
         for group in (self.groups.pg.mp, self.groups.pg.dp_cp):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if flag.item():
@@ -373,7 +374,7 @@ class MegatronEngine:
     def _gather_dp(self, batch: Tensors, lengths: torch.Tensor) -> Tuple[Tensors, torch.Tensor]:
         """Every DP rank's rows, in DP-rank order (the driver's global order)."""
         group, dp = self.groups.pg.dp, self.groups.layout.dp
-        rows = torch.tensor([lengths.shape[0]])
+        rows = torch.tensor([lengths.shape[0]], device=compute_device())
         counts = [torch.zeros_like(rows) for _ in range(dp)]
         dist.all_gather(counts, rows, group=group)
         if len({int(c) for c in counts}) > 1:
@@ -384,7 +385,7 @@ class MegatronEngine:
             dist.all_gather(parts, t.contiguous(), group=group)
             return torch.cat(parts)
 
-        return {k: gather(v) for k, v in batch.items()}, gather(lengths)
+        return {k: gather(v) for k, v in batch.items()}, gather(lengths.to(rows.device)).cpu()
 
     def _reduce_routing_mismatch(self) -> Dict[str, float]:
         """Fractions of the (token, MoE layer) top-k sets of the last log-prob pass, over the whole
@@ -396,7 +397,7 @@ class MegatronEngine:
         handles = [h for hs in self.routers.values() for h in hs]
         counts = torch.tensor([float(sum(getattr(h, name) for h in handles))
                                for name in ("mismatched", "live_mismatched", "compared")],
-                              device="cuda" if torch.cuda.is_available() else "cpu")
+                              device=compute_device())
         for group in (self.groups.pg.mp, self.groups.pg.dp_cp):
             dist.all_reduce(counts, group=group)
         fractions = (counts[:2] / counts[2].clamp(min=1)).tolist()
@@ -406,14 +407,15 @@ class MegatronEngine:
         """One optimizer step's [loss sum, count, metrics...] over micro-batches and DP ranks, on
         every pipeline stage; the metric names on the last stage (others: [])."""
         names = outputs[0]["names"] if outputs else []  # only the last stage has outputs
-        width = torch.tensor([len(names)], dtype=torch.float)
+        device = compute_device()  # every tensor here meets a collective (NCCL on GPUs)
+        width = torch.tensor([len(names)], dtype=torch.float, device=device)
         if self.groups.layout.pp > 1:
             last = dist.get_global_rank(self.groups.pg.pp, self.groups.layout.pp - 1)
             dist.broadcast(width, src=last, group=self.groups.pg.pp)
-        totals = torch.zeros(2 + int(width.item()))
+        totals = torch.zeros(2 + int(width.item()), device=device)
         if self.groups.is_last_stage:
-            extrema = torch.tensor([False, False] + [_extremum(n) != 0 for n in names])
-            sign = torch.tensor([1.0, 1.0] + [float(_extremum(n) or 1) for n in names])  # min = -max(-x)
+            extrema = torch.tensor([False, False] + [_extremum(n) != 0 for n in names], device=device)
+            sign = torch.tensor([1.0, 1.0] + [float(_extremum(n) or 1) for n in names], device=device)  # min = -max(-x)
             reports = torch.stack([out["report"] for out in outputs]) * sign  # [micro-batches, width]
             totals = torch.where(extrema, reports.max(0).values, reports.sum(0))
             summed, maxed = totals.clone(), totals.clone()
@@ -422,7 +424,7 @@ class MegatronEngine:
                 dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self.groups.pg.dp_cp)
             totals = torch.where(extrema, maxed, summed) * sign
         self._broadcast_from_last_stage(totals)
-        return totals, names
+        return totals.cpu(), names
 
     @staticmethod
     def _metrics(reports: List[Tuple[torch.Tensor, List[str]]],

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import ReshardPlan, Regrouping, Segment, plan_reshard
 from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
+from megarl.runtime.devices import group_device
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
@@ -103,8 +104,9 @@ class Resharder:
         codes = torch.zeros(len(plan.model.tensors), dtype=torch.int32)
         for spec, (_, tensor) in self.train.items():
             codes[spec] = _DTYPE_CODES[tensor.dtype]
+        codes = codes.to(group_device())
         dist.all_reduce(codes, op=dist.ReduceOp.MAX)
-        self.dtypes = [_CODE_DTYPES[int(c)] for c in codes]
+        self.dtypes = [_CODE_DTYPES[c] for c in codes.tolist()]
         self.device = some.device
         self.outputs = dict(outputs or {})
         self.gen = {t.spec: t for t in plan.gen[self.rank]}
@@ -126,8 +128,9 @@ class Resharder:
             frozen = isinstance(self.originals[spec], torch.nn.Parameter) and not self.originals[spec].requires_grad
             if force or not frozen or self.versions.get(spec) != tensor._version:
                 flags[spec] = 1
+        flags = flags.to(group_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return flags.bool()
+        return flags.bool().cpu()  # indexed by the host-side loop over tensors
 
     def _target(self, spec: int, full: Dict[int, torch.Tensor]) -> Tuple[LocalTensor, torch.Tensor]:
         if self.plan.mode == "full_gather":

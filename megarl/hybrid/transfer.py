@@ -27,6 +27,7 @@ from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
 from megarl.parallel.layout import Layout
+from megarl.runtime.devices import compute_device
 
 CONNECT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -119,8 +120,9 @@ class _Side:
         """Rollout rank 0's dtype of every tensor, broadcast: the dtype each transfer uses."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = self.plan.offset, 0
+        codes = codes.to(compute_device())  # the spanning group is NCCL wherever CUDA is (connect)
         self.group.broadcast([codes], opts).wait()
-        self.dtypes = [_CODE_DTYPES.get(int(c), torch.float32) for c in codes]
+        self.dtypes = [_CODE_DTYPES.get(c, torch.float32) for c in codes.tolist()]
 
     def _pairs(self, bucket: List[Segment], mine) -> Dict[Tuple[int, int], List[Segment]]:
         """This rank's segments of ``bucket``, by (peer, dtype)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from megarl.runtime.devices import param_device
+
 
 class RMSNorm(torch.nn.Module):
     """``y = w * (x / sqrt(mean(x^2) + eps))`` over the last dimension."""
@@ -22,7 +24,8 @@ class RMSNorm(torch.nn.Module):
         if zero_centered_gamma or config.layernorm_zero_centered_gamma:
             raise ValueError("zero-centered gamma is not supported by the local RMSNorm")
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype,
+                                                      device=param_device(config)))
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

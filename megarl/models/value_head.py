@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from megarl.runtime.devices import param_device
+
 
 class ValueHead(MegatronModule):
     """values = hidden @ weight.T + bias, one scalar per token. The parameters keep the output
@@ -19,8 +21,9 @@ class ValueHead(MegatronModule):
     def __init__(self, config):
         super().__init__(config=config)
         self.sequence_parallel = config.sequence_parallel
-        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))
+        device = param_device(config)
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device))
         config.init_method(self.weight.data)
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):

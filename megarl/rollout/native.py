@@ -191,7 +191,7 @@ class NativeRollout(RolloutEngine):
         """Next-token logits [rows, vocab] (real vocabulary) after ``tokens`` [rows, s]; at p_g > 1
         this stage's part of the forward (from and to its neighbours), logits on the last stage
         only (None on the others)."""
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         if self.stages is not None and not self.first_stage:
             hidden = torch.empty(tokens.shape[1], tokens.shape[0], self.model.config.hidden_size,
                                  dtype=self.model.config.params_dtype, device=tokens.device)
@@ -259,7 +259,7 @@ class NativeRollout(RolloutEngine):
         blocked = ~(valid[:, None, None, :width] | eye)
         context = _DecodeContext(len(rows), total) if self.kv_cache else None
         active = list(range(len(rows)))
-        generators = [generator_for(*sampling.stream_key(seed, p), s) for p, s in rows]
+        generators = [generator_for(*sampling.stream_key(seed, p), s, device=device) for p, s in rows]
         produced: List[List[int]] = [[] for _ in rows]
         log_probs: List[List[float]] = [[] for _ in rows]
         finish = [""] * len(rows)

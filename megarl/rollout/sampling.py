@@ -40,6 +40,9 @@ def sample(logits: torch.Tensor, sampling: SamplingParams, generators: List[torc
     return tokens, log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def generator_for(seed: int, prompt_index: int, sample_index: int) -> torch.Generator:
-    """The random stream of one sample."""
-    return torch.Generator().manual_seed(hash((seed, prompt_index, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF)
+def generator_for(seed: int, prompt_index: int, sample_index: int, device=None) -> torch.Generator:
+    """The random stream of one sample, on the device that samples (torch samples CUDA
+    probabilities with CUDA generators only). The stream depends on the sample alone, never on
+    the batch; a CUDA stream draws other numbers than the CPU stream of the same seed."""
+    return torch.Generator(device=device or "cpu").manual_seed(
+        hash((seed, prompt_index, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF)

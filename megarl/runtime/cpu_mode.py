@@ -132,12 +132,17 @@ def _patch_torch_cuda() -> None:
     cuda.set_rng_state = lambda state, *args, **kwargs: _CUDA_SHADOW.set_state(state)
 
 
-def _patch_megatron() -> None:
+def _patch_megatron_rng() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer.moe import moe_utils
 
     mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: _CUDA_SHADOW.set_state(state)
     mcore_random._get_cuda_rng_state = lambda *args, **kwargs: _CUDA_SHADOW.get_state()
+
+
+def _patch_megatron() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    _patch_megatron_rng()
 
     # The alltoall dispatcher turns split sizes into NumPy only for CUDA tensors (its
     # device-to-host copy); CPU tensors would reach all_to_all_single as tensors and be refused.

@@ -1,4 +1,5 @@
-"""Start torch.distributed for megarl: NCCL with CUDA, gloo (plus CPU mode) without."""
+"""Start torch.distributed for megarl: NCCL with CUDA, gloo (plus CPU mode) without; in tests,
+the GPU-shaped harness (``MEGARL_GPU_SHAPED=1``, :mod:`megarl.runtime.gpu_shaped`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 
 import torch
 
-from megarl.runtime import cpu_mode
+from megarl.runtime import cpu_mode, gpu_shaped
 
 
 def _slurm_to_torch_env() -> None:
@@ -31,6 +32,8 @@ def init_distributed(timeout_s: int = 600) -> int:
     world of one on a free local port. Returns this process's global rank. Idempotent.
     """
     _slurm_to_torch_env()
+    if gpu_shaped.requested():  # tests only: CUDA code paths on CPU, with device checks
+        gpu_shaped.enable()
     if torch.cuda.is_available():
         # torchrun shows a process every GPU of its node (LOCAL_RANK picks one); Ray shows a worker
         # only the GPU(s) it was given, so there the index wraps to the visible ones

@@ -35,6 +35,7 @@ import torch
 from megarl.checkpoint.integrity import record_hashes, weights_only_loads, write_then_record_hashes
 from megarl.training.dist_ckpt import _unwrap, checkpoint_layer_keys, sharded_state_dict, verify_dist_checkpoint
 from megarl.training.lm import TrainState
+from megarl.runtime.devices import group_device
 
 OPTIMIZER_FORMATS = {"reshardable": "fully_reshardable", "dp_reshardable": "dp_reshardable"}
 LAYOUT_FILE = "layout.json"
@@ -244,7 +245,7 @@ def weights_checksum(state: TrainState) -> float:
     experts: ep, times etp if split). The last stage's copy of tied embeddings is skipped."""
     layout = state.groups.layout
     stage_ranks = layout.tp * layout.cp * layout.dp
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=group_device())  # all-reduced over the world
     for chunk in state.model:
         for param in _unwrap(chunk).parameters():
             if getattr(param, "shared", False):  # duplicate of the first stage's embedding
