@@ -43,7 +43,7 @@ class RolloutWorker:
             engine = self._sglang(args, plan.gen)
         else:
             engine = NativeRollout(cfg.model, args, plan, dtype=None if r.dtype == "auto" else r.dtype,
-                                   record_routing=bool(args.num_experts))
+                                   record_routing=bool(args.num_experts), seed=cfg.trainer.seed)
         set_seed(cfg.trainer.seed, engine.groups)
         self.engine = engine
         self.roles: Dict[str, Any] = {"rollout": Rollout(engine)}

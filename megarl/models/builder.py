@@ -207,6 +207,11 @@ def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelA
             pg_collection=groups.pg,
             vp_stage=vp,
         ))
+    if not config.use_cpu_initialization:
+        # Some megatron-core modules allocate on the CPU whatever the config (the MoE router's
+        # weight); Megatron's own training loop moves every chunk to the GPU after building it.
+        for chunk in chunks:
+            chunk.cuda(torch.cuda.current_device())
     if training and args.num_experts and config.moe_aux_loss_coeff:
         for chunk in chunks:
             _scale_aux_loss_to_micro_batch(chunk)

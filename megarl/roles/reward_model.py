@@ -21,7 +21,7 @@ def score_positions(tokens: torch.Tensor, lengths: torch.Tensor, pad_token_id: O
     skipped too, as transformers skips them."""
     if pad_token_id is None:
         return (lengths - 1).clamp(min=0)
-    positions = torch.arange(tokens.shape[1])
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
     real = (positions < lengths.unsqueeze(1)) & (tokens != pad_token_id)
     return (positions * real).argmax(dim=1)  # 0 when a row has no real non-pad token, as transformers
 
@@ -41,5 +41,5 @@ class RewardModel:
     def compute_scores(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching) -> torch.Tensor:
         """[rows]: the scalar head at each row's scored position (:func:`score_positions`)."""
         values = self.engine.forward_log_probs(batch, lengths, how)["values"]  # [rows, seq]
-        where = score_positions(batch["tokens"], lengths, self.pad_token_id)
+        where = score_positions(batch["tokens"], lengths.to(values.device), self.pad_token_id)
         return values.gather(1, where.unsqueeze(1)).squeeze(1)

@@ -63,7 +63,7 @@ from megarl.models import routing_replay
 from megarl.parallel import LayoutError, build_groups, build_placed_groups
 from megarl.rollout.sampling import generator_for, sample
 from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams
-from megarl.runtime import cpu_mode
+from megarl.runtime import cpu_mode, set_seed
 
 
 class NativeRollout(RolloutEngine):
@@ -72,7 +72,7 @@ class NativeRollout(RolloutEngine):
     def __init__(self, model_cfg, args: MegatronModelArgs, regrouping: Union[Regrouping, TransferPlan],
                  train_chunks: Optional[List[torch.nn.Module]] = None, bucket_bytes: int = 256 << 20,
                  max_batch_rows: int = 256, kv_cache: bool = True, dtype: Optional[str] = None,
-                 record_routing: bool = False):
+                 record_routing: bool = False, seed: int = 0):
         """Colocated: ``regrouping`` places the generation layout on the training ranks, whose
         ``train_chunks`` feed it in process. Split placement: a :class:`TransferPlan`; the rollout
         is this world's own layout ``plan.gen`` and receives its weights from the trainer's ranks
@@ -94,6 +94,8 @@ class NativeRollout(RolloutEngine):
         try:
             if split:  # the rollout's world is its own: its layout is Megatron's primary one here
                 self.groups = build_groups(gen)
+                # Megatron's parallel layers fork its CUDA RNG tracker while they are built on a GPU
+                set_seed(seed, self.groups)
             else:
                 positions = sorted(range(len(regrouping.gen_rank)), key=lambda r: regrouping.gen_rank[r])
                 self.groups = build_placed_groups(gen, positions)

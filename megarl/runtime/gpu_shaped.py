@@ -424,6 +424,34 @@ def _internal_collective(original):
     return collective
 
 
+class _ProcessGroupNCCL:
+    """Stand-in for ``torch.distributed.ProcessGroupNCCL`` (absent from CPU builds), for groups
+    code builds directly: gloo underneath, CUDA-shaped tensors only."""
+
+    _TENSOR_METHODS = {"broadcast", "send", "recv", "allreduce", "allgather", "_allgather_base", "reduce_scatter",
+                       "_reduce_scatter_base", "alltoall_base", "recv_anysource", "reduce", "gather", "scatter"}
+
+    def __init__(self, store, rank: int, size: int, *args, **kwargs):
+        import datetime
+
+        self._pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(minutes=10))
+
+    def __getattr__(self, name):
+        attr = getattr(self._pg, name)
+        if name not in self._TENSOR_METHODS:
+            return attr
+
+        def checked(*args, **kwargs):
+            flat, _ = tree_flatten((args, kwargs))
+            for t in flat:
+                if isinstance(t, torch.Tensor) and not is_cuda(t):
+                    raise DeviceMismatch(f"ProcessGroupNCCL.{name}: a cpu tensor of shape {list(t.shape)}; NCCL "
+                                         f"takes cuda tensors only")
+            return attr(*tree_map(_as_cpu, args), **tree_map(_as_cpu, kwargs))
+
+        return checked
+
+
 def _patch_distributed() -> None:
     import torch.distributed.distributed_c10d as c10d
 
@@ -493,6 +521,7 @@ def _patch_distributed() -> None:
         module.new_group = new_group_
         module.get_backend = get_backend_
     dist.is_nccl_available = c10d.is_nccl_available = lambda: True
+    dist.ProcessGroupNCCL = _ProcessGroupNCCL
 
 
 # ----------------------------------------------------------------------------- torch.cuda
@@ -511,7 +540,37 @@ def _patch_torch_cuda() -> None:
     cuda.mem_get_info = lambda *a, **k: (64 << 30, 80 << 30)
     cuda.is_bf16_supported = lambda *a, **k: True
     torch.cuda.nccl.version = lambda: (2, 21, 5)
+    # torch's argument parser refuses the stand-in stream before any override is asked; CPU work
+    # is in program order anyway
+    torch.Tensor.record_stream = lambda self, stream: None
     torch.Generator = _Generator
+
+
+def _as_cpu_in_place(t: torch.Tensor) -> None:
+    if isinstance(t, CudaShapedTensor):
+        t.__class__ = torch.nn.Parameter if getattr(t, "_is_param", False) else torch.Tensor
+
+
+def _patch_module_moves() -> None:
+    """``Module.cuda()`` / ``.to("cuda")`` / ``.cpu()`` set each parameter's ``.data`` (a setter the
+    function mode does not see): mark the module's tensors afterwards."""
+    module = torch.nn.Module
+    cuda, to, cpu = module.cuda, module.to, module.cpu
+
+    def mark(m, on_cuda: bool):
+        for t in list(m.parameters()) + list(m.buffers()):
+            _as_cuda(t) if on_cuda else _as_cpu_in_place(t)
+        return m
+
+    def to_(self, *args, **kwargs):
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (torch.device, str, int))
+                                            and not isinstance(a, bool)), None))
+        out = to(self, *args, **kwargs)
+        return out if device is None else mark(out, _device_is_cuda(device))
+
+    module.cuda = functools.wraps(cuda)(lambda self, device=None: mark(cuda(self, device), True))
+    module.cpu = functools.wraps(cpu)(lambda self: mark(cpu(self), False))
+    module.to = functools.wraps(to)(to_)
 
 
 def enable() -> bool:
@@ -529,8 +588,7 @@ def enable() -> bool:
         from megarl.runtime import cpu_mode
 
         cpu_mode.fix_missing_transformer_engine()
-        # Module.cuda()/.to("cuda") swap each parameter for its CUDA-shaped copy (identity kept).
-        torch.__future__.set_swap_module_params_on_conversion(True)
+        _patch_module_moves()
         _mode = _GpuShapedMode()
         _mode.__enter__()
         return True

@@ -20,6 +20,7 @@ from megarl.models import build_model, megatron_args_from_hf
 from megarl.models.value_head import attach_value_head
 from megarl.parallel.context import split_for_rank
 from megarl.parallel.layout import ParallelGroups
+from megarl.runtime.devices import group_device, to_device
 
 
 @dataclass
@@ -175,7 +176,7 @@ def forward_backward(state: TrainState, batch: Dict[str, torch.Tensor], micro_ba
     sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
     # Context parallelism cuts each sequence into 2·cp chunks, and each rank's share into sp slices.
     multiple = math.lcm(2 * layout.cp, layout.cp * sp) if layout.cp > 1 else sp
-    batch = pad_sequence_length(batch, multiple)
+    batch = to_device(pad_sequence_length(batch, multiple))  # the step's one move onto this rank's device
     micro = micro_batches(batch, micro_batch_size)
     seq_length = batch["tokens"].shape[1]  # whole sequences: Megatron's schedule divides by cp
     if layout.cp > 1:  # this CP rank's chunks of every sequence; the loss counts its own tokens
@@ -193,9 +194,9 @@ def forward_backward(state: TrainState, batch: Dict[str, torch.Tensor], micro_ba
 
 def global_loss(losses: List[Dict[str, torch.Tensor]], groups: ParallelGroups) -> float:
     """Token-mean loss over all micro-batches and DP ranks, broadcast from the last stage."""
-    totals = torch.zeros(2)
+    totals = torch.zeros(2, device=group_device(groups.pg.dp_cp))  # reduced over dp and broadcast over pp
     for item in losses:
-        totals += item["lm loss"].float().cpu()
+        totals += item["lm loss"].float()
     if groups.is_last_stage:
         torch.distributed.all_reduce(totals, group=groups.pg.dp_cp)
     last = torch.distributed.get_global_rank(groups.pg.pp, groups.layout.pp - 1)
