@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint.hf_mapping import build_plan
 from megarl.hybrid.executor import SyncStats
+from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement, TensorSpec
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.parallel import Layout
@@ -294,8 +295,9 @@ class SGLangBroadcaster:
         self.rank = dist.get_rank()
         placement = Placement(self.model, layout)
         index = self.model.index()
-        chunks = [getattr(c, "module", c) for c in train_chunks]
-        named = [dict(c.named_parameters()) | dict(c.named_buffers()) for c in chunks]
+        # plan names, whether the model was built from the local or Transformer Engine's spec
+        named = [planned_tensors(c) for c in train_chunks]
+        check_planned(train_chunks, placement.local_tensors(self.rank), f"rank {self.rank}")
         self.mine: Dict[int, Tuple[LocalTensor, torch.Tensor]] = {}
         for local in placement.local_tensors(self.rank):
             tensor = named[local.chunk].get(local.name)

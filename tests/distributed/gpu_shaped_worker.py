@@ -1,0 +1,109 @@
+"""Worker for test_gpu_shaped.py (torchrun, 2 ranks, MEGARL_GPU_SHAPED=1): the demo's RLWorker
+(actor tp=2, native rollout t_g=1) driven verb by verb without Ray, first as written, then with
+each device fault of issue 24 put back by a monkeypatch: the harness must refuse each one.
+Prints ``RESULT {"case": ..., "error": ...}`` lines on rank 0 (error None: the verb ran)."""
+
+import json
+import os
+import sys
+
+import torch
+
+from megarl.config import load_config
+from megarl.controller import rl_worker
+from megarl.protocol import Batch
+from megarl.rollout import SamplingParams
+from megarl.runtime import gpu_shaped
+
+PROMPTS = [[3, 4, 5, 6], [7, 8, 9], [4, 4, 2, 1, 6]]
+
+
+def attempt(case: str, fn) -> None:
+    try:
+        fn()
+        error = None
+    except gpu_shaped.DeviceMismatch as e:
+        error = str(e)
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps({"case": case, "error": error}), flush=True)
+
+
+def batch_of(responses, width: int = 12) -> Batch:
+    rows = [r for r in responses]
+    tokens = torch.zeros(len(rows), width + 1, dtype=torch.long)
+    lengths = []
+    for i, r in enumerate(rows):
+        seq = (list(PROMPTS[r.prompt_index]) + list(r.token_ids))[: width + 1]
+        tokens[i, :len(seq)] = torch.tensor(seq)
+        lengths.append(len(seq) - 1)
+    return Batch({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                  "position_ids": torch.arange(width).expand(len(rows), -1).contiguous(),
+                  "lengths": torch.tensor(lengths)})
+
+
+def main(work: str) -> None:
+    cfg = load_config(["configs/grpo_demo.yaml"], [f"trainer.run_dir={work}", "logging.mlflow=false"])
+    worker = rl_worker.RLWorker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg)
+    worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    sampled = SamplingParams(temperature=1.0, n=2, max_new_tokens=4, seed=1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    out = {}
+
+    def sync_and_generate():
+        worker.call("rollout", "update_weights", 1)
+        out["sampled"] = worker.call("rollout", "generate", PROMPTS, sampled)
+        out["greedy"] = worker.call("rollout", "generate", PROMPTS, greedy)
+
+    attempt("fixed/generate", sync_and_generate)
+
+    def log_probs():
+        result = worker.call("actor", "compute_log_prob", batch_of(out["sampled"]))
+        out["log_probs"] = result.tensors["old_log_probs"] if "old_log_probs" in result.tensors else result
+        assert all(not gpu_shaped.is_cuda(t) for t in result.tensors.values()), "a result left on the device"
+
+    attempt("fixed/log_prob", log_probs)
+
+    # Finding 1: the batch's one device move, removed
+    moved = rl_worker.to_device
+    rl_worker.to_device = lambda tree, device=None: tree
+    attempt("fault/batch_not_moved", log_probs)
+    rl_worker.to_device = moved
+
+    # Finding 3: CPU generators for the sampling device
+    from megarl.rollout import native
+
+    for_device = native.generator_for
+    native.generator_for = lambda seed, p, s, device=None: for_device(seed, p, s)
+    attempt("fault/cpu_generators", lambda: worker.call("rollout", "generate", PROMPTS, sampled))
+    native.generator_for = for_device
+
+    # Finding 2: a CPU tensor in an NCCL collective (the resharder's change flags)
+    from megarl.hybrid import executor
+
+    device_of = executor.group_device
+    executor.group_device = lambda group=None: torch.device("cpu")
+    attempt("fault/cpu_collective", lambda: worker.call("rollout", "update_weights", 2))
+    executor.group_device = device_of
+
+    # Finding 5: a module of ours built on the CPU after the model moved to the device (the
+    # critic's value head), fed device activations
+    from megarl.models import value_head
+
+    placed = value_head.param_device
+    value_head.param_device = lambda config: torch.device("cpu")
+
+    def critic_forward():
+        from megarl.models import build_model
+
+        model = build_model(cfg.model, worker.groups, training=False)
+        value_head.attach_value_head(model)
+        b = batch_of(out["greedy"])
+        values = model[0](b["tokens"].cuda(), b["position_ids"].cuda(), None)
+        assert gpu_shaped.is_cuda(values)
+
+    attempt("fault/value_head_on_cpu", critic_forward)
+    value_head.param_device = placed
+    attempt("fixed/value_head", critic_forward)
+
+if __name__ == "__main__":
+    main(sys.argv[1])

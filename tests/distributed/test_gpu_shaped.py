@@ -1,0 +1,43 @@
+"""The GPU-shaped harness sees the device faults of issue 24: the demo's RLWorker, verb by verb
+at actor tp=2 (tests/distributed/gpu_shaped_worker.py), runs as written, and refuses each fault
+put back: the batch's device move removed (finding 1), a CPU tensor in an NCCL collective
+(finding 2), CPU generators for CUDA probabilities (finding 3), a module built on the CPU
+(finding 5). Results come back to the host."""
+
+import json
+import os
+
+import pytest
+
+from tests.distributed.launch import torchrun
+
+pytestmark = pytest.mark.gpu_shaped
+FAULTS = {"fault/batch_not_moved": "embedding: expected all tensors to be on the same device",
+          "fault/cpu_generators": "Expected a 'cuda' device type for generator but found 'cpu'",
+          "fault/cpu_collective": "a cpu tensor of shape [15] on a NCCL group",
+          "fault/value_head_on_cpu": "linear: expected all tensors to be on the same device"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("MEGARL_GPU_SHAPED", "1")
+    out = torchrun(2, "tests/distributed/gpu_shaped_worker.py", str(tmp_path_factory.mktemp("gpu_shaped")))
+    return {r["case"]: r["error"] for r in (json.loads(line[7:]) for line in out.splitlines()
+                                            if line.startswith("RESULT "))}
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_verbs_run_on_the_device_as_written(results):
+    fixed = {k: v for k, v in results.items() if k.startswith("fixed/")}
+    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head"}
+    assert all(v is None for v in fixed.values()), fixed
+
+
+@pytest.mark.parametrize("case", sorted(FAULTS))
+def test_each_fault_put_back_is_refused(results, case):
+    assert results[case] is not None and FAULTS[case] in results[case], results[case]
