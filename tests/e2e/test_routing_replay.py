@@ -99,8 +99,11 @@ def test_replay_with_context_parallelism_matches_the_tp_run(runs, context_parall
     _, m = runs
     cp = context_parallel_replay
     assert cp["moe/routing_mismatch_frac"] == 0.0
+    # Equal up to fp32 rounding, which depends on the layout's summation order and on the CPU's
+    # kernels: 1.07e-6 on an AMD EPYC without AVX-512, where 1e-6 had held before. The bound is the
+    # engine's log-prob parity tolerance (tests/distributed/test_engine.py).
     for key in ("rollout/logp_mean_abs_diff", "rollout/logp_max_abs_diff"):
-        assert cp[key] == pytest.approx(m[True][key], abs=1e-6), key
+        assert cp[key] == pytest.approx(m[True][key], abs=1e-5), key
 
 
 def test_expert_parallel_native_rollout_gives_the_trainer_log_probs(expert_parallel_rollout):

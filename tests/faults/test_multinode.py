@@ -268,11 +268,13 @@ def test_slurm_train_starts_head_workers_driver_and_stops_its_steps(tmp_path):
     # the head's IP from the head node, the head, a readiness poll, then workers and the driver
     assert recorded[0][0] == "srun" and recorded[0][4] == "--nodes=1 --ntasks=1 -w gpu1 hostname --ip-address"
     steps = blocking_steps(recorded)
+    # each Ray step asks Slurm for its node's GPUs and CPUs, and tells Ray how many it got
+    step = "--nodes=1 --ntasks=1 --cpus-per-task=4 --gpus-per-node=4"
     assert sorted(args for _, args in steps) == [  # started in the background: recorded in any order
-        "--nodes=1 --ntasks=1 -w gpu1 ray start --head --node-ip-address=10.1.0.7 --port=6379 --num-gpus=4 "
+        f"{step} -w gpu1 ray start --head --node-ip-address=10.1.0.7 --port=6379 --num-gpus=4 --num-cpus=4 "
         "--disable-usage-stats --block",
-        "--nodes=1 --ntasks=1 -w gpu2 ray start --address=10.1.0.7:6379 --num-gpus=4 --disable-usage-stats --block",
-        "--nodes=1 --ntasks=1 -w gpu3 ray start --address=10.1.0.7:6379 --num-gpus=4 --disable-usage-stats --block"]
+        f"{step} -w gpu2 ray start --address=10.1.0.7:6379 --num-gpus=4 --num-cpus=4 --disable-usage-stats --block",
+        f"{step} -w gpu3 ray start --address=10.1.0.7:6379 --num-gpus=4 --num-cpus=4 --disable-usage-stats --block"]
     checks = [i for i, c in enumerate(recorded) if c[0] == "ray"]
     assert [recorded[i][4] for i in checks] == ["health-check --address=10.1.0.7:6379"] * 2
     workers = [i for i, c in enumerate(recorded) if "ray start --address" in c[4]]
