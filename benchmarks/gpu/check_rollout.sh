@@ -2,7 +2,8 @@
 # The one-command GPU check, under 10 minutes on one GPU, offline:
 #   1. train-lm: 20 supervised steps of the tiny Llama on one GPU (torchrun; TRAIN_LM line);
 #   2. check_rollout.py: log-prob parity of the native engine (and of SGLang) with the trainer, and
-#      generated tokens/s (CHECK lines);
+#      generated tokens/s (CHECK lines); check_loop.py: megarl's RL loop without Ray (PPO's roles,
+#      offload, checkpoint save and load; LOOP lines, peak GPU memory per phase);
 #   3. GRPO through `megarl train` (Ray) on one GPU, colocated, the trainer's state offloaded while
 #      the rollout generates: native for 2 steps with a checkpoint, resumed for 2 more ("resuming
 #      after step 2"); SGLang; then a 3-step multi-turn SGLang run (AGENT line). Each run's RUN line:
@@ -48,6 +49,10 @@ else
   status=1
 fi
 python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu/check_rollout.py || status=1
+# megarl's loop without Ray (Ray's wheel is larger than a lent machine carries): PPO's roles, the
+# trainer's state offloaded while generating, a checkpoint each step, reloaded (LOOP lines)
+python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu/check_loop.py "$runs/loop" \
+  trainer.offload.params=true trainer.offload.grads=true trainer.offload.optimizer=true || status=1
 [ "$ray" = 1 ] || exit "$status"
 
 common=(configs/grpo_demo.yaml trainer.nproc_per_node=1 parallel.actor.tp=1 parallel.rollout.tp=1

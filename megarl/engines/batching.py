@@ -109,12 +109,14 @@ def packed(batch: Tensors, rows: torch.Tensor, lengths: torch.Tensor, multiple: 
         if pad:
             parts.append(value.new_full((pad, *value.shape[2:]), _pad_value(key)))
         tensors[key] = torch.cat(parts).unsqueeze(0)
-    tensors["position_ids"] = torch.cat([torch.arange(n) for n in seg_lens]).unsqueeze(0)
-    cu = _cumulative(seg_lens)
+    # positions and bounds where the tokens are: attention kernels read cu_seqlens on the device
+    device = tensors["tokens"].device
+    tensors["position_ids"] = torch.cat([torch.arange(n, device=device) for n in seg_lens]).unsqueeze(0)
+    cu = _cumulative(seg_lens).to(device)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max(seg_lens), max_seqlen_kv=max(seg_lens))
     if segment_multiple > 1:
-        real = _cumulative(lens + ([pad] if pad else []))
+        real = _cumulative(lens + ([pad] if pad else [])).to(device)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
                                  cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                                  max_seqlen_q=max(seg_lens), max_seqlen_kv=max(seg_lens))

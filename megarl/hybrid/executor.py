@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import ReshardPlan, Regrouping, Segment, plan_reshard
 from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
-from megarl.runtime.devices import group_device
+from megarl.runtime.devices import group_device, synchronize
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
@@ -234,6 +234,7 @@ class Resharder:
             self.versions[spec] = tensor._version
         stats.tensors_moved = int(changed.sum())
         stats.tensors_skipped = len(changed) - stats.tensors_moved
+        synchronize()  # the copies are queued on the device
         stats.seconds = time.perf_counter() - begin
         self.last = stats
         return self.outputs

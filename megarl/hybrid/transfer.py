@@ -27,7 +27,7 @@ from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
 from megarl.parallel.layout import Layout
-from megarl.runtime.devices import compute_device
+from megarl.runtime.devices import compute_device, synchronize
 
 CONNECT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -179,6 +179,7 @@ class ShardSender(_Side):
             for work in works:
                 work.wait()
         stats.tensors_moved = len(self.train)
+        synchronize()  # the copies are queued on the device
         stats.seconds = time.perf_counter() - begin
         self.last = stats
         return stats
@@ -239,6 +240,7 @@ class ShardReceiver(_Side):
         for handle in pending:
             finish(handle)
         stats.tensors_moved = len(self.shard)
+        synchronize()  # the copies are queued on the device
         stats.seconds = time.perf_counter() - begin
         self.last = stats
         return self.outputs

@@ -99,7 +99,10 @@ class NativeRollout(RolloutEngine):
             else:
                 positions = sorted(range(len(regrouping.gen_rank)), key=lambda r: regrouping.gen_rank[r])
                 self.groups = build_placed_groups(gen, positions)
-            self.model = build_model(model_cfg, self.groups, args, initialize=False, training=False)[0].eval()
+            # The local spec always: the decode passes boolean padding masks (left-padded prompts),
+            # which Transformer Engine's fused attention ignores under the causal mask types.
+            local = dataclasses.replace(model_cfg, transformer_impl="local")
+            self.model = build_model(local, self.groups, args, initialize=False, training=False)[0].eval()
         except LayoutError as err:
             raise ValueError(f"rollout layout {gen}: {err}") from None
         _cache_rotated_keys(self.model)

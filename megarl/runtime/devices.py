@@ -44,3 +44,9 @@ def group_device(group=None) -> torch.device:
     import torch.distributed as dist
 
     return compute_device() if "nccl" in str(dist.get_backend(group)).lower() else torch.device("cpu")
+
+
+def synchronize() -> None:
+    """Wait for this rank's queued device work (before a timer stops: CUDA kernels run asynchronously)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

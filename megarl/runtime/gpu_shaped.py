@@ -32,7 +32,6 @@ megatron-core patches that do not depend on the device (Transformer Engine guard
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
@@ -42,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from megarl.runtime.cpu_mode import _is_cuda_device as _device_is_cuda
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -99,7 +100,11 @@ class CudaShapedTensor(torch.Tensor):
 
 
 def _rebuild_cuda(cpu: torch.Tensor) -> torch.Tensor:
-    return _as_cuda(cpu) if _mode is not None else cpu
+    if _mode is None:  # a process without the harness (the driver) is a process without CUDA
+        raise RuntimeError("Attempting to deserialize object on a CUDA device but torch.cuda.is_available() is "
+                           "False: a CUDA-shaped tensor reached a process without the GPU-shaped harness; move "
+                           "it to the host (megarl.runtime.devices.to_host) before it leaves its worker")
+    return _as_cuda(cpu)
 
 
 def _as_cuda(t):
@@ -123,14 +128,6 @@ def _as_cpu(t):
 def is_cuda(t) -> bool:
     """Whether ``t`` is CUDA-shaped (what ``t.is_cuda`` says under the harness)."""
     return isinstance(t, CudaShapedTensor)
-
-
-def _device_is_cuda(device) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, int) and not isinstance(device, bool)
 
 
 def _device_arg(args, kwargs):
@@ -203,7 +200,6 @@ class _GpuShapedMode(TorchFunctionMode):
             on_cuda = any(is_cuda(t) for t in tensors)
         return _placed(out, args) if on_cuda else out
 
-
     def _backward(self, func, args, kwargs):
         """Run autograd's engine with this mode active (a handler runs with its mode popped), so
         that backward passes written in Python (custom autograd functions, Megatron's gradient
@@ -266,8 +262,8 @@ def _move(func, args, kwargs):
         if out is plain:
             return src
         return _as_cuda(out) if want_cuda else out
-    if out is plain:
-        out = plain.clone() if not plain.requires_grad else plain.clone()
+    if out is plain:  # a move between devices is a copy
+        out = plain.clone()
     return _as_cuda(out) if want_cuda else out
 
 
@@ -601,13 +597,3 @@ def requested() -> bool:
 
 def is_enabled() -> bool:
     return _mode is not None
-
-
-@contextlib.contextmanager
-def expect_mismatch():
-    """For tests: the body must raise :class:`DeviceMismatch`."""
-    try:
-        yield
-    except DeviceMismatch:
-        return
-    raise AssertionError("expected a DeviceMismatch")

@@ -119,13 +119,16 @@ def test_ppo_pp2_critic_reference_reward_model_save_and_resume(tmp_path):
 
 
 def test_remax_moe_ep2_from_hf_directory(tmp_path, user_models):
-    """A MoE checkpoint the user brings (HF directory) at actor ep=2 → rollout e_g=2: the loader,
-    greedy and sampled generation, the alltoall dispatcher's device-to-host split sizes, routing
-    recorded on the device."""
+    """A MoE checkpoint the user brings (HF directory) at actor ep=2 (dp=2) → rollout e_g=2: the
+    loader, greedy and sampled generation, the alltoall dispatcher's device-to-host split sizes,
+    routing recorded on the device, PPO mini-batches gathered over dp."""
     config = user_config(tmp_path / "moe.yaml", user_models["moe"], user_models["data"], "{tp: 1, ep: 2}",
                          "{tp: 1, ep: 2}", "remax")
-    rows = train(tmp_path / "run", "trainer.train_steps=1", "model.moe_token_dispatcher=alltoall", config=config)
+    # dp=2 beside ep=2: the distributed optimizer shards, and two PPO mini-batches gather rows over dp
+    rows = train(tmp_path / "run", "trainer.train_steps=1", "model.moe_token_dispatcher=alltoall",
+                 "algorithm.ppo_mini_batch_size=4", config=config)
     first_step_agrees(rows[0], FP32_LOGP)
+    assert rows[0]["actor/optimizer_steps"] == 2
     assert "moe/routing_mismatch_frac" in rows[0]
 
 

@@ -58,6 +58,9 @@ gloo = dist.new_group([0], backend="gloo")
 dist.all_reduce(torch.ones(2), group=gloo)
 refused(lambda: dist.all_reduce(x, group=gloo), "a cuda:0 tensor of shape [4] on a gloo group")
 objs = [None]; dist.all_gather_object(objs, {"a": 1}); assert objs == [{"a": 1}]
+import pickle
+assert pickle.loads(pickle.dumps(x)).is_cuda
+print("PICKLED " + pickle.dumps(x).hex())
 print("OK")
 """
 
@@ -72,3 +75,9 @@ def test_harness_rules():
                           timeout=300, env={"PYTHONPATH": str(ROOT), "PORT": str(port), "PATH": "/usr/bin:/bin",
                                             "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-4000:]
+    # a device tensor that leaves its worker unmoved cannot be read by a driver without CUDA
+    import pickle
+
+    data = bytes.fromhex(next(line for line in proc.stdout.splitlines() if line.startswith("PICKLED "))[8:])
+    with pytest.raises(RuntimeError, match="deserialize object on a CUDA device"):
+        pickle.loads(data)
