@@ -30,6 +30,7 @@ from megarl.hybrid import regroup
 from megarl.models.builder import check_layout
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
+from megarl.trainer.resume import check_resume
 from megarl.trainer.steps import PromptStream, Scorer
 from megarl.training.train_ckpt import OPTIMIZER_FORMATS
 
@@ -82,6 +83,10 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     algo, data = cfg.algorithm, cfg.data
+    changed = check_resume(cfg)  # a resume under another config: refused by name, or listed
+    if changed:
+        log.warning(changed)
+        print(f"megarl: warning: {changed}", file=sys.stderr, flush=True)
     try:
         check_rollout_correction(algo.rollout_correction, algo.rollout_correction_threshold)
     except ValueError as err:
