@@ -20,6 +20,7 @@ from typing import List, Tuple
 
 from megarl.config import ConfigError, load_config, to_yaml
 from megarl.parallel.layout import Layout, LayoutError
+from megarl.runtime.distributed import torn_down
 from megarl.runtime.processes import WorkerDied
 
 
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
         print(__doc__.strip())
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        with torn_down():  # the exit code is the command's, whatever groups it started
+            return COMMANDS[argv[0]](argv[1:])
     except (ConfigError, LayoutError, ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from megarl.checkpoint.hf_io import CheckpointFileError, parse_size
+from megarl.runtime.distributed import torn_down
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,18 +70,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     launch = bool(args.nproc) and "RANK" not in os.environ
     try:
-        if args.direction == "hf-to-mcore":
-            parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp, vpp=args.vpp)
-            options = ConvertOptions(args.vocab_multiple, args.params_dtype, args.transformer_impl)
-            if launch:  # refuse bad input here, before starting any process
-                prepare_hf_to_mcore(args.hf_dir, args.out_dir, parallel, options, args.nproc)
+        with torn_down():  # a torchrun rank's exit code is its own, whatever groups it started
+            if args.direction == "hf-to-mcore":
+                parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp,
+                                          vpp=args.vpp)
+                options = ConvertOptions(args.vocab_multiple, args.params_dtype, args.transformer_impl)
+                if launch:  # refuse bad input here, before starting any process
+                    prepare_hf_to_mcore(args.hf_dir, args.out_dir, parallel, options, args.nproc)
+                    return _launch(argv, args.nproc, args.out_dir)
+                hf_to_mcore(args.hf_dir, args.out_dir, parallel, options)
+            elif launch:  # refuse bad input (names, truncated files) before starting any process
+                prepare_mcore_to_hf(args.ckpt_dir, args.out_dir, args.hf_config)
                 return _launch(argv, args.nproc, args.out_dir)
-            hf_to_mcore(args.hf_dir, args.out_dir, parallel, options)
-        elif launch:  # refuse bad input (names, truncated files) before starting any process
-            prepare_mcore_to_hf(args.ckpt_dir, args.out_dir, args.hf_config)
-            return _launch(argv, args.nproc, args.out_dir)
-        else:
-            mcore_to_hf(args.ckpt_dir, args.out_dir, args.dtype, parse_size(args.max_shard_size), args.hf_config)
+            else:
+                mcore_to_hf(args.ckpt_dir, args.out_dir, args.dtype, parse_size(args.max_shard_size),
+                            args.hf_config)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
         rank = os.environ.get("RANK", "0")
         # Checks before the launch fail alike on every rank; a file that fails to read does so

@@ -20,7 +20,7 @@ import torch
 from megarl.checkpoint.load import resolve_model_config
 from megarl.config import MegarlConfig, load_config
 from megarl.parallel import Layout, build_groups
-from megarl.runtime import init_distributed, set_seed, shutdown
+from megarl.runtime import init_distributed, set_seed, torn_down
 from megarl.training import lm
 from megarl.training.tasks import calculator_batch, calculator_sequence_length, reverse_digits_batch
 
@@ -93,6 +93,11 @@ def main(argv=None) -> int:
     files = [a for a in argv if a.endswith((".yaml", ".yml"))]
     cfg: MegarlConfig = load_config(files, [a for a in argv if a not in files])
     check_config(cfg)
+    with torn_down():  # the exit code is this rank's, whatever groups are alive at an error
+        return _train(cfg)
+
+
+def _train(cfg: MegarlConfig) -> int:
     init_distributed()
     layout = Layout.from_config(cfg.parallel.actor, torch.distributed.get_world_size())
     groups = build_groups(layout)
@@ -125,7 +130,6 @@ def main(argv=None) -> int:
         if rank0:
             print(f"saved the model to {cfg.trainer.save_dir} (Megatron dist checkpoint; "
                   f"megarl convert mcore-to-hf makes it an HF directory)", flush=True)
-    shutdown()
     return 0 if last < first else 1
 
 

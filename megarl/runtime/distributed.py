@@ -3,6 +3,7 @@ the GPU-shaped harness (``MEGARL_GPU_SHAPED=1``, :mod:`megarl.runtime.gpu_shaped
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -103,6 +104,21 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def torn_down():
+    """Destroy this process's groups on every way out of the body (an entry point's ``main``).
+
+    Left alive to interpreter exit, gloo's process groups and their store are destroyed after
+    Python has finalized, in whatever order, and a worker thread still joinable then aborts the
+    process (``terminate called without an active exception``: SIGABRT, exit -6, in place of the
+    entry point's documented code). torch asks for ``destroy_process_group`` before exit."""
+    try:
+        yield
+    finally:
+        if torch.distributed.is_initialized():
+            shutdown()
 
 
 def set_seed(seed: int, groups) -> None:
