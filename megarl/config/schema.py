@@ -201,6 +201,10 @@ class AlgorithmConfig:
     (reward/timeouts, reward/failures)."""
     reward_workers: int = bounded(4, ge=1)
     """Reward worker processes, started once per run (ignored with reward_fn=model)."""
+    reward_memory_mb: int = bounded(4096, ge=0)
+    """Address space in MB a reward worker may add while scoring, beyond the interpreter and the
+    function's imports (RLIMIT_AS); a sample past it scores 0, is counted (reward/failures) and its
+    worker is replaced. 0 = no ceiling."""
     temperature: float = 1.0
     """Sampling temperature (the trainer's log-probs use the same); must be > 0: greedy decoding is
     not an RL sampling mode (use a small value, e.g. 0.1, for near-greedy samples)."""

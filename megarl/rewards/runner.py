@@ -1,6 +1,7 @@
 """Scoring a batch safely in worker processes: a reward function that raises, returns a
-non-number, NaN or inf, or runs past its time limit on one sample gives that sample 0, is
-counted, and never stops the run; a hanging function's worker is killed and replaced."""
+non-number, NaN or inf, runs past its time limit or allocates past its memory ceiling on one
+sample gives that sample 0, is counted, and never stops the run; a hanging function's worker, and
+one out of memory, is killed and replaced."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class _Worker:
     """One process; ``index`` is the sample it runs (None when idle), ``deadline`` when it must
     answer (its start-up, or its sample's limit)."""
 
-    def __init__(self, fn_path: str, start_timeout_s: float):
+    def __init__(self, fn_path: str, start_timeout_s: float, memory_mb: int = 0):
         # The worker sees the driver's import path (tests, a user's package run from its folder),
         # and gets its own process group so that a kill also ends whatever the function started.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
@@ -56,7 +57,7 @@ class _Worker:
         self.index: Optional[int] = None
         self.started = time.monotonic()
         self.deadline = self.started + start_timeout_s
-        write_frame(self.proc.stdin.fileno(), fn_path)
+        write_frame(self.proc.stdin.fileno(), (fn_path, memory_mb))
 
     def kill(self) -> None:
         try:
@@ -74,9 +75,11 @@ class RewardPool:
     samples queued behind slow ones are never charged for the wait. Start it once per run (a
     process start costs tens of ms) and :meth:`close` it at the end."""
 
-    def __init__(self, fn_path: str, workers: int, timeout_s: float, start_timeout_s: float = 60.0):
+    def __init__(self, fn_path: str, workers: int, timeout_s: float, start_timeout_s: float = 60.0,
+                 memory_mb: int = 0):
         self.fn_path, self.timeout_s, self.start_timeout_s = fn_path, timeout_s, start_timeout_s
-        self.workers = [_Worker(fn_path, start_timeout_s) for _ in range(workers)]
+        self.memory_mb = memory_mb  # address space a worker may add while scoring (0 = no ceiling)
+        self.workers = [_Worker(fn_path, start_timeout_s, memory_mb) for _ in range(workers)]
         self.logged: set = set()  # failure kinds already logged (once each per run)
         atexit.register(self.close)  # no worker outlives the driver, whatever path it exits by
 
@@ -117,6 +120,8 @@ class RewardPool:
                         report.scores[index] = result
                     else:
                         fail(index, kind, result)
+                    if kind == "memory":  # the worker exits after its MemoryError
+                        self._replace(w)
             now = time.monotonic()
             for w in list(self.workers):
                 if w.index is not None and now >= w.deadline:  # hung or slow: kill it, score 0
@@ -148,7 +153,7 @@ class RewardPool:
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self.workers[self.workers.index(w)] = _Worker(self.fn_path, self.start_timeout_s)
+        self.workers[self.workers.index(w)] = _Worker(self.fn_path, self.start_timeout_s, self.memory_mb)
 
     def _log(self, report: ScoreReport) -> None:
         kinds = dict(report.failures, timeout=report.timeouts)

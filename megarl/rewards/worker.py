@@ -82,18 +82,32 @@ def read_frame(fd: int) -> Optional[Any]:
     return None if data is None else pickle.loads(data)
 
 
+def limit_address_space(memory_mb: int) -> None:
+    """Cap this process's address space ``memory_mb`` MB above what it maps now (the interpreter
+    and the function's imports), so an allocation past it raises MemoryError here instead of
+    taking the node's memory."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    limit = mapped + (memory_mb << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 def main() -> None:
     # Keep the frame channels private: a function that prints or reads stdin must not corrupt them.
     reader, writer = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
-    path = read_frame(reader)
+    path, memory_mb = read_frame(reader)
     try:
         fn = load_fn(path)
         keywords = accepted_keywords(fn)
     except Exception as err:  # reported to the driver, which names the function
         write_frame(writer, ("fail", f"{type(err).__name__}: {err}"))
         return
+    if memory_mb:  # after the imports: the ceiling is on what scoring allocates
+        limit_address_space(memory_mb)
     write_frame(writer, ("ready",))
     while True:
         task = read_frame(reader)
@@ -103,6 +117,10 @@ def main() -> None:
         start = time.perf_counter()
         try:
             value = fn(response, answer, **{k: context[k] for k in keywords})
+        except MemoryError:  # over algorithm.reward_memory_mb: this process is replaced
+            write_frame(writer, (index, "memory", f"over algorithm.reward_memory_mb={memory_mb} MB of address "
+                                                  f"space", time.perf_counter() - start))
+            return
         except Exception as err:  # a user's function may raise anything; the run goes on
             kind, result = "exception", f"{type(err).__name__}: {err}"
         else:

@@ -92,7 +92,8 @@ class Scorer:
                               torch.zeros(len(responses)))
             return self.model.compute_scores(make_batch(sampled, self.tokenizer.pad_token_id, -1))["scores"]
         if self.pool is None:
-            self.pool = RewardPool(self.fn_path, self.algo.reward_workers, self.algo.reward_timeout_s)
+            self.pool = RewardPool(self.fn_path, self.algo.reward_workers, self.algo.reward_timeout_s,
+                                   memory_mb=self.algo.reward_memory_mb)
         samples = []
         for r in responses:
             record = records[r.prompt_index]

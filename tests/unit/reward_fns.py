@@ -40,3 +40,11 @@ def two_arguments(response, answer):
 def by_digit(response, answer, extra):
     """The built-in tokenizer's responses are digits: 1 → NaN, 2 → a string, 3 → inf, else extra."""
     return {"1": float("nan"), "2": "2", "3": float("inf")}.get(response[:1], float(extra["level"]))
+
+
+def memory_hungry(response, answer):
+    """``big``: holds ``answer`` MB at once (past a worker's memory ceiling); else 1."""
+    if response == "big":
+        block = bytearray(int(answer) << 20)
+        return float(len(block) > 0)
+    return 1.0
