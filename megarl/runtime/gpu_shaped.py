@@ -209,13 +209,11 @@ class _GpuShapedMode(TorchFunctionMode):
             bound = dict(zip(names, args[1:]), **kwargs)
             tensors, grads = (args[0],), bound.get("gradient")
             inputs, retain, create = bound.get("inputs"), bound.get("retain_graph"), bound.get("create_graph", False)
-        elif func is torch.autograd.backward:
+        else:  # torch.autograd.backward
             names = ("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs")
             bound = dict(zip(names, args), **kwargs)
             tensors, grads = bound["tensors"], bound.get("grad_tensors")
             inputs, retain, create = bound.get("inputs"), bound.get("retain_graph"), bound.get("create_graph", False)
-        else:
-            raise NotImplementedError(f"{_name(func)} under the GPU-shaped harness")
         from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
         from torch.autograd.graph import _engine_run_backward
 
@@ -318,8 +316,8 @@ class _Generator(_OriginalGenerator):
         gen._cuda = _device_is_cuda(device)
         return gen
 
-    def __init__(self, device="cpu"):
-        pass
+    def __init__(self, device="cpu"):  # the device was taken by __new__ (torch's own __init__ takes none)
+        super().__init__()
 
     @property
     def device(self):

@@ -17,8 +17,9 @@ import torch
 from megarl.hybrid import ModelSpec
 from megarl.hybrid.names import FUSED_NORMS, canonical_name, check_planned, planned_tensors
 from megarl.hybrid.shards import LocalTensor, Placement
+from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
-from tests.unit.test_te_key_names import PARAMS, _config, _name, _unused, te_specs  # noqa: F401 (a fixture)
+from tests.unit.test_te_key_names import PARAMS, ROOT, _config, _name, _unused, te_specs  # noqa: F401 (a fixture)
 
 MODELS = ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3-moe", "tiny-mixtral"]
 LAYOUTS = [Layout(), Layout(tp=2, pp=2, dp=2), Layout(tp=2, pp=2, dp=2, ep=2, etp=1), Layout(tp=2, pp=2, vpp=2)]
@@ -70,13 +71,19 @@ def _chunk_names(specs, config, placement: Placement, rank: int, chunk: int) -> 
     return names
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-@pytest.mark.parametrize("name", MODELS)
+def _cases():
+    """(model, layout) pairs; expert-parallel layouts for the models that have experts."""
+    for name in MODELS:
+        moe = bool(megatron_args_from_hf(str(ROOT / f"configs/models/{name}.json")).num_experts)
+        for layout in LAYOUTS:
+            if moe or layout.ep == 1:
+                yield pytest.param(name, layout, id=f"{name}-{layout}")
+
+
+@pytest.mark.parametrize("name,layout", list(_cases()))
 @pytest.mark.parametrize("te", [True, False], ids=["transformer_engine", "local"])
 def test_every_planned_tensor_is_a_built_tensor_and_back(te_specs, name, layout, te):
     args, config = _config(name, te)
-    if layout.ep > 1 and not args.num_experts:
-        pytest.skip("expert parallelism needs experts")
     specs = te_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=te, normalization="RMSNorm")
     placement = Placement(ModelSpec.from_args(args), layout)
     renamed = 0
