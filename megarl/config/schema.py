@@ -340,6 +340,18 @@ class TrainerConfig:
     """Trained state moved to host memory while the rollout generates (colocated). memory/host_peak_gb/<phase>
     and memory/gpu_peak_gb/<phase> (generate, train; max over ranks) are logged either way, time/offload_s and
     time/reload_s when something is offloaded."""
+    hang_timeout_s: float = bounded(1800.0, gt=0)
+    """A rank that makes no progress for this long (no heartbeat answered, or no step of its phase:
+    a micro-batch, a decode step, a weight bucket, a verb begun or ended) is named, every process of
+    the run is stopped and ``megarl train`` exits 3. Collectives time out a little later, as a
+    backstop. The default allows a GPU cluster's first compilations and large checkpoint writes."""
+    save_on_signal: bool = True
+    """On SIGTERM (Slurm's scancel or time limit, Kubernetes' eviction) finish the current step,
+    write a checkpoint and exit 143; false: exit 143 after the step without saving."""
+    signal_grace_s: float = bounded(300.0, gt=0)
+    """After SIGTERM, the driver exits 143 within this long: the step and the checkpoint must fit in
+    it (launch/slurm/train.sbatch asks Slurm for the signal this long, plus teardown, before the
+    kill); past it the run stops without a checkpoint."""
     max_bad_steps: int = bounded(3, ge=1)
     """Optimizer steps in a row of one model (actor or critic) whose loss or gradients are not finite
     on some rank before the run stops with NonFiniteUpdateError; each such step is skipped on every
@@ -407,6 +419,11 @@ class RolloutConfig:
     """``env``: an episode's reward is the sum of its environment's step rewards; ``verifier``:
     ``algorithm.reward_fn`` scores the final turn's text (the existing verifiers on the final
     answer)."""
+    sandbox: str = "confined"
+    """``confined``: the ``python`` environment's code runs in its own user, network and mount
+    namespaces, seeing only its directory and a read-only Python runtime (the kernel must allow
+    unprivileged user namespaces, or the run refuses to start). ``unconfined``: without the mount
+    namespace where the kernel allows none; the code can then read whatever the trainer can."""
     max_tool_seconds: float = bounded(30.0, gt=0)
     """Time limit of one environment step (s), also an HTTP environment's request timeout; a step
     past it ends as an error observation ("tool timed out") and the episode goes on (counted in
