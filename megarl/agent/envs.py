@@ -8,21 +8,24 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import ssl
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from megarl.agent.env import Environment, StepResult
 from megarl.agent.tool_calls import TOOL_CALL_FORMATS, ToolCall, ToolCallError, parse_tool_calls
-from megarl.agent.tools import CALCULATOR, SandboxLimits, Tool, ToolError, python_tool
+from megarl.agent.tools import CALCULATOR, SandboxLimits, Tool, ToolError, confinement_error, python_tool
 from megarl.algorithms.registry import Registry
 from megarl.data.datasets import PromptRecord
 from megarl.rewards.worker import load_fn
 
 EnvFactory = Callable[[], Environment]
+
+log = logging.getLogger(__name__)
 
 
 class ToolEnv(Environment):
@@ -232,12 +235,49 @@ ENVIRONMENTS.register("calculator")(lambda limits: lambda: ToolEnv({"calculator"
 ENVIRONMENTS.register("python")(lambda limits: lambda: ToolEnv({"python": python_tool(limits)}))
 
 
-def env_factory(spec: str, http_timeout_s: float = 30.0, sandbox_limits: Optional[SandboxLimits] = None) -> EnvFactory:
+SANDBOX_MODES = ("confined", "unconfined")
+"""``rollout.sandbox``: whether the ``python`` environment's code must run confined (its own
+user, network and mount namespaces; see :func:`megarl.agent.tools.run_python`)."""
+
+
+def _check_sandbox_mode(sandbox: str) -> None:
+    if sandbox not in SANDBOX_MODES:
+        raise ValueError(f"rollout.sandbox={sandbox!r} must be one of {', '.join(SANDBOX_MODES)}")
+
+
+def check_sandbox(spec: str, sandbox: str) -> None:
+    """Refuse a bad ``rollout.sandbox``, and ``rollout.env=python`` on a machine that cannot
+    confine the tool's code (one probing call, :func:`confinement_error`) unless
+    ``rollout.sandbox=unconfined``, which then runs with a warning. Call it before workers start."""
+    _check_sandbox_mode(sandbox)
+    if spec != "python":
+        if sandbox != "confined":
+            log.warning("rollout.sandbox=%s is ignored: it applies to rollout.env=python only", sandbox)
+        return
+    why = confinement_error()
+    if why is None:
+        return
+    if sandbox == "confined":
+        raise ValueError(f"rollout.env=python: this machine cannot confine the tool's code ({why}); it needs "
+                         f"unprivileged user and mount namespaces (e.g. sysctl user.max_user_namespaces > 0, "
+                         f"kernel.apparmor_restrict_unprivileged_userns=0, no seccomp profile refusing unshare). "
+                         f"rollout.sandbox=unconfined runs it anyway, with the audit hook and limits only: the "
+                         f"model's code can then read every file the trainer can (the host's /etc and /root, the "
+                         f"project, run directories and checkpoints) and its output goes into the training data")
+    log.warning("rollout.sandbox=unconfined on a machine that cannot confine the python tool's code (%s): the "
+                "model's code can read every file the trainer can (the host's /etc and /root, the project, run "
+                "directories and checkpoints)", why)
+
+
+def env_factory(spec: str, http_timeout_s: float = 30.0, sandbox_limits: Optional[SandboxLimits] = None,
+                sandbox: str = "confined") -> EnvFactory:
     """What ``rollout.env=spec`` names, as a factory the loop calls once per episode (episodes run
     concurrently and must not share state): a built-in name (``calculator``, ``python``, which runs
-    under ``sandbox_limits``), an ``http(s)://`` URL (:class:`HttpEnv`), or
-    ``package.module:Name``, an :class:`Environment` subclass or a zero-argument function returning
-    one. Checked here, so a bad value fails before the run starts."""
+    under ``sandbox_limits``, confined unless ``sandbox`` (``rollout.sandbox``) is
+    ``unconfined``), an ``http(s)://`` URL (:class:`HttpEnv`), or ``package.module:Name``, an
+    :class:`Environment` subclass or a zero-argument function returning one. Checked here, so a bad
+    value fails before the run starts (whether this machine can confine code: :func:`check_sandbox`)."""
+    _check_sandbox_mode(sandbox)
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"rollout.env={spec!r} must name an environment: {', '.join(ENVIRONMENTS.names())}, "
                          f"an http(s):// URL or package.module:Name")
@@ -248,7 +288,8 @@ def env_factory(spec: str, http_timeout_s: float = 30.0, sandbox_limits: Optiona
         raise ValueError(f"rollout.env='{spec}': only http:// and https:// URLs are supported")
     if ":" not in spec:
         try:
-            return ENVIRONMENTS.get(spec)(sandbox_limits or SandboxLimits())
+            limits = replace(sandbox_limits or SandboxLimits(), confined=sandbox == "confined")
+            return ENVIRONMENTS.get(spec)(limits)
         except KeyError as err:
             raise ValueError(f"rollout.env: {err.args[0]}; or an http(s):// URL, or package.module:Name") from None
     try:

@@ -160,9 +160,12 @@ def check_agent(cfg: MegarlConfig, args) -> bool:
         if r != RolloutConfig():
             log.warning("rollout.* is set but rollout.env is null: the run is single-turn and ignores it")
         return False
+    from megarl.agent.envs import check_sandbox
+
     try:
         check_agent_config(r, algo.max_new_tokens)
-        env_factory(r.env, r.max_tool_seconds)  # imports and checks the environment
+        env_factory(r.env, r.max_tool_seconds, sandbox=r.sandbox)  # imports and checks the environment
+        check_sandbox(r.env, r.sandbox)  # one confined call: can this machine hide the host from the tool?
     except ValueError as err:
         raise ConfigError(str(err)) from None
     budget = total_budget(r, algo.max_new_tokens)
