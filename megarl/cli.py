@@ -18,6 +18,7 @@ import subprocess
 import sys
 from typing import List, Tuple
 
+from megarl.checkpoint.disk import DiskFull
 from megarl.config import ConfigError, load_config, to_yaml
 from megarl.parallel.layout import Layout, LayoutError
 from megarl.runtime.distributed import torn_down
@@ -117,6 +118,9 @@ def main(argv=None) -> int:
     except WorkerDied as exc:  # names the rank and node; the run resumes from its newest checkpoint
         print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
         return 3
+    except DiskFull as exc:  # names the path, the bytes needed and free; what was there is intact
+        print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
+        return 4
     except KeyboardInterrupt:  # Ctrl-C: the run's processes are already stopped on the way out
         print(f"megarl {argv[0]}: interrupted", file=sys.stderr)
         return 130

@@ -1,8 +1,8 @@
 """``megarl convert hf-to-mcore|mcore-to-hf``; also ``checkpoint_tools/*.py`` under torchrun/srun.
 
 Run it plainly (one process, or ``--nproc N`` to have it launch torchrun on this node), or start
-it yourself with torchrun/srun on many nodes. Errors name the tensor or field, exit with 2, and
-leave no output directory behind.
+it yourself with torchrun/srun on many nodes. Errors name the tensor or field, exit with 2 (4 when
+out of disk space), and leave no output directory behind.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from megarl.checkpoint.disk import DiskFull
 from megarl.checkpoint.hf_io import CheckpointFileError, parse_size
 from megarl.runtime.distributed import torn_down
 
@@ -92,6 +93,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if rank == "0" or isinstance(exc, CheckpointFileError):
             print(f"megarl convert {args.direction}: error: {exc}", file=sys.stderr)
         return 2
+    except DiskFull as exc:  # on the ranks whose writes ran out of space
+        print(f"megarl convert {args.direction}: error: {exc}", file=sys.stderr)
+        return 4
     if os.environ.get("RANK", "0") == "0":
         print(f"megarl convert {args.direction}: wrote {args.out_dir}")
     return 0

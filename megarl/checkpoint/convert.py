@@ -7,21 +7,25 @@ reads only the HF tensors (or row ranges) those slices come from, and Megatron's
 ``mcore_to_hf``: needs no model: ranks split the checkpoint's tensors by layer, read each global
 tensor straight from the checkpoint, map it back through the same table and write their own
 safetensors shards; rank 0 names the shards and writes the index. Both write to a temporary
-directory renamed into place at the end, so a failed run leaves no output behind.
+directory renamed into place at the end, so a failed run leaves no output behind; one that runs
+out of space raises :class:`~megarl.checkpoint.disk.DiskFull` with the bytes it needed and had.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megarl.checkpoint.disk import named_if_full
 from megarl.checkpoint.hf_files import write_side_files
 from megarl.checkpoint.hf_io import HFCheckpoint, ShardWriter, finalize
 from megarl.checkpoint.hf_mapping import ConversionError, Item, build_plan, check_names, skipped_hf_names
@@ -222,6 +226,9 @@ def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
     out_dtype = _output_dtype(dtype, config)
+    needed = _output_bytes(prepared, out_dtype)
+    # around the writes alone: a source file that fails to read stays named as such
+    writing = partial(named_if_full, out_dir, needed, "the weights in the output dtype", tmp)
     writer = ShardWriter(tmp, f"rank{rank:05d}", max_shard_bytes)
     for key, items in by_key.items():
         layer = items[0].layer
@@ -231,21 +238,32 @@ def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max
             continue
         stored_key, stacked_layer = prepared.sources[key]
         tensor = read_tensor(reader, stored_key, prepared.stored[stored_key], stacked_layer)
-        for item in items:
-            part = tensor if item.expert is None else tensor[item.expert]
-            for name, value in zip(item.hf_names, item.rule.transform.to_hf(part)):
-                writer.add(name, value.to(out_dtype or value.dtype).clone())
+        with writing():
+            for item in items:
+                part = tensor if item.expert is None else tensor[item.expert]
+                for name, value in zip(item.hf_names, item.rule.transform.to_hf(part)):
+                    writer.add(name, value.to(out_dtype or value.dtype).clone())
         del tensor
-    writer.flush()
+    with writing():
+        writer.flush()
     gathered: List[Optional[Dict]] = [None] * world
     torch.distributed.all_gather_object(gathered, {"map": writer.weight_map, "bytes": writer.total_bytes})
     if rank == 0:
         weight_map = {k: v for part in gathered for k, v in part["map"].items()}
-        finalize(tmp, weight_map, sum(part["bytes"] for part in gathered))
-        written = out_dtype or prepared.stored["embedding.word_embeddings.weight"].properties.dtype
-        write_side_files(tmp, config, written, config_dir, Path(tokenizer_dir) if tokenizer_dir else None)
+        with writing():
+            finalize(tmp, weight_map, sum(part["bytes"] for part in gathered))
+            written = out_dtype or prepared.stored["embedding.word_embeddings.weight"].properties.dtype
+            write_side_files(tmp, config, written, config_dir, Path(tokenizer_dir) if tokenizer_dir else None)
         tmp.rename(out_dir)
     torch.distributed.barrier()
+
+
+def _output_bytes(prepared: McoreToHFPlan, out_dtype: Optional[torch.dtype]) -> int:
+    """Bytes of the weights an export writes: every stored tensor it reads, in ``out_dtype``
+    (else its own); the vocabulary's padding rows, which are dropped, are counted too."""
+    keys = {stored_key for stored_key, _ in prepared.sources.values()}
+    return sum(math.prod(prepared.stored[k].size) * (out_dtype or prepared.stored[k].properties.dtype).itemsize
+               for k in keys)
 
 
 def _output_dtype(choice: str, config: Dict) -> Optional[torch.dtype]:

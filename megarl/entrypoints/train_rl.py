@@ -419,7 +419,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         in_flight = []  # async checkpoints whose tensors are still being written
 
         def finish_checkpoints(blocking: bool) -> None:
-            if in_flight and all(group.call("finish_checkpoint", blocking)):
+            if in_flight and checkpoints.finished(in_flight[0], lambda: all(group.call("finish_checkpoint", blocking))):
                 checkpoints.commit(in_flight.pop())
 
         def after_step(step: int) -> None:

@@ -7,6 +7,12 @@ atomically). A directory still ending in ``.tmp`` is never used. On resume a che
 files do not match its manifest, or whose dist-checkpoint metadata the allow-list refuses, is
 reported (naming the file) and the one before it is used; ``export-hf`` refuses it instead.
 The last ``keep`` stay.
+
+A save that fails removes its ``step_N.tmp``, leaving the previous checkpoint and ``latest`` as
+they were; one that ran out of space is a :class:`~megarl.checkpoint.disk.DiskFull` naming the
+checkpoint, the bytes it needed (the workers' estimate: the tensors they write; else the size of
+the previous checkpoint) and the bytes free, and a rerun resumes from the previous checkpoint
+once there is space.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megarl.checkpoint.disk import (
+    DiskFull, disk_full, drop_tracebacks, free_bytes, interrupts, lacks_space, used_bytes,
+)
 from megarl.checkpoint.hf_io import CheckpointFileError
 from megarl.checkpoint.integrity import load_dist_metadata, verify_manifest, write_manifest
 
@@ -39,30 +48,76 @@ class Checkpoints:
         return self.commit(self.begin(step, write_roles, driver_state, config_yaml))
 
     def begin(self, step: int, write_roles, driver_state: Dict, config_yaml: str) -> Path:
-        """Write into ``step_N.tmp``; the workers' parts may still be in flight (async save)."""
+        """Write into ``step_N.tmp``; the workers' parts may still be in flight (async save).
+        Any ``.tmp`` left by a run that was killed is removed first: no other save is in flight
+        when one begins."""
         tmp = self.root / f"step_{step:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in self.root.glob("step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_roles(tmp)
-        torch.save(driver_state, tmp / "driver.pt")
-        (tmp / "config.yaml").write_text(config_yaml)
+        try:
+            write_roles(tmp)
+            torch.save(driver_state, tmp / "driver.pt")
+            (tmp / "config.yaml").write_text(config_yaml)
+        except BaseException as err:
+            self._failed(tmp, err)
+            raise
         return tmp
+
+    def finished(self, tmp: Path, finish) -> bool:
+        """``finish()``: the workers' finalize of the async save into ``tmp``, True once every
+        part is written. A failure there is handled as in :meth:`begin`."""
+        try:
+            return finish()
+        except BaseException as err:
+            self._failed(tmp, err)
+            raise
 
     def commit(self, tmp: Path) -> Path:
         """Once every part of ``tmp`` is on disk: manifest, rename, ``latest``, keep-k."""
         final = tmp.with_name(tmp.name[: -len(".tmp")])
-        # Once every worker's file is complete (async saves included): the workers hashed their
-        # own files in parallel as they wrote them (save_train_state); this merges their digests
-        # and hashes the rest (driver.pt, config.yaml, an async save's .metadata) here.
-        write_manifest(tmp)
+        pointer = self.root / "latest.tmp"
+        try:  # everything that takes space, before anything is renamed
+            # Once every worker's file is complete (async saves included): the workers hashed
+            # their own files in parallel as they wrote them (save_train_state); this merges
+            # their digests and hashes the rest (driver.pt, config.yaml, an async save's
+            # .metadata) here.
+            write_manifest(tmp)
+            pointer.write_text(final.name)
+        except BaseException as err:
+            self._failed(tmp, err)
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        pointer = self.root / "latest.tmp"
-        pointer.write_text(final.name)
         os.replace(pointer, self.root / "latest")
         for old in self.complete()[self.keep:]:
             shutil.rmtree(old, ignore_errors=True)
         return final
+
+    def _failed(self, tmp: Path, err: BaseException) -> None:
+        """After a save into ``tmp`` failed with ``err``: remove ``tmp`` (and a ``latest.tmp``);
+        raise :class:`DiskFull` if it was for lack of space, else return (the caller re-raises).
+        An interrupt leaves ``tmp`` to the next :meth:`begin` (workers may still write into it)."""
+        if interrupts(err):
+            return
+        cause = err.__dict__.get("cause", err)  # a worker's error, as Ray delivers it
+        if isinstance(cause, DiskFull):  # named by the workers, who know what they were writing
+            needed, what, full = cause.needed, cause.what, True
+        else:
+            previous = next(iter(self.complete()), None)
+            needed, what = ((used_bytes(previous), f"the size of the previous checkpoint {previous.name}")
+                            if previous else (used_bytes(tmp), "at least what the save had written"))
+            full = lacks_space(cause, self.root, needed, used_bytes(tmp))
+        shutil.rmtree(tmp, ignore_errors=True)
+        (self.root / "latest.tmp").unlink(missing_ok=True)
+        if not full:
+            return
+        drop_tracebacks(err)  # before measuring what is free: a failed writer in them holds its file open
+        kept = self.newest()
+        note = f" after removing the partial {tmp.name}" + (
+            f"; latest still names {kept.name}: free space, then rerun to resume from it" if kept else "")
+        raise disk_full(tmp.with_name(tmp.name[: -len(".tmp")]), cause, needed, what, free_bytes(self.root),
+                        note) from None
 
     def complete(self) -> List[Path]:
         """Finished checkpoints, newest first (``.tmp`` leftovers excluded)."""

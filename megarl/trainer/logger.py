@@ -1,7 +1,9 @@
 """What a run shows and keeps: a console progress bar, per-phase timings, model TFLOP/s and MFU,
 metrics to MLflow (a sqlite store and artifacts, config.yaml among them, in the run directory
 unless a tracking URI is set; a run that raises is FAILED, an interrupted one KILLED), to
-``metrics.jsonl`` and optionally to TensorBoard, and a reward-curve PNG at the end."""
+``metrics.jsonl`` and optionally to TensorBoard, and a reward-curve PNG at the end. A full disk
+stops the run with :class:`~megarl.checkpoint.disk.DiskFull`, ``metrics.jsonl`` and the rollout
+dumps left as they were before the write."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from megarl.checkpoint.disk import append_text, replace_text
 from megarl.config import to_yaml
 from megarl.models.flops import forward_flops
 from megarl.models.hf_config import megatron_args_from_hf
@@ -66,9 +69,8 @@ class RunLogger:
         if self.metrics_path.is_file():  # steps past the checkpoint were lost with the crash
             kept = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
             self.history = [r for r in kept if r["step"] <= start_step]
-            tmp = self.metrics_path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-            tmp.replace(self.metrics_path)
+            replace_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.history),
+                         "the metrics of the steps kept")
         self.timings: Dict[str, float] = {}
         self.tensorboard = None  # before MLflow: a missing package fails before a run is opened
         if cfg.logging.tensorboard:
@@ -145,8 +147,7 @@ class RunLogger:
         if interval and step % interval == 0:
             self._dump_rollouts(step, batch)
         self.history.append(record)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(self.metrics_path, json.dumps(record) + "\n", f"step {step}'s metrics line")
         if self.mlflow:
             self.mlflow.log_metrics({k.replace("/", "."): float(v) for k, v in record.items() if k != "step"}, step=step)
         if self.tensorboard:
@@ -163,9 +164,8 @@ class RunLogger:
     def _dump_rollouts(self, step: int, batch: Batch) -> None:
         folder = self.run_dir / "rollouts"
         folder.mkdir(exist_ok=True)
-        tmp = folder / f"step_{step}.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in rollout_rows(batch, self.decode)))
-        tmp.replace(folder / f"step_{step}.jsonl")
+        text = "".join(json.dumps(row) + "\n" for row in rollout_rows(batch, self.decode))
+        replace_text(folder / f"step_{step}.jsonl", text, f"step {step}'s samples")
 
     def _model_flops(self, batch: Batch) -> float:
         """Model FLOPs of the step (megarl.models.flops): a forward pass over the rows for

@@ -2,7 +2,8 @@
 
 A checkpoint written in one layout loads into any other: Megatron's ``sharded_state_dict``
 names every shard by its global tensor and offset. Saves are atomic: the files go to a
-temporary directory that is renamed into place once every rank has finished.
+temporary directory that is renamed into place once every rank has finished; one that runs out
+of space raises :class:`~megarl.checkpoint.disk.DiskFull`.
 
 Key layout: megarl writes megatron-core's default ``sharded_state_dict`` (what Megatron-LM
 writes and reads): the layers of a homogeneous model stacked under one key with a leading layer
@@ -22,8 +23,10 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from megarl.checkpoint.disk import named_if_full
 from megarl.checkpoint.hf_io import CheckpointFileError
 from megarl.checkpoint.integrity import load_dist_metadata, weights_only_loads
+from megarl.runtime.devices import group_device
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -154,6 +157,23 @@ def read_tensor(reader, key: str, meta, layer: Optional[int] = None) -> torch.Te
     return dest if layer is None else dest[0]
 
 
+def tensor_bytes(state: Dict) -> int:
+    """Bytes of the tensors a save of the sharded state dict ``state`` writes, summed over the
+    world (collective): each shard's main replica, the one megatron writes. The files take a
+    little more (torch's structure around each tensor)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+
+    local = sum(v.data.numel() * v.data.element_size() for v in nested_values(state)
+                if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and is_main_replica(v.replica_id))
+    total = torch.tensor([local], dtype=torch.int64, device=group_device())
+    torch.distributed.all_reduce(total)
+    return int(total.item())
+
+
+TENSOR_BYTES = "the tensors it writes"  # what tensor_bytes estimates, for DiskFull's message
+
+
 def save_model(chunks: List[torch.nn.Module], path: str | Path) -> None:
     """Write this layout's weights to ``path`` (collective over the whole world)."""
     save_sharded(sharded_state_dict(chunks, layer_keys="default"), path)
@@ -162,7 +182,7 @@ def save_model(chunks: List[torch.nn.Module], path: str | Path) -> None:
 def save_sharded(state: Dict, path: str | Path, before_rename: Optional[Callable[[Path], None]] = None) -> None:
     """Save a sharded state dict atomically: into ``path.tmp``, then renamed to ``path``.
     ``before_rename(tmp)`` runs on rank 0 to add files (e.g. the HF config) first. A failure on
-    this rank removes ``path.tmp``."""
+    this rank removes ``path.tmp``; one for lack of space is a ``DiskFull`` naming ``path``."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -170,16 +190,18 @@ def save_sharded(state: Dict, path: str | Path, before_rename: Optional[Callable
     rank = torch.distributed.get_rank()
     if path.exists():  # every rank sees the same (shared) file system: all raise together
         raise FileExistsError(f"checkpoint {path} already exists; remove it or choose another path")
+    needed = tensor_bytes(state)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     try:
         torch.distributed.barrier()
-        dist_checkpointing.save(state, str(tmp))
-        torch.distributed.barrier()
-        if rank == 0:
-            if before_rename is not None:
+        with named_if_full(path, needed, TENSOR_BYTES, partial=tmp):
+            dist_checkpointing.save(state, str(tmp))
+            torch.distributed.barrier()
+            if rank == 0 and before_rename is not None:
                 before_rename(tmp)
+        if rank == 0:
             tmp.rename(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -32,8 +32,11 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from megarl.checkpoint.disk import call_named_if_full, named_if_full
 from megarl.checkpoint.integrity import record_hashes, weights_only_loads, write_then_record_hashes
-from megarl.training.dist_ckpt import _unwrap, checkpoint_layer_keys, sharded_state_dict, verify_dist_checkpoint
+from megarl.training.dist_ckpt import (
+    TENSOR_BYTES, _unwrap, checkpoint_layer_keys, sharded_state_dict, tensor_bytes, verify_dist_checkpoint,
+)
 from megarl.training.lm import TrainState
 from megarl.runtime.devices import group_device
 
@@ -79,6 +82,8 @@ def save_train_state(state: TrainState, path: Path, optimizer_format: str = "res
 
     ``async_queue``: a Megatron ``AsyncCallsQueue``; the tensor files are then written in the
     background and are complete once the queue's calls are finalized.
+    A write that runs out of space raises :class:`~megarl.checkpoint.disk.DiskFull` (for an async
+    save, at its finalize) with the bytes of the tensors the save writes.
     ``hash_files``: each rank records the SHA-256 of the files it wrote for the checkpoint's
     manifest (:func:`megarl.checkpoint.integrity.record_hashes`), with an async save in the
     background writer; ``False`` exists for the benchmark's side-by-side timing."""
@@ -86,23 +91,29 @@ def save_train_state(state: TrainState, path: Path, optimizer_format: str = "res
 
     metadata = _metadata(optimizer_format)
     rank = torch.distributed.get_rank()
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        layout = dataclasses.asdict(state.groups.layout)
-        (path / LAYOUT_FILE).write_text(json.dumps({"layout": layout, "optimizer_format": optimizer_format,
-                                                    "world_size": torch.distributed.get_world_size()}))
-    torch.distributed.barrier()
     # The model's keys are megatron-core's default (stacked layers), which Megatron-LM reads.
     model = sharded_state_dict(state.model, layer_keys="default")
     sharded = {"model": model}
     if state.optimizer is not None:
         sharded["optimizer"] = state.optimizer.sharded_state_dict(model, metadata=metadata)
-    local = {"rng": _rng_state(), "scheduler": state.scheduler.state_dict() if state.scheduler else None,
-             "adam_step": _adam_step(state.optimizer) if state.optimizer is not None else None}
-    torch.save(local, path / f"rank_{rank}.pt")
-    request = dist_checkpointing.save(sharded, str(path), async_sharded_save=async_queue is not None)
+    needed = tensor_bytes(sharded)
+    with named_if_full(path, needed, TENSOR_BYTES, partial=path):
+        if rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            layout = dataclasses.asdict(state.groups.layout)
+            (path / LAYOUT_FILE).write_text(json.dumps({"layout": layout, "optimizer_format": optimizer_format,
+                                                        "world_size": torch.distributed.get_world_size()}))
+        torch.distributed.barrier()
+        local = {"rng": _rng_state(), "scheduler": state.scheduler.state_dict() if state.scheduler else None,
+                 "adam_step": _adam_step(state.optimizer) if state.optimizer is not None else None}
+        torch.save(local, path / f"rank_{rank}.pt")
+        request = dist_checkpointing.save(sharded, str(path), async_sharded_save=async_queue is not None)
     files = partial(own_files, path, rank)
     if async_queue is not None:
+        # the background writer's errors surface in the finalize (the queue's
+        # maybe_finalize_async_calls), on every rank: named there
+        request = request._replace(finalize_fns=[partial(call_named_if_full, fn, path, needed, TENSOR_BYTES, path)
+                                                 for fn in request.finalize_fns])
         if hash_files and request.async_fn is not None:  # hashed by the background writer, once written
             request = request._replace(async_fn=partial(write_then_record_hashes, request.async_fn, path, rank, files))
         elif hash_files:
