@@ -13,6 +13,7 @@ Subcommands:
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from megarl.config import ConfigError, load_config, to_yaml
 from megarl.parallel.layout import Layout, LayoutError
 from megarl.runtime.distributed import torn_down
 from megarl.runtime.processes import WorkerDied
+from megarl.runtime.signals import EXIT_CODE as EXIT_PREEMPTED, Preempted
 
 
 def _split(args: List[str]) -> Tuple[List[str], List[str]]:
@@ -104,6 +106,15 @@ def _convert(args: List[str]) -> int:
 COMMANDS = {"train": _train, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
 
 
+def _message(exc: BaseException) -> str:
+    """A named error's message; raised on a Ray worker, the worker's own (Ray's wrapper is an
+    instance of the error's class, with the worker's traceback in its text)."""
+    cause = getattr(exc, "cause", None)
+    if type(exc).__name__.startswith("RayTaskError") and isinstance(cause, BaseException):
+        return str(cause)
+    return str(exc)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
@@ -113,7 +124,7 @@ def main(argv=None) -> int:
         with torn_down():  # the exit code is the command's, whatever groups it started
             return COMMANDS[argv[0]](argv[1:])
     except (ConfigError, LayoutError, ValueError, FileNotFoundError, FileExistsError) as exc:
-        print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
+        print(f"megarl {argv[0]}: error: {_message(exc)}", file=sys.stderr)
         return 2
     except WorkerDied as exc:  # names the rank and node; the run resumes from its newest checkpoint
         print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
@@ -124,6 +135,14 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the run's processes are already stopped on the way out
         print(f"megarl {argv[0]}: interrupted", file=sys.stderr)
         return 130
+    except Preempted as exc:  # SIGTERM: the step finished and was saved, or the grace ran out
+        print(f"megarl {argv[0]}: preempted: {exc}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    finally:
+        # The interpreter's last garbage collection walks every object torch, Megatron and
+        # transformers made (4-10 s on a loaded node, after the run has ended): nothing of a finished
+        # command needs it, so its objects are moved out of the collector's reach.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ class RaySession:
             else:  # a cluster started by launch/slurm/train.sbatch or by hand
                 ray.init(address=trainer.ray_address, _node_ip_address=trainer.node_ip_address,
                          configure_logging=False, log_to_driver=False)
+            from megarl.controller.monitor import Liveness
+
+            self.liveness = Liveness(trainer.hang_timeout_s)  # the run's hang check (trainer.hang_timeout_s)
         except BaseException:
             self.close()
             raise

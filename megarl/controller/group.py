@@ -18,7 +18,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError,
 
 from megarl.config import ConfigError
 from megarl.protocol import Batch, Dispatch, Verb
-from megarl.runtime.processes import WorkerDied, forks_die_with_this_process
+from megarl.runtime.progress import describe_stall
+from megarl.runtime.processes import WorkerDied, WorkerHung, forks_die_with_this_process
 
 _DEATHS = (ActorDiedError, ActorUnavailableError, WorkerCrashedError, NodeDiedError)
 # how often the driver wakes while waiting on the ranks: a failure is acted on at most this late
@@ -32,10 +33,13 @@ NODE_DEATH_NOTICE_S = 30.0
 PLACEMENT_WAIT_S = 120.0
 
 
-def _where() -> tuple:
+def _where(start_heartbeat=None) -> tuple:
     """(node IP, PID, Ray node ID) of the calling worker; its later forks die with it (no orphaned
-    writers). Several nodes may share an IP (containers, a test cluster): the node ID tells them apart."""
+    writers), and its heartbeat starts (when the run checks for hangs). Several nodes may share an
+    IP (containers, a test cluster): the node ID tells them apart."""
     forks_die_with_this_process()
+    if start_heartbeat is not None:
+        start_heartbeat()
     return ray.util.get_node_ip_address(), os.getpid(), ray.get_runtime_context().get_node_id()
 
 
@@ -91,9 +95,13 @@ class WorkerGroup:
     """``world_size`` Ray actors of ``worker_cls`` forming one process group."""
 
     def __init__(self, worker_cls, world_size: int, config, cpus_per_worker: float = 1, gpus_per_worker: float = 0,
-                 env: Optional[Dict[str, str]] = None, nnodes: int = 1, name: str = ""):
-        """``name`` prefixes the ranks named in errors (``rollout rank 1``) when a run has several groups."""
+                 env: Optional[Dict[str, str]] = None, nnodes: int = 1, name: str = "", liveness=None):
+        """``name`` prefixes the ranks named in errors (``rollout rank 1``) when a run has several
+        groups. ``liveness`` (:class:`~megarl.controller.monitor.Liveness`): every wait on the ranks
+        names one that makes no progress for its ``hang_timeout_s``; None: waits without that check."""
         self.name = f"{name} " if name else ""
+        self.liveness = liveness
+        self.current_call = "start-up"  # the method the driver last started on the ranks
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = ray.remote(worker_cls)
@@ -114,7 +122,9 @@ class WorkerGroup:
                            runtime_env={"env_vars": env}).remote(rank, world_size, config)
             for rank in range(world_size)]
         self.where: List[tuple] = []  # (node IP, PID, node ID) per rank, to name a rank that fails
-        self.where = self._wait([w.__ray_call__.remote(lambda _: _where()) for w in self.workers])
+        beats = [liveness.heartbeat((name, rank)) if liveness else None for rank in range(world_size)]
+        self.where = self._wait([w.__ray_call__.remote(lambda _, beat: _where(beat), beat)
+                                 for w, beat in zip(self.workers, beats)])
         # Rank 0's node hosts the torch.distributed rendezvous (loopback when all is local).
         master_addr, port = self._wait([self.workers[0].rendezvous.remote()])[0]
         self.info: List[Dict[str, Any]] = self.call("setup", master_addr, port)
@@ -128,11 +138,16 @@ class WorkerGroup:
 
     def submit(self, method: str, *args, **kwargs) -> List[ray.ObjectRef]:
         """Start ``method`` on every rank; :func:`wait_groups` (or :meth:`call`) collects it."""
+        self.current_call = method
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
+    def _rank(self, rank: int) -> str:
+        node, pid, _ = self.where[rank] if rank < len(self.where) else ("?", "?", "?")
+        return f"{self.name}rank {rank} (pid {pid} on node {node})"
+
     def _died(self, rank: int, err: Exception) -> None:
-        node, pid, node_id = self.where[rank] if rank < len(self.where) else ("?", "?", "?")
-        raise WorkerDied(f"{self.name}rank {rank} (pid {pid} on node {node}) died (Ray node {node_id[:8]}): "
+        node_id = self.where[rank][2] if rank < len(self.where) else "?"
+        raise WorkerDied(f"{self._rank(rank)} died (Ray node {node_id[:8]}): "
                          f"{type(err).__name__}: {str(err).strip().splitlines()[0]}") from None
 
     @property
@@ -149,6 +164,7 @@ class WorkerGroup:
 
     def call_one(self, method: str, *args, **kwargs) -> Any:
         """Run on rank 0 alone; its result."""
+        self.current_call = method
         return self._wait([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
 
     def call_dp(self, method: str, batch: Batch, *lead, **kwargs) -> Any:
@@ -156,6 +172,7 @@ class WorkerGroup:
         dict) of the collecting ranks, in DP order: Batches concatenated, dicts from DP rank 0
         (already reduced)."""
         chunks = batch.chunk(self.dp)
+        self.current_call = method
         futures = [getattr(w, method).remote(*lead, chunks[info["dp_rank"]], **kwargs)
                    for w, info in zip(self.workers, self.info)]
         results = self._wait(futures)
@@ -197,6 +214,8 @@ def wait_groups(pending: Sequence[Tuple[WorkerGroup, List[ray.ObjectRef]]]) -> L
     results: Dict[tuple, Any] = {}
     left = [f for _, futures in pending for f in futures]
     notice = max(group.death_notice_s for group, _ in pending)
+    liveness = next((group.liveness for group, _ in pending if group.liveness is not None), None)
+    started = time.monotonic()
 
     def died(future, err):
         g, rank = where[future]
@@ -226,7 +245,22 @@ def wait_groups(pending: Sequence[Tuple[WorkerGroup, List[ray.ObjectRef]]]) -> L
                     except RayTaskError:
                         pass
             raise failed
+        if liveness is not None and left:
+            _check_progress(liveness, pending, [where[f] for f in left], started)
     return [[results[(g, rank)] for rank in range(len(futures))] for g, (_, futures) in enumerate(pending)]
+
+
+def _check_progress(liveness, pending, waiting: List[tuple], since: float) -> None:
+    """Raise WorkerHung naming the first of the ``waiting`` (group index, rank) that has made no
+    progress for the run's ``hang_timeout_s``."""
+    keys = {(pending[g][0].name.strip(), rank): (g, rank) for g, rank in waiting}
+    hung = liveness.stalled(list(keys), since)
+    if hung is not None:
+        key, seconds, phase, beat_age = hung
+        g, rank = keys[key]
+        group = pending[g][0]
+        tail = describe_stall(seconds, phase or group.current_call, beat_age, liveness.period_s)
+        raise WorkerHung(f"{group._rank(rank)} {tail}")
 
 
 class RoleProxy:

@@ -27,7 +27,7 @@ from megarl.roles.actor import Actor, ActorLossConfig
 from megarl.roles.critic import Critic, CriticLossConfig
 from megarl.roles.reference import Reference
 from megarl.roles.rollout import Rollout
-from megarl.runtime import init_distributed, peak_gpu_gb, peak_rss_gb, set_seed
+from megarl.runtime import init_distributed, peak_gpu_gb, peak_rss_gb, progress, set_seed
 from megarl.runtime.devices import to_device, to_host
 from megarl.training import lm
 
@@ -57,7 +57,7 @@ class RLWorker:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         cfg, algo = self.cfg, self.cfg.algorithm
-        init_distributed()
+        init_distributed(progress.collective_timeout_s(cfg.trainer.hang_timeout_s))
         self.peak_tflops = gpu_peak_tflops(cfg.logging.gpu_peak_tflops,
                                            torch.cuda.get_device_name() if torch.cuda.is_available() else None)
         layout = Layout.from_config(cfg.parallel.actor, torch.distributed.get_world_size())
@@ -68,6 +68,7 @@ class RLWorker:
         rows = cfg.data.prompts_per_step * algo.samples_per_prompt
         steps = cfg.trainer.train_steps * (rows // (algo.ppo_mini_batch_size or rows)) * algo.ppo_epochs
         state = lm.build_train_state(cfg.model, cfg.optimizer, self.groups, steps, init_checkpoint=cfg.model.path)
+        progress.tick()  # start-up advances: each model built (the hang check's progress)
         loss = ActorLossConfig(
             policy_loss=algo.policy_loss, agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
@@ -80,11 +81,13 @@ class RLWorker:
         if needs_reference(algo):  # a frozen copy of the initial policy, same layout
             ref_state = lm.build_frozen_state(cfg.model, self.groups)
             lm.copy_weights(state, ref_state)
+            progress.tick()
             self.roles["reference"] = Reference(MegatronEngine(ref_state, args.vocab_size), algo.temperature)
         if needs_critic(algo):
             optim = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr or cfg.optimizer.lr)
             critic_state = lm.build_train_state(cfg.model, optim, self.groups, steps, value_head=True)
             lm.copy_weights(state, critic_state)  # the actor's backbone; a new value head
+            progress.tick()
             self.roles["critic"] = Critic(MegatronEngine(critic_state, None, max_bad_steps=bad), CriticLossConfig(
                 clip_range=algo.clip_low, agg_mode=algo.agg_mode, max_len=algo.max_new_tokens))
         if algo.reward_fn == "model":  # colocated, in the actor's layout
@@ -93,6 +96,7 @@ class RLWorker:
             rm = cfg.reward_model
             rm_cfg = dataclasses.replace(cfg.model, path=None, hf_config=rm.hf_config or cfg.model.hf_config)
             rm_state = lm.build_frozen_state(rm_cfg, self.groups, rm.path or rm.checkpoint, value_head=True)
+            progress.tick()
             # an HF sequence-classifier scores where transformers does: its last non-pad token
             pad = read_hf_config(rm_cfg.hf_config).get("pad_token_id") if rm.path else None
             self.roles["reward_model"] = RewardModel(MegatronEngine(rm_state, None), pad)
@@ -207,6 +211,10 @@ class RLWorker:
         """Run verb ``name`` of ``role`` on this rank. A DP verb gets its :class:`Batch` chunk
         as the engine's inputs and its result wrapped back: a tensor as the Batch column the
         verb names, metrics as a dict."""
+        with progress.phase(f"{role}.{name}"):  # the phase a hang is named in
+            return self._call(role, name, *args, **kwargs)
+
+    def _call(self, role: str, name: str, *args, **kwargs) -> Any:
         spec = declared_verbs(type(self.roles[role]))[name]
         method = getattr(self.roles[role], name)
         if spec.dispatch is not Dispatch.DP:

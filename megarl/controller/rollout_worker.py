@@ -14,7 +14,7 @@ import torch
 from megarl.hybrid.transfer import ShardReceiver, connect
 from megarl.protocol import declared_verbs
 from megarl.roles.rollout import Rollout
-from megarl.runtime import init_distributed, peak_rss_gb, set_seed
+from megarl.runtime import init_distributed, peak_rss_gb, progress, set_seed
 
 
 class RolloutWorker:
@@ -36,7 +36,7 @@ class RolloutWorker:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         cfg, r = self.cfg, self.cfg.parallel.rollout
-        init_distributed()
+        init_distributed(progress.collective_timeout_s(cfg.trainer.hang_timeout_s))
         args = megatron_args_from_hf(cfg.model.hf_config)
         plan = transfer_plan(cfg, args)
         if r.engine == "sglang":
@@ -88,4 +88,5 @@ class RolloutWorker:
     def call(self, role: str, name: str, *args, **kwargs) -> Any:
         """Run verb ``name`` of ``role`` (the rollout's verbs all run on every rank alike)."""
         declared_verbs(type(self.roles[role]))[name]  # an undeclared verb fails here, as on the trainer
-        return getattr(self.roles[role], name)(*args, **kwargs)
+        with progress.phase(f"{role}.{name}"):  # the phase a hang is named in
+            return getattr(self.roles[role], name)(*args, **kwargs)

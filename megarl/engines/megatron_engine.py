@@ -42,6 +42,7 @@ from megarl.engines.batching import MicroBatch, Tensors
 from megarl.engines.vocab_parallel import log_prob_and_entropy
 from megarl.models.builder import set_aux_loss_copies
 from megarl.parallel.context import gather_sequence, split_for_rank
+from megarl.runtime import progress
 from megarl.runtime.devices import compute_device
 from megarl.training.lm import TrainState
 
@@ -197,6 +198,7 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            progress.tick()  # a micro-batch: what the driver's hang check sees advance
             if routing:
                 routing_replay.set_targets(self.routers.get(id(model), ()), self._cp_local(mb, "routing"), *sp)
             extra = {"padding_mask": self._padding_mask(mb, model, *sp)} if aux_loss else {}

@@ -30,6 +30,7 @@ from megarl.hybrid import regroup
 from megarl.models.builder import check_layout
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
+from megarl.runtime.signals import Preempted, Preemption
 from megarl.trainer.resume import check_resume
 from megarl.trainer.steps import PromptStream, Scorer
 from megarl.training.train_ckpt import OPTIMIZER_FORMATS
@@ -142,7 +143,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     agent = None
     if check_agent(cfg, args):
         try:
-            agent = Agent(cfg.rollout, env_factory(cfg.rollout.env, cfg.rollout.max_tool_seconds), tokenizer)
+            agent = Agent(cfg.rollout, env_factory(cfg.rollout.env, cfg.rollout.max_tool_seconds,
+                                                  sandbox=cfg.rollout.sandbox), tokenizer)
         except ValueError as err:  # a chat template that cannot place observations
             raise ConfigError(f"rollout.env with tokenizer {data.tokenizer}: {err}") from None
     response_room = agent.budget(algo.max_new_tokens) if agent else algo.max_new_tokens
@@ -362,7 +364,13 @@ def _run_locked(prepared: Prepared) -> List[dict]:
     world = world_size(cfg)
     split = cfg.trainer.placement == "split"
     rollout_ranks = cfg.parallel.rollout.nproc if split else 0
-    session = RaySession(cfg.trainer, num_cpus=world + rollout_ranks)  # private on loopback, or trainer.ray_address
+    preemption = Preemption(cfg.trainer.signal_grace_s)  # SIGTERM: finish the step, checkpoint, exit 143
+    try:
+        session = RaySession(cfg.trainer, num_cpus=world + rollout_ranks)  # private on loopback, or trainer.ray_address
+    except BaseException:
+        preemption.close()
+        raise
+    preemption.install()  # over the handler Ray's core worker set
     group = rollout_group = None
     try:
         import ray
@@ -376,13 +384,14 @@ def _run_locked(prepared: Prepared) -> List[dict]:
 
             env = {**env, **worker_env()}
         group = WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus, env=env,
-                            nnodes=cfg.trainer.nnodes)
+                            nnodes=cfg.trainer.nnodes, liveness=session.liveness)
         if split:  # the rollout's own ranks, its own torch.distributed world
             from megarl.controller.rollout_worker import RolloutWorker
 
             rollout_group = WorkerGroup(RolloutWorker, rollout_ranks, cfg, cpus_per_worker=1, gpus_per_worker=gpus,
-                                        env=env, name="rollout")
+                                        env=env, name="rollout", liveness=session.liveness)
     except BaseException:
+        preemption.close()
         for g in (group, rollout_group):
             if g is not None:
                 g.shutdown()
@@ -424,7 +433,9 @@ def _run_locked(prepared: Prepared) -> List[dict]:
 
         def after_step(step: int) -> None:
             finish_checkpoints(blocking=False)
-            if cfg.trainer.save_interval and (step % cfg.trainer.save_interval == 0 or step == cfg.trainer.train_steps):
+            stop = preemption.requested
+            if (stop and cfg.trainer.save_on_signal) or (cfg.trainer.save_interval and (
+                    step % cfg.trainer.save_interval == 0 or step == cfg.trainer.train_steps)):
                 finish_checkpoints(blocking=True)  # one background write at a time
                 state = {"step": step, "stream": prepared.stream.state(), "reward_failures": prepared.scorer.failures,
                          "mlflow_run_id": log.mlflow_run_id or ""}
@@ -433,11 +444,18 @@ def _run_locked(prepared: Prepared) -> List[dict]:
                     in_flight.append(tmp)
                 else:
                     checkpoints.commit(tmp)
+            if stop:
+                finish_checkpoints(blocking=True)
+                saved = (f"checkpoint {checkpoints.newest()}" if cfg.trainer.save_on_signal else
+                         "no checkpoint (trainer.save_on_signal=false)")
+                raise Preempted(f"SIGTERM: stopped after step {step}, {saved}; rerun the command to resume")
 
         train = one_step_off.train if cfg.trainer.loop == "one_step_off" else loop.train
         tok = prepared.tokenizer
+        preemption.armed = True  # a SIGTERM from here on lets the step finish
         train(cfg, roles, prepared.stream, prepared.scorer, log, tok.eos_token_ids, tok.pad_token_id,
               start_step=done + 1, after_step=after_step, agent=prepared.agent)
+        preemption.armed = False
         finish_checkpoints(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
         (log.run_dir / "final.json").write_text(json.dumps(final))
@@ -445,6 +463,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         print(f"run directory {log.run_dir}: metrics.jsonl, mlflow.db, {png.name}, final.json", flush=True)
         return log.history
     finally:
+        preemption.close()
         prepared.scorer.close()  # the reward workers, even one stuck in a hanging function
         group.shutdown()
         if rollout_group is not None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import ReshardPlan, Regrouping, Segment, plan_reshard
 from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
+from megarl.runtime import progress
 from megarl.runtime.devices import group_device, synchronize
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
@@ -213,6 +214,7 @@ class Resharder:
                 src_local, src = self.train[seg.tensor]
                 _view(out, spec, local, seg.start, seg.stop).copy_(_view(src, spec, src_local, seg.start, seg.stop))
         for index in range(1, len(buckets)):
+            progress.tick()  # a bucket: what the driver's hang check sees advance
             if self.overlap:
                 nxt = start(index, buckets[index])
                 finish(pending)

@@ -13,7 +13,6 @@ receiver's dtype (a bf16 rollout receives bf16).
 
 from __future__ import annotations
 
-import datetime
 import functools
 import time
 from dataclasses import dataclass
@@ -28,9 +27,6 @@ from megarl.hybrid.planner import Segment, bucket_segments, replica, training_sl
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
 from megarl.parallel.layout import Layout
 from megarl.runtime.devices import compute_device, synchronize
-
-CONNECT_TIMEOUT = datetime.timedelta(minutes=10)
-
 
 @dataclass
 class TransferPlan:
@@ -93,13 +89,16 @@ def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: in
 def connect(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
     """The process group spanning trainer and rollout ranks (rank 0, a trainer rank, hosts the
     store). Collective over both groups: every member calls it at once. Gloo on CPU, NCCL on GPUs."""
-    from megarl.runtime.distributed import bound_store
+    from megarl.runtime.distributed import bound_store, collective_timeout
 
-    store = bound_store(address, port, world_size, rank, CONNECT_TIMEOUT)
+    timeout = collective_timeout()  # this process's, as its own world's collectives
+    store = bound_store(address, port, world_size, rank, timeout)
     prefixed = dist.PrefixStore("megarl/weights", store)
     if torch.cuda.is_available():
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, CONNECT_TIMEOUT)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
 def _tag(bucket: int, dtype: torch.dtype) -> int:

@@ -8,6 +8,7 @@ explicitly; megarl keeps no module-level groups of its own.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -259,7 +260,11 @@ def build_groups(layout: Layout) -> ParallelGroups:
     layout.validate(torch.distributed.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(**layout.megatron_sizes(), order="tp-cp-ep-dp-pp")
+    from megarl.runtime.distributed import collective_timeout
+
+    minutes = math.ceil(collective_timeout().total_seconds() / 60)  # the default group's timeout
+    parallel_state.initialize_model_parallel(**layout.megatron_sizes(), order="tp-cp-ep-dp-pp",
+                                             distributed_timeout_minutes=minutes)
     pg = ProcessGroupCollection.use_mpu_process_groups()
     return ParallelGroups(layout=layout, pg=pg, rank=torch.distributed.get_rank())
 

@@ -63,7 +63,7 @@ from megarl.models import routing_replay
 from megarl.parallel import LayoutError, build_groups, build_placed_groups
 from megarl.rollout.sampling import generator_for, sample
 from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams
-from megarl.runtime import cpu_mode, set_seed
+from megarl.runtime import cpu_mode, progress, set_seed
 
 
 class NativeRollout(RolloutEngine):
@@ -279,6 +279,7 @@ class NativeRollout(RolloutEngine):
             context.enable_decode_mode()
         stop = set(sampling.stop_token_ids)
         for step in range(sampling.max_new_tokens):
+            progress.tick()  # a decode step: what the driver's hang check sees advance
             chosen, chosen_logp = self._sampled(logits, sampling, [generators[i] for i in active])
             keep = []
             for j, (i, token, logp) in enumerate(zip(active, chosen.tolist(), chosen_logp.tolist())):

@@ -26,13 +26,26 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(timeout_s: int = 600) -> int:
+_timeout_s = 600.0  # of every collective of this process's groups (init_distributed's timeout_s)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The timeout of this process's collectives: the default group's, which every group megarl
+    builds (Megatron's, the weights groups) takes too."""
+    return datetime.timedelta(seconds=_timeout_s)
+
+
+def init_distributed(timeout_s: float = 600) -> int:
     """Initialise the default process group from torchrun/srun/Ray environment variables.
 
     Without ``RANK``/``WORLD_SIZE`` (or srun's ``SLURM_PROCID`` plus ``MASTER_ADDR``) it starts a
     world of one on a free local port. Returns this process's global rank. Idempotent.
+    ``timeout_s``: of the rendezvous and of every collective (a backstop: the RL driver names a
+    stuck rank earlier, see megarl.runtime.progress).
     """
+    global _timeout_s
     _slurm_to_torch_env()
+    _timeout_s = float(timeout_s)
     if gpu_shaped.requested():  # tests only: CUDA code paths on CPU, with device checks
         gpu_shaped.enable()
     if torch.cuda.is_available():

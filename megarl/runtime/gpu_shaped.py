@@ -425,10 +425,16 @@ class _ProcessGroupNCCL:
     _TENSOR_METHODS = {"broadcast", "send", "recv", "allreduce", "allgather", "_allgather_base", "reduce_scatter",
                        "_reduce_scatter_base", "alltoall_base", "recv_anysource", "reduce", "gather", "scatter"}
 
-    def __init__(self, store, rank: int, size: int, *args, **kwargs):
-        import datetime
+    class Options:
+        """``ProcessGroupNCCL.Options``: the timeout is the one field read here."""
 
-        self._pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(minutes=10))
+        def __init__(self):
+            import datetime
+
+            self._timeout = datetime.timedelta(minutes=10)
+
+    def __init__(self, store, rank: int, size: int, options=None):
+        self._pg = dist.ProcessGroupGloo(store, rank, size, (options or self.Options())._timeout)
 
     def __getattr__(self, name):
         attr = getattr(self._pg, name)

@@ -28,6 +28,11 @@ class WorkerDied(RuntimeError):
     ``megarl train`` exits with code 3."""
 
 
+class WorkerHung(WorkerDied):
+    """A rank made no progress for ``trainer.hang_timeout_s``; the run is stopped as for a dead
+    rank (exit 3) and resumes from its newest checkpoint."""
+
+
 def new_run_id() -> str:
     return uuid.uuid4().hex
 

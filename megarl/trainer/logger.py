@@ -18,6 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 
 from megarl.checkpoint.disk import append_text, replace_text
+from megarl.runtime.signals import Preempted
 from megarl.config import to_yaml
 from megarl.models.flops import forward_flops
 from megarl.models.hf_config import megatron_args_from_hf
@@ -217,11 +218,11 @@ class RunLogger:
 
 
 def end_unfinished_mlflow_run(error: BaseException) -> None:
-    """Mark the MLflow run that ``error`` left open KILLED (an interrupt: KeyboardInterrupt, or a
-    signal handler's SystemExit) or FAILED; MLflow's own exit hook would mark it FINISHED."""
+    """Mark the MLflow run that ``error`` left open KILLED (an interrupt: KeyboardInterrupt, a
+    signal handler's SystemExit, a SIGTERM's Preempted) or FAILED; MLflow's own exit hook would mark it FINISHED."""
     mlflow = sys.modules.get("mlflow")  # not imported: no run was opened
     if mlflow is not None and mlflow.active_run() is not None:
-        mlflow.end_run("KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit)) else "FAILED")
+        mlflow.end_run("KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit, Preempted)) else "FAILED")
 
 
 def _tensorboard_writer(log_dir: Path, start_step: int):

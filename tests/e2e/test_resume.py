@@ -1,6 +1,7 @@
-"""Exact resume: a run killed with SIGKILL in the middle of training (driver, Ray and workers)
-and started again with the same command continues from its last checkpoint and ends with the
-same metrics at every step and the same final weights as an uninterrupted run."""
+"""Exact resume: a run killed with SIGKILL in the middle of training (driver, Ray and workers), or
+stopped by SIGTERM (preemption), and started again with the same command continues from its last
+checkpoint and ends with the same metrics at every step and the same final weights as an
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from tests.distributed.launch import ROOT
 
@@ -30,50 +33,96 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sigkill_and_resume_match_an_uninterrupted_run(tmp_path):
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(command(whole), cwd=ROOT, env=env(), check=True, capture_output=True, timeout=600)
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run the interrupted ones are compared with."""
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    subprocess.run(command(run_dir), cwd=ROOT, env=env(), check=True, capture_output=True, timeout=600)
+    return run_dir
 
-    proc = subprocess.Popen(command(killed), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    latest = killed / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while not (latest.is_file() and latest.read_text() == "step_000002"):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started in its session
-    proc.wait()
-    assert not (killed / "final.json").exists(), "killed too late: the run had finished"
 
-    done = subprocess.run(command(killed), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resuming after step" in done.stdout
-    a, b = metrics(whole), metrics(killed)
+def assert_same_run(whole, resumed) -> None:
+    """Every step's metrics and the final weights equal the uninterrupted run's."""
+    a, b = metrics(whole), metrics(resumed)
     assert [r["step"] for r in b] == list(range(1, 9))
     for x, y in zip(a, b):
         assert {k: x[k] for k in COMPARED} == {k: y[k] for k in COMPARED}, x["step"]
     final_a = json.loads((whole / "final.json").read_text())
-    final_b = json.loads((killed / "final.json").read_text())
+    final_b = json.loads((resumed / "final.json").read_text())
     assert final_a["actor_weights_checksum"] == final_b["actor_weights_checksum"]
 
 
-def test_export_hf_of_a_run(tmp_path):
+def test_sigterm_then_sigkill_and_resume_match_an_uninterrupted_run(whole, tmp_path):
+    """Preempted, then crashed, then finished: ends as the uninterrupted run.
+
+    1. SIGTERM to the driver after step 3 (no checkpoint due: save_interval is 2): it finishes the
+       step it is in, saves it, marks MLflow KILLED and exits 143 within trainer.signal_grace_s.
+    2. The rerun resumes from that checkpoint; SIGKILL of its whole session (driver, Ray, workers)
+       once it has saved step 6.
+    3. The second rerun resumes from step 6 and finishes."""
+    import mlflow
+
+    run_dir, grace = tmp_path / "run", 120
+    proc = subprocess.Popen(command(run_dir) + [f"trainer.signal_grace_s={grace}"], cwd=ROOT, env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        rows = run_dir / "metrics.jsonl"
+        deadline = time.time() + 600
+        while not (rows.exists() and len(rows.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its third step"
+            time.sleep(0.02)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # the driver alone, as Slurm's --signal=B or Kubernetes send it
+        _, err = proc.communicate(timeout=grace)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(f"driver exited {took:.1f}s after SIGTERM")
+    assert proc.returncode == 143, err[-3000:]
+    assert took < grace and "Traceback" not in err, err[-3000:]
+    stopped = len(metrics(run_dir))  # the step in progress at the signal, finished
+    assert 3 <= stopped < 6
+    latest = run_dir / "checkpoints" / "latest"
+    name = latest.read_text()
+    assert name == f"step_{stopped:06d}", name
+    assert err.strip().splitlines()[-1] == (f"megarl train: preempted: SIGTERM: stopped after step {stopped}, checkpoint "
+                                            f"{run_dir / 'checkpoints' / name}; rerun the command to resume"), err[-2000:]
+    mlflow.set_tracking_uri(f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    assert run.info.status == "KILLED"
+
+    proc = subprocess.Popen(command(run_dir), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    deadline = time.time() + 600
+    while not (latest.is_file() and latest.read_text() == "step_000006"):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its checkpoint of step 6"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started in its session
+    out, _ = proc.communicate()
+    assert f"resuming after step {stopped}" in out
+    assert not (run_dir / "final.json").exists(), "killed too late: the run had finished"
+
+    done = subprocess.run(command(run_dir), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming after step 6" in done.stdout
+    assert_same_run(whole, run_dir)
+
+
+def test_export_hf_of_a_run(whole, tmp_path):
     import torch
     import transformers
 
-    run_dir, out = tmp_path / "run", tmp_path / "hf"
-    cmd = [sys.executable, "-m", "megarl.cli", "train", *ARGS[:1], "trainer.train_steps=2", "trainer.save_interval=2",
-           "logging.progress_bar=false", "data.prompts_per_step=4", "algorithm.samples_per_prompt=4",
-           f"trainer.run_dir={run_dir}"]
-    subprocess.run(cmd, cwd=ROOT, env=env(), check=True, capture_output=True, timeout=600)
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "export-hf", str(run_dir), str(out)], cwd=ROOT,
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "export-hf", str(whole), str(out)], cwd=ROOT,
                           env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(out)  # every tensor named and shaped right
     assert model.lm_head.weight.shape[0] == 23  # the vocabulary, padding stripped
     logits = model(torch.tensor([[1, 5, 6, 7, 8, 13]])).logits
     assert torch.isfinite(logits).all()
-    again = subprocess.run([sys.executable, "-m", "megarl.cli", "export-hf", str(run_dir), str(out)], cwd=ROOT,
+    again = subprocess.run([sys.executable, "-m", "megarl.cli", "export-hf", str(whole), str(out)], cwd=ROOT,
                            env=env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 2 and "already exists" in again.stderr
 

@@ -209,7 +209,11 @@ echo "driver $$ ${{RAY_AUTH_MODE:-}} ${{RAY_AUTH_TOKEN:-}} | $*" >> "$FAKE_LOG"
 for _ in $(seq 200); do
   [ "$(grep -c -- --block "$FAKE_LOG")" -ge "$(echo $FAKE_HOSTS | wc -w)" ] && break; sleep 0.1
 done
-if [ -n "${{FAKE_DRIVER_WAITS:-}}" ]; then sleep 600 & s=$!; trap 'kill $s; exit 143' TERM; wait $s; fi
+# on SIGTERM it records it, "checkpoints" for a second, and exits 143
+if [ -n "${{FAKE_DRIVER_WAITS:-}}" ]; then
+  sleep 600 & s=$!; trap 'echo "DRIVER-TERM $$" >> "$FAKE_LOG"; kill $s; sleep 1; echo "DRIVER-EXIT $$" >> "$FAKE_LOG"; exit 143' TERM
+  wait $s
+fi
 exit "${{FAKE_DRIVER_EXIT:-0}}"''',
 }
 
@@ -237,8 +241,8 @@ def calls(log) -> list:
     """(program, pid, auth mode, token, args) per recorded call, in order; 'TERM pid' lines as-is."""
     out = []
     for line in log.read_text().splitlines():
-        if line.startswith("TERM "):
-            out.append(("TERM", int(line.split()[1]), "", "", ""))
+        if line.startswith(("TERM ", "DRIVER-TERM ", "DRIVER-EXIT ")):
+            out.append((line.split()[0], int(line.split()[1]), "", "", ""))
         elif " | " in line:
             head, args = line.split(" | ", 1)
             prog, pid, *auth = head.split(" ")
@@ -310,6 +314,25 @@ def test_slurm_train_cleans_up_when_the_driver_fails_or_the_job_is_cancelled(tmp
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert_stopped(calls(log))
+
+    # preemption (sbatch's --signal=B:TERM, or scancel --batch --signal=TERM): SIGTERM to the batch
+    # shell alone reaches the driver once; the Ray steps are stopped after the driver has exited
+    (tmp_path / "p").mkdir()
+    proc, log = slurm(tmp_path / "p", "train.sbatch", "cfg.yaml", wait=False, FAKE_DRIVER_WAITS="1")
+    deadline = time.monotonic() + 60
+    while not (log.exists() and "driver " in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(0.5)  # the driver's trap is set
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    recorded = calls(log)
+    names = [c[0] for c in recorded]
+    assert names.count("DRIVER-TERM") == 1, recorded
+    assert names.index("DRIVER-EXIT") < names.index("TERM"), recorded  # the steps outlive the driver
+    assert_stopped(recorded)
+    assert "#SBATCH --signal=B:TERM@360" in (ROOT / "launch" / "slurm" / "train.sbatch").read_text()
 
     # a head that does not come up: a named error, no worker started, no driver
     (tmp_path / "c").mkdir()

@@ -1,6 +1,6 @@
-"""Faults in a run's processes (issue 15): one worker rank killed with SIGKILL, Ctrl-C on
-``megarl train``, the driver killed with SIGKILL while a checkpoint is being written; and what
-a private Ray listens on.
+"""Faults in a run's processes (issues 15 and 25): one worker rank killed with SIGKILL or stopped
+with SIGSTOP (colocated and split placement), Ctrl-C on ``megarl train`` during such a hang, the
+driver killed with SIGKILL while a checkpoint is being written; and what a private Ray listens on.
 
 Each case is one short real run of the demo (private Ray, two ranks, token authentication as Ray
 defaults it), stopped once its first step is logged. The harness (conftest.py) then checks that no
@@ -25,6 +25,7 @@ ARGS = ["configs/grpo_demo.yaml", "trainer.train_steps=50", "logging.progress_ba
         "algorithm.samples_per_prompt=4", "logging.mlflow=false"]
 STARTUP_S = 300  # Ray, two ranks and the first step on a loaded 2-core machine
 DETECT_S = 20.0  # the driver must notice and have stopped everything within this
+HANG_S = 30  # trainer.hang_timeout_s of the frozen-rank cases (a rank's setup under load takes several seconds)
 
 
 def start(run_dir, *extra):
@@ -135,37 +136,68 @@ def test_a_killed_worker_rank_stops_the_run_named_within_seconds(tmp_path):
     wait_gone(tag, 5.0)
 
 
-def test_a_killed_rollout_rank_of_an_asynchronous_split_run(tmp_path):
+def test_a_stopped_rollout_rank_of_an_asynchronous_split_run(tmp_path):
     """Split placement, one step off: the rollout's own ranks and the driver's drawing thread. A
-    rollout rank killed mid-run stops the run named as such, and nothing of it is left; the
-    weights group's store and every other socket of the run listen on loopback only."""
+    rollout rank stopped mid-run (SIGSTOP) is named as such within trainer.hang_timeout_s, and
+    nothing of the run is left; the weights group's store and every other socket of the run
+    listen on loopback only. (A killed rank is named through the same wait as in the colocated
+    case above.)"""
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "trainer.placement=split", "parallel.rollout.nproc=2", "trainer.loop=one_step_off")
+    proc = start(run_dir, "trainer.placement=split", "parallel.rollout.nproc=2", "trainer.loop=one_step_off",
+                 f"trainer.hang_timeout_s={HANG_S}")
     try:
         wait_for_first_step(proc, run_dir)
         rollout = {rank: pid for rank, (pid, _) in worker_pids(proc, "rollout workers").items()}
         assert sorted(rollout) == [0, 1], rollout
         tag = run_tag(rollout[1])
         check_listeners(listening_sockets({proc.pid} | {pid for pid, _ in run_processes(tag)}))
-        os.kill(rollout[1], signal.SIGKILL)
-        took = wait_exit(proc, DETECT_S)
+        os.kill(rollout[1], signal.SIGSTOP)
+        took = wait_exit(proc, HANG_S + 30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     err = stderr(proc)
-    print(f"driver exited {took:.1f}s after rollout rank 1 was killed")
+    print(f"driver exited {took:.1f}s after rollout rank 1 was stopped")
     assert proc.returncode == 3, err[-3000:]
-    assert f"rollout rank 1 (pid {rollout[1]} on node 127.0.0.1) died" in err, err[-3000:]
+    assert f"rollout rank 1 (pid {rollout[1]} on node 127.0.0.1) made no progress for" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     wait_gone(tag, 5.0)
 
 
-def test_ctrl_c_stops_the_run_with_exit_130_and_one_line(tmp_path):
+def test_a_stopped_worker_rank_is_named_and_the_run_exits_3(tmp_path):
+    """SIGSTOP (what a wedged GPU or a stuck file system looks like from outside): the rank's
+    heartbeat stops, it is named within trainer.hang_timeout_s, every process is stopped."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, f"trainer.hang_timeout_s={HANG_S}")
+    try:
+        wait_for_first_step(proc, run_dir)
+        ranks = worker_pids(proc)
+        tag = run_tag(ranks[1][0])
+        os.kill(ranks[1][0], signal.SIGSTOP)
+        took = wait_exit(proc, HANG_S + 30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = stderr(proc)
+    print(f"driver exited {took:.1f}s after rank 1 was stopped")
+    assert proc.returncode == 3, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"megarl train: error: rank 1 \(pid {ranks[1][0]} on node 127\.0\.0\.1\) made no progress "
+                        rf"for \d+ s in \S+ \(its heartbeat stopped: .*\)", line), line
+    assert "Traceback" not in err, err[-3000:]
+    wait_gone(tag, 5.0)
+
+
+def test_ctrl_c_during_a_hang_stops_the_run_with_exit_130_and_one_line(tmp_path):
+    """Rank 1 stopped (its hang not yet named: the default hang_timeout_s), then Ctrl-C."""
     run_dir = tmp_path / "run"
     proc = start(run_dir)
     try:
         wait_for_first_step(proc, run_dir)
-        tag = run_tag(worker_pids(proc)[0][0])
+        ranks = worker_pids(proc)
+        tag = run_tag(ranks[0][0])
+        os.kill(ranks[1][0], signal.SIGSTOP)
+        time.sleep(2)  # the driver is waiting on the stopped rank
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         took = wait_exit(proc, DETECT_S)
     finally:
@@ -173,6 +205,7 @@ def test_ctrl_c_stops_the_run_with_exit_130_and_one_line(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     err = stderr(proc)
     print(f"driver exited {took:.1f}s after SIGINT")
+    assert took < 10, err[-3000:]
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == "megarl train: interrupted", err[-3000:]
