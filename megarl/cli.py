@@ -9,6 +9,9 @@ Subcommands:
   convert    hf-to-mcore | mcore-to-hf checkpoint conversion (see megarl convert --help)
   layout     print every rank's coordinates in the actor layout (dry run; --world-size=N,
              default trainer.nproc_per_node)
+
+Exit codes: 0 done; 2 bad input (the field or file named); 3 a rank died or made no progress
+(trainer.hang_timeout_s); 4 out of disk space; 130 Ctrl-C; 143 SIGTERM (after the step's checkpoint).
 """
 
 from __future__ import annotations

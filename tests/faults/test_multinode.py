@@ -237,6 +237,16 @@ def slurm(tmp_path, script, *args, wait=True, **env):
     return proc, log
 
 
+def slurm_until_driver(tmp_path):
+    """train.sbatch in a fake job whose driver waits for a signal, once the driver has started."""
+    proc, log = slurm(tmp_path, "train.sbatch", "cfg.yaml", wait=False, FAKE_DRIVER_WAITS="1")
+    deadline = time.monotonic() + 60
+    while not (log.exists() and "driver " in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    return proc, log
+
+
 def calls(log) -> list:
     """(program, pid, auth mode, token, args) per recorded call, in order; 'TERM pid' lines as-is."""
     out = []
@@ -303,11 +313,7 @@ def test_slurm_train_cleans_up_when_the_driver_fails_or_the_job_is_cancelled(tmp
 
     # scancel: SIGTERM to the batch shell and the driver; the shell's trap stops the steps
     (tmp_path / "b").mkdir()
-    proc, log = slurm(tmp_path / "b", "train.sbatch", "cfg.yaml", wait=False, FAKE_DRIVER_WAITS="1")
-    deadline = time.monotonic() + 60
-    while not (log.exists() and "driver " in log.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
+    proc, log = slurm_until_driver(tmp_path / "b")
     (driver,) = [c for c in calls(log) if c[0] == "driver"]
     proc.send_signal(signal.SIGTERM)
     os.kill(driver[1], signal.SIGTERM)
@@ -318,11 +324,7 @@ def test_slurm_train_cleans_up_when_the_driver_fails_or_the_job_is_cancelled(tmp
     # preemption (sbatch's --signal=B:TERM, or scancel --batch --signal=TERM): SIGTERM to the batch
     # shell alone reaches the driver once; the Ray steps are stopped after the driver has exited
     (tmp_path / "p").mkdir()
-    proc, log = slurm(tmp_path / "p", "train.sbatch", "cfg.yaml", wait=False, FAKE_DRIVER_WAITS="1")
-    deadline = time.monotonic() + 60
-    while not (log.exists() and "driver " in log.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
+    proc, log = slurm_until_driver(tmp_path / "p")
     time.sleep(0.5)  # the driver's trap is set
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
