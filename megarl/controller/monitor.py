@@ -9,6 +9,7 @@ progress for ``hang_timeout_s``.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -54,6 +55,7 @@ class Liveness:
         self.period_s = progress.heartbeat_period_s(hang_timeout_s)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.monitor = ray.remote(Monitor).options(num_cpus=0, name=None, scheduling_strategy=here).remote()
+        self._lock = threading.Lock()  # the one-step-off loop's drawing thread waits on its ranks too
         self._asked = None  # a snapshot in flight
         self._asked_at = 0.0
         self._seen: Dict[Key, Dict[str, Any]] = {}
@@ -65,6 +67,10 @@ class Liveness:
         return lambda: progress.start_heartbeat(sender, period)
 
     def _refresh(self) -> None:
+        with self._lock:
+            self._refresh_locked()
+
+    def _refresh_locked(self) -> None:
         import ray
 
         now = time.monotonic()

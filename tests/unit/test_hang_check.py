@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -26,6 +27,7 @@ def test_phase_and_ticks_are_reported():
 def liveness(timeout_s: float, seen: dict, seen_age_s: float = 0.0) -> mon.Liveness:
     """A Liveness whose monitor answered ``seen`` ``seen_age_s`` ago (no Ray)."""
     live = object.__new__(mon.Liveness)
+    live._lock = threading.Lock()
     live.timeout_s, live.period_s = timeout_s, progress.heartbeat_period_s(timeout_s)
     live._asked, live._asked_at = None, time.monotonic()  # no new snapshot is asked for
     live._seen, live._seen_at = seen, time.monotonic() - seen_age_s
