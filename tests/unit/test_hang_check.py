@@ -50,6 +50,15 @@ def test_a_silent_rank_is_named_before_a_stalled_one():
     assert "answers heartbeats" in progress.describe_stall(40, phase, 0.1, 3.75)
 
 
+def test_a_late_monitor_names_no_rank():
+    """A monitor slowed by a loaded node (its snapshot is old) is no evidence against a rank: no
+    error and no hang is named until a fresh snapshot arrives."""
+    seen = {("", 0): {"beat_age_s": 35.0, "stalled_s": 36.0, "phase": "actor.update"}}
+    live = liveness(30, seen, seen_age_s=mon.SNAPSHOT_WAIT_S + progress.heartbeat_period_s(30) + 1)
+    assert live.stalled([("", 0)], since=time.monotonic() - 60) is None
+    assert liveness(30, seen).stalled([("", 0)], since=time.monotonic() - 60)[0] == ("", 0)
+
+
 def test_no_hang_within_the_deadline_or_before_the_wait_began():
     seen = {("", 0): {"beat_age_s": 0.1, "stalled_s": 500.0, "phase": None}}  # idle between calls for long
     live = liveness(30, seen)
