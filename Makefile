@@ -15,9 +15,14 @@ demo: venv
 agent-demo: venv
 	scripts/agent_demo.sh $(ARGS)
 
-# Command two: the test suite (multi-process Megatron on CPU included).
+# Command two: the test suite (multi-process Megatron on CPU included), in two pytest workers, one
+# test file each at a time (pytest-xdist --dist loadfile keeps a file's shared torchrun, Ray and
+# engine sessions in one worker). About half the suite's time is spent waiting (Ray and engine
+# start-ups, deadlines of the fault cases), which the second worker fills. TEST_WORKERS=0 runs it
+# in one process.
+TEST_WORKERS ?= 2
 test: venv
-	.venv/bin/python -m pytest tests $(ARGS)
+	.venv/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # Unit tests only (seconds).
 test-fast: venv
