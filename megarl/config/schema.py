@@ -108,6 +108,7 @@ class LayoutsConfig:
     reference: ParallelConfig = field(default_factory=ParallelConfig)
     """The reference policy's; ``megarl train`` runs it in the actor's layout (set it equal or leave it unset)."""
     rollout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
+    """The generation layout and engine of the rollout (the 3D-HybridEngine's target; split placement: its own ranks)."""
 
 
 @dataclass
@@ -145,7 +146,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     """Record field holding the prompt (a string or a list of chat messages)."""
     answer_key: str = "answer"
-    """Record field holding the reference answer (else ``reward_model.ground_truth``)."""
+    """Record field holding the reference answer (else the record's ``reward_model`` -> ``ground_truth``, verl's layout)."""
     bad_rows: str = "fail"
     """A malformed row: ``fail`` (stop, naming file and row) or ``skip`` (log and go on)."""
     tokenizer: Optional[str] = None

@@ -1,16 +1,23 @@
 """`make demo`'s workflow, shortened to a few steps per stage: warm start (train-lm) → HF
 directory (mcore-to-hf) → GRPO from it (model.path) → export-hf; every stage's output is
 there, transformers loads the final export with its tokenizer and generates until EOS; the
-warm start's sequences are the RL prompts + responses token for token."""
+warm start's sequences are the RL prompts + responses token for token; `mlflow ui` on the GRPO
+stage's store serves the run back over its REST API and the web UI's page."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import pytest
 import torch
 
 from megarl.data.datasets import reverse_digits_records
@@ -37,14 +44,20 @@ def test_warm_start_sequences_are_rl_prompts_plus_responses():
     assert record.prompt.endswith("=") and hf.encode(record.prompt) == builtin.prompt_ids(record.prompt)
 
 
-def test_demo_workflow(tmp_path):
-    out = tmp_path / "demo"
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """One shortened `make demo` for the module's tests: (its output directory, the process)."""
+    out = tmp_path_factory.mktemp("demo") / "demo"
     env = dict(os.environ, DEMO_DIR=str(out), SFT_ARGS="trainer.train_steps=3", PYTHON=sys.executable,
                MEGARL=str(Path(sys.executable).parent / "megarl"))
-    proc = subprocess.run(
-        ["bash", "scripts/demo.sh", "trainer.train_steps=2", "logging.progress_bar=false", "logging.mlflow=false"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", "scripts/demo.sh", "trainer.train_steps=2", "logging.progress_bar=false"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_demo_workflow(demo):
+    out, proc = demo
     for number in range(1, 6):
         assert f"=== stage {number}/5" in proc.stdout
     assert "GRPO mean reward: " in proc.stdout and (out / "sft_model" / "metadata.json").is_file()
@@ -74,3 +87,55 @@ def test_demo_workflow(tmp_path):
             stopped += 1
             assert set(row[row.index(tokenizer.eos_token_id) + 1:]) <= {tokenizer.pad_token_id}, row
     assert stopped > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_mlflow_ui_serves_the_demo_run(demo):
+    """The README's `mlflow ui --backend-store-uri sqlite:///runs/demo/grpo/mlflow.db`, on the
+    demo's store: the server comes up within the deadline, its REST API lists the GRPO run with
+    its metrics, and its root is the web UI's page (the full mlflow package: extra `ui`)."""
+    out, _ = demo
+    store = out / "grpo" / "mlflow.db"
+    assert store.is_file()
+    port = _free_port()
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")  # no job-runner process
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{store}",
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    api = f"http://127.0.0.1:{port}/api/2.0/mlflow"
+    try:
+        deadline, experiments = time.monotonic() + 180, None
+        while experiments is None:
+            assert server.poll() is None, server.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "mlflow ui did not answer within 180 s"
+            try:
+                experiments = _post(f"{api}/experiments/search", {"max_results": 100})["experiments"]
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        ids = [e["experiment_id"] for e in experiments if e["name"] == "megarl"]
+        assert len(ids) == 1, experiments
+        runs = _post(f"{api}/runs/search", {"experiment_ids": ids})["runs"]
+        assert [r["info"]["run_name"] for r in runs] == ["grpo"] and runs[0]["info"]["status"] == "FINISHED"
+        metrics = {m["key"]: m for m in runs[0]["data"]["metrics"]}
+        assert "reward.mean" in metrics and metrics["reward.mean"]["step"] == 2, sorted(metrics)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as response:
+            assert b"<title>MLflow</title>" in response.read()  # the web UI's built page, not the landing-page error
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -1,0 +1,184 @@
+"""docs/configuration.md, generated from the schema: every key of the config tree with its type
+(an Enum's allowed values), default, bounds and the field's own docstring in ``schema.py``.
+
+``python -m megarl.config.docs`` prints it; ``--write`` replaces docs/configuration.md.
+``tests/unit/test_docs.py`` checks that the committed page equals this output, and that every
+field has a doc.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import enum
+import inspect
+import sys
+import textwrap
+import typing
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+from megarl.config import schema
+from megarl.config.schema import MegarlConfig
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+_OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def field_docs(cls: type) -> Dict[str, str]:
+    """The attribute docstrings of a dataclass: the string literal right after each field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:] + [None]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()).replace("``", "`").replace("|", "\\|")
+
+
+def _strip_optional(tp: Any) -> Tuple[Any, bool]:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), True
+    return tp, False
+
+
+def type_name(tp: Any) -> str:
+    """``int``, ``list of str``, ``one of `a`, `b``` (an Enum's values), ``... or null``."""
+    inner, optional = _strip_optional(tp)
+    if isinstance(inner, type) and issubclass(inner, enum.Enum):
+        name = "one of " + ", ".join(f"`{m.value}`" for m in inner)
+    elif typing.get_origin(inner) in (list, List):
+        name = "list of " + type_name(typing.get_args(inner)[0])
+    elif isinstance(inner, type):
+        name = inner.__name__
+    else:
+        name = str(inner).replace("typing.", "")
+    return f"{name} or null" if optional else name
+
+
+def _render(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_render(v) for v in value) + "]"
+    return str(value)
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+    else:
+        return ""
+    return f"`{_render(value)}`"
+
+
+def _bounds(f: dataclasses.Field) -> str:
+    bounds = f.metadata.get("bounds", {})
+    return ", ".join(f"{_OPS[op]} {_render(v)}" for op, v in bounds.items())
+
+
+def sections(root: type = MegarlConfig, prefix: str = "") -> Iterator[Tuple[str, type, List[Tuple[str, dataclasses.Field, Any, str]]]]:
+    """(section key, its dataclass, [(key, field, type, doc)]) for the tree, depth first; a nested
+    dataclass is its own section."""
+    hints = typing.get_type_hints(root, vars(schema))
+    docs = field_docs(root)
+    rows, nested = [], []
+    for f in dataclasses.fields(root):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            nested.append((key, tp, docs.get(f.name, "")))
+        else:
+            rows.append((key, f, tp, docs.get(f.name, "")))
+    if prefix:
+        yield prefix[:-1], root, rows
+    for key, tp, _ in nested:
+        yield from sections(tp, key + ".")
+
+
+def section_docs(root: type = MegarlConfig, prefix: str = "") -> Dict[str, str]:
+    """Each nested section's doc: the docstring of the field that holds it, else its class's."""
+    out = {}
+    docs = field_docs(root)
+    hints = typing.get_type_hints(root, vars(schema))
+    for f in dataclasses.fields(root):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            key = f"{prefix}{f.name}"
+            out[key] = docs.get(f.name) or inspect.getdoc(tp) or ""
+            out.update(section_docs(tp, key + "."))
+    return out
+
+
+def keys(root: type = MegarlConfig) -> List[str]:
+    """Every key of the tree, sections included (``trainer``, ``trainer.offload``, ``trainer.offload.params``)."""
+    out = []
+    for section, _, rows in sections(root):
+        out.append(section)
+        out.extend(key for key, *_ in rows)
+    return out
+
+
+def undocumented(root: type = MegarlConfig) -> List[str]:
+    """Keys whose field has no docstring."""
+    missing = [key for _, _, rows in sections(root) for key, _, _, doc in rows if not doc.strip()]
+    missing += [key for key, doc in section_docs(root).items() if not doc.strip()]
+    return sorted(missing)
+
+
+def render() -> str:
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by `python -m megarl.config.docs --write` from the field docs in",
+        "     megarl/config/schema.py; edit those, not this page (tests/unit/test_docs.py compares them). -->",
+        "",
+        "One typed tree of dataclasses ([`megarl/config/schema.py`](../megarl/config/schema.py)). YAML files",
+        "merge in order, then `key=value` overrides (`megarl config FILE.yaml key=value` prints the result);",
+        "an unknown key, a value of the wrong type or one outside the bounds below is an error that names",
+        "the key, and nothing starts (exit 2).",
+        "",
+    ]
+    docs = section_docs()
+    all_sections = list(sections())
+    lines.append("Sections: " + ", ".join(f"[`{key}`](#{key.replace('.', '')})" for key, _, _ in all_sections) + ".")
+    lines.append("")
+    for key, _, rows in all_sections:
+        lines += [f"## {key}", "", _one_line(docs.get(key, "")).replace("\\|", "|"), ""]
+        if not rows:
+            continue
+        lines += ["| key | type | default | bounds | meaning |", "| --- | --- | --- | --- | --- |"]
+        for name, f, tp, doc in rows:
+            lines.append(f"| `{name}` | {type_name(tp)} | {_default(f)} | {_bounds(f)} | {_one_line(doc)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    text = render()
+    if "--write" in argv:
+        PAGE.parent.mkdir(exist_ok=True)
+        PAGE.write_text(text, encoding="utf-8")
+        print(f"{PAGE}: {len(text.splitlines())} lines")
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
