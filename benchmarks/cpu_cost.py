@@ -398,7 +398,7 @@ def _ray_worker(out: Path, worlds, repeats: int) -> None:
     import ray
     import torch
 
-    from megarl.protocol import Batch
+    from megarl.protocol import Batch, Columns
     from megarl.rollout.types import Response
 
     ray.init(num_cpus=max(worlds), include_dashboard=False, log_to_driver=False)
@@ -407,7 +407,7 @@ def _ray_worker(out: Path, worlds, repeats: int) -> None:
         class Echo:
             def call(self, batch: Batch):
                 # as the log-prob verb answers: a [rows, seq] column of the chunk
-                return Batch({"log_probs": torch.zeros_like(batch["loss_mask"])})
+                return Columns({"old_log_probs": torch.zeros_like(batch.loss_mask)})
 
             def bare(self):
                 # as resume_memory and update_weights travel: no data either way
@@ -434,8 +434,9 @@ def _ray_worker(out: Path, worlds, repeats: int) -> None:
             rows, width = 128 // (world // 2), 16  # a DP rank's chunk at tp=2: 128 rows over dp = world/2
             columns = ("tokens", "labels", "position_ids", "loss_mask", "rollout_log_probs", "old_log_probs",
                        "advantages", "returns")
-            batch = Batch({**{k: torch.zeros(rows, width) for k in columns},
-                           **{k: torch.zeros(rows) for k in ("lengths", "scores", "raw_scores", "index")}})
+            per_row = ("lengths", "response_lengths", "scores", "raw_scores", "index", "policy_versions")
+            batch = Batch(**{k: torch.zeros(rows, width) for k in columns}, **{k: torch.zeros(rows) for k in per_row},
+                          prompt_ids=[[0] * 6] * rows, response_ids=[[0] * (width - 5)] * rows)
             result["ray_call_s"][world] = median(lambda: ray.get([a.call.remote(batch) for a in actors[:world]]))
             result["ray_bare_s"][world] = median(lambda: ray.get([a.bare.remote() for a in actors[:world]]))
             result["ray_generate_s"][world] = median(

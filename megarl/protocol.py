@@ -1,44 +1,92 @@
-"""What the driver and the roles exchange: the :class:`Batch` of row-aligned tensors, and the
-verbs each role class declares with :func:`verb`, with how a worker group dispatches them."""
+"""What the driver and the roles exchange: the :class:`Batch` of a step's rows with its named
+columns, the :class:`Columns` a verb adds to it, and the verbs each role class declares with
+:func:`verb`, with how a worker group dispatches them."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 
+class Column(enum.Enum):
+    """What a :class:`Batch` field holds per row, which says how it travels."""
+
+    TOKEN = "token"
+    """[rows, seq, ...], right-padded: an engine input (see :meth:`Batch.engine_inputs`)."""
+    ROW = "row"
+    """[rows]: one value per row, for the driver (scores, lengths, the row's prompt index)."""
+    IDS = "ids"
+    """A list of token ids per row, as generated (the rollout dumps')."""
+
+
+def _column(kind: Column, optional: bool = False):
+    return field(default=None, metadata={"column": kind}) if optional else field(metadata={"column": kind})
+
+
 @dataclass
 class Batch:
-    """``tensors`` share their first dim (rows); ``meta`` holds per-batch values."""
+    """One step's rows: next-token inputs, right-padded, with per-row fields, and the columns
+    the training phases add (log-probs, values, advantages; None until then). Built by
+    :func:`megarl.trainer.steps.make_batch`; crosses Ray as it is (pickled)."""
 
-    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
-    meta: Dict[str, Any] = field(default_factory=dict)
+    tokens: torch.Tensor = _column(Column.TOKEN)  # [rows, seq] inputs
+    labels: torch.Tensor = _column(Column.TOKEN)  # [rows, seq] next tokens
+    position_ids: torch.Tensor = _column(Column.TOKEN)  # [rows, seq]
+    loss_mask: torch.Tensor = _column(Column.TOKEN)  # [rows, seq] 1 on positions predicting a policy token
+    rollout_log_probs: torch.Tensor = _column(Column.TOKEN)  # [rows, seq] the rollout's, 0 off the mask
+    lengths: torch.Tensor = _column(Column.ROW)  # real input tokens of each row
+    response_lengths: torch.Tensor = _column(Column.ROW)
+    scores: torch.Tensor = _column(Column.ROW)  # reward with shaping
+    raw_scores: torch.Tensor = _column(Column.ROW)  # the verifier's reward
+    index: torch.Tensor = _column(Column.ROW)  # the row's prompt (its group) in the step
+    policy_versions: torch.Tensor = _column(Column.ROW)  # the rollout weights' version that generated the row
+    prompt_ids: List[List[int]] = _column(Column.IDS)
+    response_ids: List[List[int]] = _column(Column.IDS)  # multi-turn: observation tokens included
     policy_version: int = -1
+    """The batch's: the actor version it trains (the shuffle seed of its mini-batches)."""
+    baseline_scores: Optional[torch.Tensor] = _column(Column.ROW, optional=True)  # ReMax's greedy reward
+    routing: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
+    """Recorded MoE routing, [rows, seq, moe_layers, topk] (-1 past each row's tokens)."""
+    old_log_probs: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
+    ref_log_probs: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
+    values: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
+    advantages: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
+    returns: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
+    old_values: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
+    kl_penalty: Optional[torch.Tensor] = _column(Column.ROW, optional=True)  # kl_coef * sum_t KL_t
+    routing_metrics: Dict[str, float] = field(default_factory=dict)
+    """The old-log-prob pass's routing vs the rollout's (MoE), already reduced over the ranks."""
 
     def __post_init__(self):
-        rows = {k: v.shape[0] for k, v in self.tensors.items()}
+        rows = {name: len(value) for name, value in self.columns().items()}
         if len(set(rows.values())) > 1:
-            raise ValueError(f"batch tensors disagree on rows: {rows}")
+            raise ValueError(f"batch columns disagree on rows: {rows}")
+
+    def columns(self, kind: Optional[Column] = None) -> Dict[str, Any]:
+        """The row-aligned fields that are set (of ``kind``), by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if "column" in f.metadata and getattr(self, f.name) is not None
+                and kind in (None, f.metadata["column"])}
 
     def __len__(self) -> int:
-        return next(iter(self.tensors.values())).shape[0] if self.tensors else 0
+        return self.tokens.shape[0]
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self.tensors[key]
-
-    def __or__(self, other: "Batch") -> "Batch":
-        """Columns of both (``other`` wins on a clash), metadata merged."""
-        return Batch({**self.tensors, **other.tensors}, {**self.meta, **other.meta},
-                     max(self.policy_version, other.policy_version))
-
-    def select(self, keys: Sequence[str]) -> "Batch":
-        return Batch({k: self.tensors[k] for k in keys}, dict(self.meta), self.policy_version)
+    def __or__(self, other: "Columns") -> "Batch":
+        """This batch with ``other``'s columns set (replacing any it had)."""
+        return replace(self, **other.tensors, routing_metrics={**self.routing_metrics, **other.routing_metrics})
 
     def rows(self, index) -> "Batch":
-        return Batch({k: v[index] for k, v in self.tensors.items()}, dict(self.meta), self.policy_version)
+        """The rows ``index`` selects (a slice or a tensor of row indices)."""
+        picked = {}
+        for name, value in self.columns().items():
+            if isinstance(value, torch.Tensor):
+                picked[name] = value[index]
+            else:
+                picked[name] = value[index] if isinstance(index, slice) else [value[i] for i in index.tolist()]
+        return replace(self, **picked, routing_metrics=dict(self.routing_metrics))
 
     def chunk(self, parts: int) -> List["Batch"]:
         """``parts`` equal row chunks, in order (one per data-parallel rank)."""
@@ -50,14 +98,44 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence["Batch"]) -> "Batch":
-        keys = batches[0].tensors.keys()
-        return Batch({k: torch.cat([b.tensors[k] for b in batches]) for k in keys}, dict(batches[0].meta),
-                     max(b.policy_version for b in batches))
+        """The rows of ``batches`` in order (each with the same columns set); the first's routing metrics."""
+        joined = {}
+        for name, value in batches[0].columns().items():
+            parts = [getattr(b, name) for b in batches]
+            joined[name] = torch.cat(parts) if isinstance(value, torch.Tensor) else [row for p in parts for row in p]
+        return replace(batches[0], **joined, policy_version=max(b.policy_version for b in batches),
+                       routing_metrics=dict(batches[0].routing_metrics))
 
-    def engine_inputs(self):
-        """The engine's [rows, seq] tensors (and MoE ``routing``), and the row lengths; per-row
-        fields (scores, advantages' inputs) stay behind."""
-        return {k: v for k, v in self.tensors.items() if v.dim() == 2 or k == "routing"}, self["lengths"]
+    def engine_inputs(self) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+        """The engine's per-token tensors by name (MoE ``routing`` among them), and the row
+        lengths; per-row fields (scores, advantages' inputs) stay behind."""
+        return self.columns(Column.TOKEN), self.lengths
+
+
+@dataclass
+class Columns:
+    """Row-aligned columns to set on a :class:`Batch` (``batch | columns``): a DP verb's output,
+    gathered over the DP ranks, or the advantages. Names are Batch fields."""
+
+    tensors: Dict[str, torch.Tensor]
+    routing_metrics: Dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = set(self.tensors) - set(BATCH_COLUMNS)
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} are not Batch columns; they are: {', '.join(BATCH_COLUMNS)}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    @staticmethod
+    def concat(parts: Sequence["Columns"]) -> "Columns":
+        """The rows of ``parts`` in order; the first's routing metrics (reduced over all ranks)."""
+        return Columns({k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors},
+                       dict(parts[0].routing_metrics))
+
+
+BATCH_COLUMNS = tuple(f.name for f in fields(Batch) if "column" in f.metadata)
 
 
 class Dispatch(enum.Enum):
@@ -80,7 +158,7 @@ class Verb:
 
     dispatch: Dispatch
     output: Optional[str] = None
-    """DP verbs returning a [rows, ...] tensor: the Batch column it becomes."""
+    """DP verbs returning a [rows, ...] tensor: the Batch column it becomes (one of BATCH_COLUMNS)."""
     optimizer_steps: bool = False
     """DP verbs that train: called with the step's PPO mini-batches; they report memory peaks."""
     metrics_prefix: str = ""
@@ -92,6 +170,8 @@ def verb(dispatch: Dispatch, output: Optional[str] = None, optimizer_steps: bool
     ``(tensors, lengths, how[, mini])`` (see :meth:`Batch.engine_inputs`); the driver calls it
     with a :class:`Batch` and the worker converts. ALL and ONE verbs take the driver's
     arguments as they are."""
+    if output is not None and output not in BATCH_COLUMNS:
+        raise ValueError(f"verb output '{output}' is not a Batch column; they are: {', '.join(BATCH_COLUMNS)}")
     spec = Verb(dispatch, output, optimizer_steps, metrics_prefix)
 
     def mark(method):

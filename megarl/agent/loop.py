@@ -25,6 +25,7 @@ import torch
 from megarl.agent.chat import ChatCodec
 from megarl.agent.env import Environment, StepResult
 from megarl.data.datasets import PromptRecord
+from megarl.metrics import Metric, Reduce
 from megarl.rollout.types import Response, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class Episodes:
     responses: List[Response]
     rewards: torch.Tensor  # [rows] the sum of each episode's step rewards
     final_turns: List[Response]  # each episode's last policy turn alone (for verifiers on the final answer)
-    metrics: Dict[str, float] = field(default_factory=dict)
+    metrics: Dict[str, Metric] = field(default_factory=dict)  # reduced over rounds by megarl.metrics.merge
 
 
 @dataclass
@@ -248,18 +249,19 @@ def run_episodes(rollout, records: Sequence[PromptRecord], prompt_ids: Sequence[
     policy = sum(sum(r[0].policy_mask) for r in results)
     observed = sum(s.observation_tokens for s in stats)
     steps = sum(s.steps for s in stats)
-    metrics = {
-        "agent/turns_mean": sum(s.turns for s in stats) / rows, "agent/turns_max": max(s.turns for s in stats),
-        "agent/tool_calls_mean": sum(s.tool_calls for s in stats) / rows,
-        "agent/tool_errors_mean": sum(s.tool_errors for s in stats) / rows,
-        "agent/observation_tokens_mean": observed / rows,
-        "agent/observation_token_frac": observed / max(observed + policy, 1),
-        "agent/ended_done": sum(s.ended == "done" for s in stats) / rows,
-        "agent/ended_budget": sum(s.ended == "budget" for s in stats) / rows,
-        "agent/generate_calls": runner.batcher.calls,
-        "agent/rows_per_call": runner.batcher.rows / max(runner.batcher.calls, 1),
-        "time/tool_s": sum(s.tool_seconds for s in stats),
-        "time/tool_step_s": sum(s.tool_seconds for s in stats) / max(steps, 1),
+    metrics = {  # over a step's sampling rounds: per-episode means average, maxima stay maxima, counts add up
+        "agent/turns_mean": Metric(sum(s.turns for s in stats) / rows),
+        "agent/turns_max": Metric(max(s.turns for s in stats), Reduce.MAX),
+        "agent/tool_calls_mean": Metric(sum(s.tool_calls for s in stats) / rows),
+        "agent/tool_errors_mean": Metric(sum(s.tool_errors for s in stats) / rows),
+        "agent/observation_tokens_mean": Metric(observed / rows),
+        "agent/observation_token_frac": Metric(observed / max(observed + policy, 1)),
+        "agent/ended_done": Metric(sum(s.ended == "done" for s in stats) / rows),
+        "agent/ended_budget": Metric(sum(s.ended == "budget" for s in stats) / rows),
+        "agent/generate_calls": Metric(runner.batcher.calls, Reduce.SUM),
+        "agent/rows_per_call": Metric(runner.batcher.rows / max(runner.batcher.calls, 1)),
+        "time/tool_s": Metric(sum(s.tool_seconds for s in stats), Reduce.SUM),
+        "time/tool_step_s": Metric(sum(s.tool_seconds for s in stats) / max(steps, 1)),
     }
     return Episodes([r[0] for r in results], torch.tensor([r[2] for r in results], dtype=torch.float32),
                     [r[1] for r in results], metrics)
@@ -281,17 +283,3 @@ class Agent:
         return run_episodes(rollout, records, prompt_ids, sampling, self.env_factory, self.tokenizer, self.cfg,
                             self.codec)
 
-
-def merge_round_metrics(rounds: List[Dict[str, float]]) -> Dict[str, float]:
-    """One step's metrics from its dynamic-sampling rounds' episodes: times and call counts add
-    up, maxima stay maxima, per-episode means average over the rounds."""
-    out: Dict[str, float] = {}
-    for key in rounds[0] if rounds else ():
-        values = [r[key] for r in rounds]
-        if key in ("time/tool_s", "agent/generate_calls"):
-            out[key] = sum(values)
-        elif key.endswith("_max"):
-            out[key] = max(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out

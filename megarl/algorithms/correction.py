@@ -17,6 +17,7 @@ from torch import Tensor
 
 from megarl.algorithms.kl import clamp_log_ratio
 from megarl.algorithms.masked import masked_mean, select_valid
+from megarl.metrics import Metric, Reduce
 
 ROLLOUT_CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
 """``none``; ``token_*``: w_t = pi_old(y_t) / pi_rollout(y_t) per token; ``seq_*``: one weight per
@@ -35,7 +36,7 @@ def check_rollout_correction(mode: str, threshold: float) -> None:
 
 @torch.no_grad()
 def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str,
-                               threshold: float) -> Tuple[Optional[Tensor], Dict[str, Tensor]]:
+                               threshold: float) -> Tuple[Optional[Tensor], Dict[str, Metric]]:
     """(weights ``[batch, T]``, metrics) from the trainer's old log-probs and the rollout's, both
     ``[batch, T]``; weights are None for ``none``, detached constants otherwise, 0 off the mask.
 
@@ -44,7 +45,7 @@ def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Ten
     MIS masks only above C: the MIS of Liu, Yao et al. (rho * 1{rho <= C}); a lower bound 1/C
     (rejection sampling on both sides) is not applied.
 
-    Metrics (micro-batch means over valid tokens, 0-d): ``kl``, the k3 estimate of
+    Metrics (micro-batch means over valid tokens, 0-d; the maxima reduce as maxima): ``kl``, the k3 estimate of
     KL(pi_rollout || pi_old) on the rollout's own samples, at every mode; with a correction also
     ``weight_mean`` and ``weight_max`` (the applied weights), ``ratio_max`` (before truncation or
     masking) and ``frac_truncated`` (TIS) or ``frac_masked`` (MIS): the share of valid tokens whose
@@ -57,7 +58,7 @@ def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Ten
     # k3 = e^x - 1 - x, x = log(pi_old / pi_rollout) (Schulman 2020), through expm1 in float64: in
     # float32, e^x - 1 - x cancels to 0 for the mismatches of a fp32 rollout (|x| ~ 1e-7)
     x = log_ratio.double()
-    metrics = {"kl": masked_mean(torch.expm1(x) - x, mask).to(old.dtype)}
+    metrics = {"kl": Metric(masked_mean(torch.expm1(x) - x, mask).to(old.dtype))}
     if mode == "none":
         return None, metrics
     if mode.startswith("seq_"):
@@ -70,8 +71,8 @@ def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Ten
         weights = torch.where(over, 0.0, ratio)
     weights = select_valid(weights, mask)
     frac = "frac_truncated" if mode.endswith("_tis") else "frac_masked"
-    metrics |= {"weight_mean": masked_mean(weights, mask),
-                "weight_max": torch.where(valid, weights, 0.0).max(),
-                "ratio_max": torch.where(valid, ratio, 0.0).max(),
-                frac: masked_mean(over.to(old.dtype), mask)}
+    metrics |= {"weight_mean": Metric(masked_mean(weights, mask)),
+                "weight_max": Metric(torch.where(valid, weights, 0.0).max(), Reduce.MAX),
+                "ratio_max": Metric(torch.where(valid, ratio, 0.0).max(), Reduce.MAX),
+                frac: Metric(masked_mean(over.to(old.dtype), mask))}
     return weights, metrics

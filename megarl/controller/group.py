@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, RayTaskError, WorkerCrashedError
 
 from megarl.config import ConfigError
-from megarl.protocol import Batch, Dispatch, Verb
+from megarl.protocol import Batch, Columns, Dispatch, Verb
 from megarl.runtime.progress import describe_stall
 from megarl.runtime.processes import WorkerDied, WorkerHung, forks_die_with_this_process
 
@@ -168,8 +168,8 @@ class WorkerGroup:
         return self._wait([getattr(self.workers[0], method).remote(*args, **kwargs)])[0]
 
     def call_dp(self, method: str, batch: Batch, *lead, **kwargs) -> Any:
-        """Each rank runs ``method(*lead, chunk)`` with its DP index's chunk; results (Batch or
-        dict) of the collecting ranks, in DP order: Batches concatenated, dicts from DP rank 0
+        """Each rank runs ``method(*lead, chunk)`` with its DP index's chunk; results (Columns or
+        dict) of the collecting ranks, in DP order: Columns concatenated, dicts from DP rank 0
         (already reduced)."""
         chunks = batch.chunk(self.dp)
         self.current_call = method
@@ -179,7 +179,7 @@ class WorkerGroup:
         collected = sorted(((info["dp_rank"], r) for info, r in zip(self.info, results) if info["collect"]),
                            key=lambda x: x[0])
         outputs = [r for _, r in collected]
-        return Batch.concat(outputs) if isinstance(outputs[0], Batch) else outputs[0]
+        return Columns.concat(outputs) if isinstance(outputs[0], Columns) else outputs[0]
 
     def roles(self) -> Dict[str, "RoleProxy"]:
         """A proxy for each role the workers hold (``info["verbs"]``: role -> its declared verbs)."""

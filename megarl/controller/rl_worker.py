@@ -22,7 +22,7 @@ from megarl.hybrid import regroup
 from megarl.models.flops import gpu_peak_tflops
 from megarl.models.hf_config import megatron_args_from_hf, read_hf_config
 from megarl.parallel import Layout, build_groups
-from megarl.protocol import Batch, Dispatch, declared_verbs
+from megarl.protocol import Batch, Columns, Dispatch, declared_verbs
 from megarl.roles.actor import Actor, ActorLossConfig
 from megarl.roles.critic import Critic, CriticLossConfig
 from megarl.roles.reference import Reference
@@ -209,8 +209,8 @@ class RLWorker:
     # ------------------------------------------------------------------ verbs
     def call(self, role: str, name: str, *args, **kwargs) -> Any:
         """Run verb ``name`` of ``role`` on this rank. A DP verb gets its :class:`Batch` chunk
-        as the engine's inputs and its result wrapped back: a tensor as the Batch column the
-        verb names, metrics as a dict."""
+        as the engine's inputs and its result wrapped back: a tensor as the :class:`Columns` of
+        the Batch column the verb names, metrics as a dict."""
         with progress.phase(f"{role}.{name}"):  # the phase a hang is named in
             return self._call(role, name, *args, **kwargs)
 
@@ -225,10 +225,10 @@ class RLWorker:
         mini = (self._mini_batches(batch),) if spec.optimizer_steps else ()
         result = method(tensors, lengths, self.how, *mini, **kwargs)
         if spec.output is not None:
-            out = Batch({spec.output: to_host(result)})  # the driver may have no GPU
+            out = Columns({spec.output: to_host(result)})  # the driver may have no GPU
             engine = self.roles[role].engine
             if "routing" in tensors and engine.routers:  # a routing-tracked pass (the actor's); reduced over all ranks
-                out.meta["routing_metrics"] = {f"moe/{k}": v for k, v in engine.routing_mismatch.items()}
+                out.routing_metrics = {f"moe/{k}": v for k, v in engine.routing_mismatch.items()}
             return out
         metrics = {spec.metrics_prefix + k: v for k, v in result.items()}
         if spec.optimizer_steps:

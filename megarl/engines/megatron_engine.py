@@ -40,16 +40,18 @@ import torch.distributed as dist
 from megarl.engines import batching
 from megarl.engines.batching import MicroBatch, Tensors
 from megarl.engines.vocab_parallel import log_prob_and_entropy
+from megarl.metrics import Metric, Reduce
 from megarl.models.builder import set_aux_loss_copies
 from megarl.parallel.context import gather_sequence, split_for_rank
 from megarl.runtime import progress
 from megarl.runtime.devices import compute_device
 from megarl.training.lm import TrainState
 
-# (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metric sums);
-# for a value head: (values [n, s], None, tensors). A metric named ``*_max`` / ``*_min`` is an
-# extremum, reduced with max / min instead of summed and divided by the count.
-LossFn = Callable[[torch.Tensor, torch.Tensor, Tensors], Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]]
+# (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metrics); for a
+# value head: (values [n, s], None, tensors). Each metric's value is 0-dim and reduced over
+# micro-batches, steps and DP ranks as it says: a MEAN is a count-weighted sum, summed and divided by
+# the total count; MAX / MIN are extrema; SUM is summed.
+LossFn = Callable[[torch.Tensor, torch.Tensor, Tensors], Tuple[torch.Tensor, torch.Tensor, Dict[str, Metric]]]
 
 
 @dataclass
@@ -329,8 +331,9 @@ class MegatronEngine:
             first, second = self._head(mb, output, temperature)
             loss_sum, count, metrics = loss_fn(first, second, mb.tensors)
             report = torch.stack([loss_sum.detach().float(), count.float()]
-                                 + [v.detach().float() for v in metrics.values()])
-            return loss_sum, count.to(torch.int), {"report": report, "names": list(metrics)}
+                                 + [m.value.detach().float() for m in metrics.values()])
+            return loss_sum, count.to(torch.int), {"report": report, "names": list(metrics),
+                                                   "reduce": [m.reduce for m in metrics.values()]}
 
         routing = "routing" in batch and self._set_routing(count=False)
         outputs = self._run(self.micro_batches(batch, lengths, how), loss_func, forward_only=False, routing=routing)
@@ -405,10 +408,11 @@ class MegatronEngine:
         fractions = (counts[:2] / counts[2].clamp(min=1)).tolist()
         return {"routing_mismatch_frac": fractions[0], "routing_live_mismatch_frac": fractions[1]}
 
-    def _reduce(self, outputs) -> Tuple[torch.Tensor, List[str]]:
+    def _reduce(self, outputs) -> Tuple[torch.Tensor, List[str], List[Reduce]]:
         """One optimizer step's [loss sum, count, metrics...] over micro-batches and DP ranks, on
-        every pipeline stage; the metric names on the last stage (others: [])."""
+        every pipeline stage; the metric names and reductions on the last stage (others: [])."""
         names = outputs[0]["names"] if outputs else []  # only the last stage has outputs
+        kinds = outputs[0]["reduce"] if outputs else []
         device = compute_device()  # every tensor here meets a collective (NCCL on GPUs)
         width = torch.tensor([len(names)], dtype=torch.float, device=device)
         if self.groups.layout.pp > 1:
@@ -416,8 +420,8 @@ class MegatronEngine:
             dist.broadcast(width, src=last, group=self.groups.pg.pp)
         totals = torch.zeros(2 + int(width.item()), device=device)
         if self.groups.is_last_stage:
-            extrema = torch.tensor([False, False] + [_extremum(n) != 0 for n in names], device=device)
-            sign = torch.tensor([1.0, 1.0] + [float(_extremum(n) or 1) for n in names], device=device)  # min = -max(-x)
+            extrema = torch.tensor([False, False] + [k in _SIGN for k in kinds], device=device)
+            sign = torch.tensor([1.0, 1.0] + [_SIGN.get(k, 1.0) for k in kinds], device=device)  # min = -max(-x)
             reports = torch.stack([out["report"] for out in outputs]) * sign  # [micro-batches, width]
             totals = torch.where(extrema, reports.max(0).values, reports.sum(0))
             summed, maxed = totals.clone(), totals.clone()
@@ -426,21 +430,21 @@ class MegatronEngine:
                 dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self.groups.pg.dp_cp)
             totals = torch.where(extrema, maxed, summed) * sign
         self._broadcast_from_last_stage(totals)
-        return totals.cpu(), names
+        return totals.cpu(), names, kinds
 
     @staticmethod
-    def _metrics(reports: List[Tuple[torch.Tensor, List[str]]],
+    def _metrics(reports: List[Tuple[torch.Tensor, List[str], List[Reduce]]],
                  grad_norms: List[Optional[float]]) -> Dict[str, float]:
-        names = reports[0][1]
+        _, names, kinds = reports[0]
         totals = torch.stack([r[0] for r in reports])  # [steps, 2 + metrics]
         count = totals[:, 1].sum().clamp(min=1)
         taken = [g for g in grad_norms if g is not None]  # None: a skipped step
         metrics = {"loss": (totals[:, 0].sum() / count).item(), "grad_norm": sum(taken) / max(len(taken), 1),
                    "optimizer_steps": float(len(taken)), "skipped_steps": float(len(grad_norms) - len(taken))}
-        for i, name in enumerate(names):
+        for i, (name, kind) in enumerate(zip(names, kinds)):
             column = totals[:, 2 + i]
-            kind = _extremum(name)
-            metrics[name] = (column.max() if kind > 0 else column.min() if kind < 0 else column.sum() / count).item()
+            reduced = {Reduce.MAX: column.max, Reduce.MIN: column.min, Reduce.SUM: column.sum}.get(kind)
+            metrics[name] = (reduced() if reduced else column.sum() / count).item()
         return metrics
 
     def _broadcast_from_last_stage(self, tensor: torch.Tensor) -> None:
@@ -449,6 +453,5 @@ class MegatronEngine:
             dist.broadcast(tensor, src=last, group=self.groups.pg.pp)
 
 
-def _extremum(name: str) -> int:
-    """+1 for a ``*_max`` metric, -1 for ``*_min``, 0 for a count-weighted sum."""
-    return 1 if name.endswith("_max") else -1 if name.endswith("_min") else 0
+# the extrema's sign in the max-reduction (min x = -max(-x)); the other metrics are summed
+_SIGN = {Reduce.MAX: 1.0, Reduce.MIN: -1.0}

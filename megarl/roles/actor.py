@@ -20,6 +20,7 @@ from megarl.algorithms.losses import POLICY_LOSSES, entropy_bonus, kl_loss, loss
 from megarl.algorithms.masked import masked_mean
 from megarl.engines.batching import Tensors
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
+from megarl.metrics import Metric, Reduce
 from megarl.protocol import Dispatch, verb
 
 
@@ -77,42 +78,43 @@ class Actor:
                 cfg.rollout_correction_threshold)
         elif cfg.rollout_correction != "none":
             raise ValueError(f"rollout_correction='{cfg.rollout_correction}' needs the batch's rollout_log_probs")
-        loss, metrics = POLICY_LOSSES.get(cfg.policy_loss)(
+        loss, means = POLICY_LOSSES.get(cfg.policy_loss)(
             logp, t["old_log_probs"], t["advantages"], mask, agg_mode=cfg.agg_mode,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c, weights=weights, **norm)
-        correction = {f"rollout_correction/{k}": v for k, v in correction.items()}
-        metrics |= {k: v for k, v in correction.items() if not k.endswith("_max")}
+        metrics = {k: Metric(v) for k, v in means.items()}
+        correction = {f"rollout_correction/{k}": m for k, m in correction.items()}
+        metrics |= {k: m for k, m in correction.items() if m.reduce is Reduce.MEAN}
         if cfg.kl_coef:
             kl = kl_loss(logp, t["ref_log_probs"], mask, cfg.kl_estimator, cfg.agg_mode, **norm)
             loss = loss + cfg.kl_coef * kl
-            metrics["kl"] = kl.detach() / count.clamp(min=1)
+            metrics["kl"] = Metric(kl.detach() / count.clamp(min=1))
         # Logged at any coefficient (the engine computes it with the log-probs); detached at 0 so
         # the backward skips its term.
         entropy_term = entropy_bonus(entropy if cfg.entropy_coef else entropy.detach(), mask, cfg.agg_mode, **norm)
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy_term
-        metrics["entropy"] = entropy_term.detach() / count.clamp(min=1)
+        metrics["entropy"] = Metric(entropy_term.detach() / count.clamp(min=1))
         # metrics are micro-batch means; weight them by the count so the engine can average
-        metrics = {k: v * count for k, v in metrics.items()}
-        extrema = {k: v for k, v in correction.items() if k.endswith("_max")}  # max-reduced, not weighted
+        metrics = {k: Metric(m.value * count) for k, m in metrics.items()}
+        extrema = {k: m for k, m in correction.items() if m.reduce is not Reduce.MEAN}  # not weighted
         return loss, count, metrics | extrema | self._ratio_extras(logp.detach(), t, count)
 
-    def _ratio_extras(self, logp: torch.Tensor, t: Tensors, count: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Token-level ratio extrema (``*_max``/``*_min``: the engine reduces them with max/min)
-        and, for ppo, which side of the clip removed a token's gradient: ``clip_frac_high``
+    def _ratio_extras(self, logp: torch.Tensor, t: Tensors, count: torch.Tensor) -> Dict[str, Metric]:
+        """Token-level ratio extrema (``ratio_max``/``ratio_min``: the engine reduces them with
+        max/min) and, for ppo, which side of the clip removed a token's gradient: ``clip_frac_high``
         (A > 0, ratio > 1 + clip_high), ``clip_frac_low`` (A < 0, ratio < 1 - clip_low); their
         sum is ``clip_frac``. Count-weighted like the other metrics."""
         cfg, mask = self.cfg, t["loss_mask"]
         valid = mask.bool()
         ratio = torch.exp(clamp_log_ratio(torch.where(valid, logp - t["old_log_probs"], 0.0)))  # [n, s]
-        extras = {"ratio_max": torch.where(valid, ratio, 0.0).max(),
-                  "ratio_min": torch.where(valid, ratio, math.exp(LOG_RATIO_BOUND)).min()}
+        extras = {"ratio_max": Metric(torch.where(valid, ratio, 0.0).max(), Reduce.MAX),
+                  "ratio_min": Metric(torch.where(valid, ratio, math.exp(LOG_RATIO_BOUND)).min(), Reduce.MIN)}
         if cfg.policy_loss == "ppo":
             advantages = t["advantages"]
             high = (advantages > 0) & (ratio > 1 + cfg.clip_high)
             low = (advantages < 0) & (ratio < 1 - cfg.clip_low)
-            extras["clip_frac_high"] = masked_mean(high.to(ratio.dtype), mask) * count
-            extras["clip_frac_low"] = masked_mean(low.to(ratio.dtype), mask) * count
+            extras["clip_frac_high"] = Metric(masked_mean(high.to(ratio.dtype), mask) * count)
+            extras["clip_frac_low"] = Metric(masked_mean(low.to(ratio.dtype), mask) * count)
         return extras
 
     @verb(Dispatch.DP, optimizer_steps=True)

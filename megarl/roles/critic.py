@@ -15,6 +15,7 @@ import torch
 from megarl.algorithms.losses import loss_denominators, value_loss
 from megarl.engines.batching import Tensors
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
+from megarl.metrics import Metric
 from megarl.protocol import Dispatch, verb
 
 
@@ -49,7 +50,7 @@ class Critic:
         count = tokens if self.cfg.agg_mode == "token-mean" else seqs
         loss, metrics = value_loss(values, t["old_values"], t["returns"], mask, self.cfg.clip_range,
                                    self.cfg.agg_mode, global_tokens=1, global_seqs=1, max_len=self.cfg.max_len)
-        return loss, count, {k: v * count for k, v in metrics.items()}
+        return loss, count, {k: Metric(v * count) for k, v in metrics.items()}  # the engine averages
 
     @verb(Dispatch.DP, optimizer_steps=True, metrics_prefix="critic/")
     def update(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching,

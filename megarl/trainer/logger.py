@@ -39,17 +39,15 @@ def rollout_rows(batch: Batch, decode: Optional[Callable[[List[int]], str]] = No
     """One record per sample of a step's batch: prompt and response token ids (and text with
     ``decode``), rewards, and the rollout's and the trainer's log-probs of each response token."""
     rows = []
-    mask = batch["loss_mask"].bool()
+    mask = batch.loss_mask.bool()
     for i in range(len(batch)):
         positions = mask[i].nonzero().flatten()  # positions predicting response tokens
-        start = int(positions[0]) + 1 if len(positions) else int(batch["lengths"][i]) + 1
-        seq = torch.cat([batch["tokens"][i, :1], batch["labels"][i, : int(batch["lengths"][i])]]).tolist()
-        row = {"prompt_index": int(batch["index"][i]), "prompt_ids": seq[:start], "response_ids": seq[start:],
-               "reward": float(batch["raw_scores"][i]), "shaped_reward": float(batch["scores"][i]),
-               "rollout_log_probs": batch["rollout_log_probs"][i, positions].tolist()}
+        row = {"prompt_index": int(batch.index[i]), "prompt_ids": batch.prompt_ids[i],
+               "response_ids": batch.response_ids[i], "reward": float(batch.raw_scores[i]),
+               "shaped_reward": float(batch.scores[i]), "rollout_log_probs": batch.rollout_log_probs[i, positions].tolist()}
         for key in ("old_log_probs", "ref_log_probs", "values", "advantages"):
-            if key in batch.tensors:
-                row[key] = batch[key][i, positions].tolist()
+            if getattr(batch, key) is not None:
+                row[key] = getattr(batch, key)[i, positions].tolist()
         if decode is not None:
             row["prompt"], row["response"] = decode(row["prompt_ids"]), decode(row["response_ids"])
         rows.append(row)
@@ -116,27 +114,26 @@ class RunLogger:
         self.timings[f"time/{name}_s"] = self.timings.get(f"time/{name}_s", 0.0) + time.perf_counter() - start
 
     def step(self, step: int, batch: Batch, metrics: Dict[str, float]) -> Dict[str, float]:
-        mask = batch["loss_mask"]
-        lengths = batch["response_lengths"].float()
+        mask = batch.loss_mask
+        lengths = batch.response_lengths.float()
         seconds = time.perf_counter() - self.step_start
         record = {
-            "step": step, "reward/mean": batch["raw_scores"].mean().item(), "reward/max": batch["raw_scores"].max().item(),
-            "reward/min": batch["raw_scores"].min().item(), "reward/shaped_mean": batch["scores"].mean().item(),
+            "step": step, "reward/mean": batch.raw_scores.mean().item(), "reward/max": batch.raw_scores.max().item(),
+            "reward/min": batch.raw_scores.min().item(), "reward/shaped_mean": batch.scores.mean().item(),
             "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
-            "time/step_s": seconds, "throughput/tokens_per_s": (mask.sum().item() + batch["lengths"].sum().item()) / seconds,
+            "time/step_s": seconds, "throughput/tokens_per_s": (mask.sum().item() + batch.lengths.sum().item()) / seconds,
             "policy_version": batch.policy_version, "batch/rows": len(batch),
         }
-        if "baseline_scores" in batch.tensors:
-            record["reward/baseline_mean"] = batch["baseline_scores"].mean().item()
-        if "kl_penalty" in batch.tensors:  # the KL in the reward: kl_coef * sum_t KL_t, per row
-            record["reward/kl_penalty_mean"] = batch["kl_penalty"].mean().item()
-        if "old_log_probs" in batch.tensors:  # rollout vs trainer log-probs of the same tokens
-            diff = ((batch["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max().item()
-            record["rollout/logp_max_abs_diff"] = diff
-            gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+        if batch.baseline_scores is not None:
+            record["reward/baseline_mean"] = batch.baseline_scores.mean().item()
+        if batch.kl_penalty is not None:  # the KL in the reward: kl_coef * sum_t KL_t, per row
+            record["reward/kl_penalty_mean"] = batch.kl_penalty.mean().item()
+        if batch.old_log_probs is not None:  # rollout vs trainer log-probs of the same tokens
+            gap = (batch.old_log_probs - batch.rollout_log_probs).abs()
+            record["rollout/logp_max_abs_diff"] = (gap * mask).max().item()
             record["rollout/logp_mean_abs_diff"] = (torch.where(mask.bool(), gap, 0.0).sum()
                                                     / mask.sum().clamp(min=1)).item()
-        record.update(batch.meta.get("routing_metrics", {}))  # the old-log-prob pass vs the rollout (MoE)
+        record.update(batch.routing_metrics)  # the old-log-prob pass vs the rollout (MoE)
         record.update({f"actor/{k}" if "/" not in k else k: v for k, v in metrics.items()})
         record.update(self.timings)
         record["memory/driver_peak_rss_gb"] = peak_rss_gb()
@@ -173,11 +170,11 @@ class RunLogger:
         generation and for each log-prob or value pass, forward + backward (3x) for each update.
         Rows generated but not trained on (DAPO's dropped groups, ReMax's greedy baselines) are
         left out; the one-step-off loop generates the next batch, counted as this one."""
-        lengths = batch["lengths"].tolist()  # tokens through the model per row
+        lengths = batch.lengths.tolist()  # tokens through the model per row
         actor = self.flops.forward(lengths)
         total = actor * (1 + 3)  # generation, update
-        total += actor * sum(key in batch.tensors for key in ("old_log_probs", "ref_log_probs"))
-        if "values" in batch.tensors:  # the critic: values, then its update
+        total += actor * sum(logp is not None for logp in (batch.old_log_probs, batch.ref_log_probs))
+        if batch.values is not None:  # the critic: values, then its update
             total += self.flops.forward(lengths, value_head=True) * (1 + 3)
         if self.reward_model_flops:
             total += self.reward_model_flops.forward(lengths, value_head=True)

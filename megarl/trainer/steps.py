@@ -14,10 +14,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS, kl_penalty_rewards
-from megarl.agent.loop import Agent, merge_round_metrics
+from megarl.agent.loop import Agent
 from megarl.algorithms.presets import preset, resolve
 from megarl.data.datasets import PromptRecord
-from megarl.protocol import Batch
+from megarl.metrics import Metric, merge
+from megarl.protocol import Batch, Columns
 from megarl.rewards import RewardPool, RewardSample, reward_fn_path
 from megarl.rollout import Response, SamplingParams
 
@@ -163,7 +164,7 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
     kept: List[tuple] = []  # (record, ids, responses of the group, shaped scores, raw scores)
     spare: List[tuple] = []
     rounds = 0
-    agent_metrics: List[Dict[str, float]] = []
+    agent_metrics: List[Dict[str, Metric]] = []
     longest = algo.max_new_tokens if agent is None else agent.budget(algo.max_new_tokens)
     while len(kept) < prompts_per_step and rounds < (algo.max_sampling_rounds if algo.dynamic_sampling else 1):
         records = stream.next(prompts_per_step - len(kept))
@@ -207,7 +208,7 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
             base = scorer(sampled.records, greedy, sampled.prompt_ids)
         sampled.baseline = base[torch.tensor([r.prompt_index for r in responses])]
     sampled.reward_metrics = scorer.take_metrics()
-    sampled.agent_metrics = merge_round_metrics(agent_metrics)
+    sampled.agent_metrics = merge(agent_metrics)
     return sampled
 
 
@@ -219,8 +220,9 @@ def make_batch(sampled: Sampled, pad_id: int, policy_version: Optional[int] = No
     positions that predict response tokens (the policy's only: an episode's observation tokens
     are context), ``rollout_log_probs`` there, and per-row fields
     (``policy_versions``: the rollout weights' version that generated each row; the batch's
-    ``policy_version`` is ``policy_version``, default their oldest); with
-    recorded MoE routing, ``routing`` [rows, seq, moe_layers, topk] (-1 past each row's tokens)."""
+    ``policy_version`` is ``policy_version``, default their oldest), the prompt and response ids
+    as generated; with recorded MoE routing, ``routing`` [rows, seq, moe_layers, topk] (-1 past
+    each row's tokens)."""
     rows = sampled.responses
     prompts = [sampled.prompt_ids[r.prompt_index] if r.prompt_ids is None else r.prompt_ids for r in rows]
     seqs = [prompt + r.token_ids for prompt, r in zip(prompts, rows)]
@@ -234,26 +236,23 @@ def make_batch(sampled: Sampled, pad_id: int, policy_version: Optional[int] = No
         # multi-turn: only the policy's tokens are trained, never an observation's
         loss_mask[i, start:start + r.length] = 1 if r.policy_mask is None else torch.tensor(r.policy_mask, dtype=torch.float)
         rollout_logp[i, start:start + r.length] = torch.tensor(r.log_probs)
-    tensors = {
-        "tokens": full[:, :-1].contiguous(), "labels": full[:, 1:].contiguous(),
-        "position_ids": torch.arange(width).expand(len(rows), -1).contiguous(), "loss_mask": loss_mask,
-        "lengths": torch.tensor([len(s) - 1 for s in seqs]), "rollout_log_probs": rollout_logp,
-        "scores": sampled.scores, "raw_scores": sampled.raw_scores,
-        "index": torch.tensor([r.prompt_index for r in rows]),
-        "response_lengths": torch.tensor([r.length for r in rows]),
-        "policy_versions": torch.tensor([r.policy_version for r in rows]),
-    }
-    if sampled.baseline is not None:
-        tensors["baseline_scores"] = sampled.baseline
+    routing = None
     if rows and all(r.routing is not None for r in rows):
         routing = torch.full((len(rows), width, *rows[0].routing.shape[1:]), -1, dtype=torch.int32)
         for i, (r, seq) in enumerate(zip(rows, seqs)):
             assert r.routing.shape[0] == len(seq) - 1, (r.routing.shape, len(seq))
             routing[i, : len(seq) - 1] = r.routing
-        tensors["routing"] = routing
     if policy_version is None:
         policy_version = min(r.policy_version for r in rows)
-    return Batch(tensors, policy_version=policy_version)
+    return Batch(
+        tokens=full[:, :-1].contiguous(), labels=full[:, 1:].contiguous(),
+        position_ids=torch.arange(width).expand(len(rows), -1).contiguous(), loss_mask=loss_mask,
+        rollout_log_probs=rollout_logp, lengths=torch.tensor([len(s) - 1 for s in seqs]),
+        response_lengths=torch.tensor([r.length for r in rows]), scores=sampled.scores, raw_scores=sampled.raw_scores,
+        index=torch.tensor([r.prompt_index for r in rows]),
+        policy_versions=torch.tensor([r.policy_version for r in rows]),
+        prompt_ids=[list(map(int, p)) for p in prompts], response_ids=[list(map(int, r.token_ids)) for r in rows],
+        policy_version=policy_version, baseline_scores=sampled.baseline, routing=routing)
 
 
 def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -262,7 +261,7 @@ def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return torch.where(last, scores.unsqueeze(-1), 0.0)
 
 
-def advantages(batch: Batch, algo) -> Batch:
+def advantages(batch: Batch, algo) -> Columns:
     """``advantages`` and ``returns`` ([rows, seq], zero off the response) for ``algo.name``'s preset.
 
     With the KL in the reward, each response token's reward is r_t - kl_coef * KL_t (the score on
@@ -270,23 +269,23 @@ def advantages(batch: Batch, algo) -> Batch:
     per-row penalty kl_coef * sum_t KL_t comes back as ``kl_penalty``."""
     algo = resolve(algo)
     p = preset(algo)
-    mask = batch["loss_mask"]
-    rewards = last_token_rewards(batch["scores"], mask)
-    scores = batch["scores"]
+    mask = batch.loss_mask
+    rewards = last_token_rewards(batch.scores, mask)
+    scores = batch.scores
     out: Dict[str, torch.Tensor] = {}
     if algo.kl_coef and algo.kl_in_reward:
-        kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch["old_log_probs"], batch["ref_log_probs"])
+        kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch.old_log_probs, batch.ref_log_probs)
         rewards = kl_penalty_rewards(rewards, kl, algo.kl_coef, mask)
         out["kl_penalty"] = torch.where(mask.bool(), algo.kl_coef * kl, 0.0).sum(-1)
         scores = torch.where(mask.bool(), rewards, 0.0).sum(-1)
     inputs = AdvantageInputs(
         response_mask=mask, token_rewards=rewards, scores=scores,
-        values=batch.tensors.get("values"), index=batch["index"], baseline_scores=batch.tensors.get("baseline_scores"),
+        values=batch.values, index=batch.index, baseline_scores=batch.baseline_scores,
         gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_by_std, whiten=p.whiten)
     out["advantages"], out["returns"] = ADVANTAGE_ESTIMATORS.get(p.estimator)(inputs)
-    if "values" in batch.tensors:
-        out["old_values"] = batch["values"]
-    return Batch(out)
+    if batch.values is not None:
+        out["old_values"] = batch.values
+    return Columns(out)
 
 
 def sampling_metrics(sampled: Sampled) -> Dict[str, float]:

@@ -36,9 +36,12 @@ def batch_of(responses, width: int = 12) -> Batch:
         seq = (list(PROMPTS[r.prompt_index]) + list(r.token_ids))[: width + 1]
         tokens[i, :len(seq)] = torch.tensor(seq)
         lengths.append(len(seq) - 1)
-    return Batch({"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                  "position_ids": torch.arange(width).expand(len(rows), -1).contiguous(),
-                  "lengths": torch.tensor(lengths)})
+    zeros, none = torch.zeros(len(rows), width), torch.zeros(len(rows))
+    return Batch(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                 position_ids=torch.arange(width).expand(len(rows), -1).contiguous(), loss_mask=zeros,
+                 rollout_log_probs=zeros, lengths=torch.tensor(lengths), response_lengths=none, scores=none,
+                 raw_scores=none, index=none, policy_versions=none, prompt_ids=[[]] * len(rows),
+                 response_ids=[[]] * len(rows))
 
 
 def main(work: str) -> None:
@@ -58,7 +61,7 @@ def main(work: str) -> None:
 
     def log_probs():
         result = worker.call("actor", "compute_log_prob", batch_of(out["sampled"]))
-        out["log_probs"] = result.tensors["old_log_probs"] if "old_log_probs" in result.tensors else result
+        out["log_probs"] = result["old_log_probs"]
         assert all(not gpu_shaped.is_cuda(t) for t in result.tensors.values()), "a result left on the device"
 
     attempt("fixed/log_prob", log_probs)

@@ -27,9 +27,12 @@ def config(run_dir, tensorboard=True) -> MegarlConfig:
 def batch(reward: float) -> Batch:
     mask = torch.tensor([[0.0, 1, 1, 0], [0, 1, 1, 1]])
     logp = torch.full((2, 4), -0.5)
-    return Batch({"loss_mask": mask, "lengths": torch.tensor([3, 4]), "response_lengths": torch.tensor([2, 3]),
-                  "raw_scores": torch.tensor([reward, reward]), "scores": torch.tensor([reward, reward]),
-                  "old_log_probs": logp, "rollout_log_probs": logp}, policy_version=0)
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    return Batch(tokens=tokens, labels=tokens, position_ids=tokens, loss_mask=mask, rollout_log_probs=logp,
+                 lengths=torch.tensor([3, 4]), response_lengths=torch.tensor([2, 3]),
+                 scores=torch.tensor([reward, reward]), raw_scores=torch.tensor([reward, reward]),
+                 index=torch.tensor([0, 1]), policy_versions=torch.tensor([0, 0]), prompt_ids=[[0, 0], [0, 0]],
+                 response_ids=[[0, 0], [0, 0, 0]], policy_version=0, old_log_probs=logp)
 
 
 def run_steps(log: RunLogger, rewards) -> list:
@@ -84,7 +87,7 @@ def test_rollout_dump_rows(tmp_path):
     sampled = Sampled(records=[None, None], prompt_ids=[[1, 5], [1, 5, 6, 6]], responses=responses,
                       scores=torch.tensor([1.0, 0.25]), raw_scores=torch.tensor([1.0, 0.5]))
     b = make_batch(sampled, pad_id=0, policy_version=0)
-    b.tensors["old_log_probs"] = b["rollout_log_probs"] * 2
+    b.old_log_probs = b.rollout_log_probs * 2
     cfg = config(tmp_path, tensorboard=False)
     cfg.logging.rollout_dump_interval = 2
     log = RunLogger(cfg, total_steps=2, decode=lambda ids: ",".join(map(str, ids)))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megarl.protocol import Batch
+from megarl.protocol import Columns
 from megarl.trainer import loop, one_step_off
 from megarl.trainer.steps import Scorer
 from tests.unit.test_trainer_steps import TOK, ScriptedRollout, algo, stream
@@ -52,7 +52,7 @@ class Roles:
     def forward(self, column, batch):
         assert self.released, "training role ran while the rollout held the memory"
         self.events.append(column)
-        return Batch({column: torch.zeros_like(batch["loss_mask"])})
+        return Columns({column: torch.zeros_like(batch.loss_mask)})
 
     def update(self, role, batch):
         assert self.released
@@ -139,7 +139,7 @@ class SplitRoles(Roles):
 
     def forward(self, column, batch):
         self.events.append(column)
-        return Batch({column: torch.zeros_like(batch["loss_mask"])})
+        return Columns({column: torch.zeros_like(batch.loss_mask)})
 
     def update(self, role, batch):
         self._run("train", self.train_s)

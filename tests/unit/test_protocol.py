@@ -1,5 +1,6 @@
-"""The verbs role classes declare, how the driver's role proxy dispatches them, and how a worker
-runs them (a Batch chunk in, a Batch column or metrics out), without Ray or a model."""
+"""The batch's columns (rows selected, chunked, joined, pickled), the verbs role classes declare,
+how the driver's role proxy dispatches them, and how a worker runs them (a Batch chunk in, a
+Batch column or metrics out), without Ray or a model."""
 
 from __future__ import annotations
 
@@ -8,12 +9,55 @@ import torch
 
 from megarl.controller.group import RoleProxy
 from megarl.controller.rl_worker import RLWorker
-from megarl.protocol import Batch, Dispatch, Verb, declared_verbs, verb
+from megarl.protocol import Batch, Columns, Dispatch, Verb, declared_verbs, verb
 from megarl.roles.actor import Actor
 from megarl.roles.critic import Critic
 from megarl.roles.reference import Reference
 from megarl.roles.reward_model import RewardModel
 from megarl.roles.rollout import Rollout
+
+
+def batch_of(tokens: torch.Tensor, **columns) -> Batch:
+    """A Batch of ``tokens`` [rows, seq], every row whole, zero scores."""
+    rows, width = tokens.shape
+    zeros = torch.zeros(rows, width)
+    return Batch(tokens=tokens, labels=tokens, position_ids=tokens, loss_mask=zeros, rollout_log_probs=zeros,
+                 lengths=torch.full((rows,), width), response_lengths=torch.ones(rows, dtype=torch.long),
+                 scores=torch.zeros(rows), raw_scores=torch.zeros(rows), index=torch.arange(rows),
+                 policy_versions=torch.zeros(rows, dtype=torch.long), prompt_ids=[[r] for r in range(rows)],
+                 response_ids=[[r, r] for r in range(rows)], **columns)
+
+
+def test_batch_rows_chunk_and_concat_keep_every_column():
+    import pickle
+
+    batch = batch_of(torch.arange(12).reshape(4, 3), policy_version=2, routing=torch.zeros(4, 3, 1, 2),
+                     routing_metrics={"moe/x": 0.5})
+    chunks = batch.chunk(2)
+    assert [c.prompt_ids for c in chunks] == [[[0], [1]], [[2], [3]]] and chunks[1].routing.shape == (2, 3, 1, 2)
+    joined = Batch.concat([pickle.loads(pickle.dumps(c)) for c in chunks])  # as they cross Ray
+    assert torch.equal(joined.tokens, batch.tokens) and joined.response_ids == batch.response_ids
+    assert joined.policy_version == 2 and joined.routing_metrics == {"moe/x": 0.5} and joined.old_log_probs is None
+    picked = batch.rows(torch.tensor([3, 0]))
+    assert picked.index.tolist() == [3, 0] and picked.prompt_ids == [[3], [0]]
+    with pytest.raises(ValueError, match="do not split over 3 data-parallel ranks"):
+        batch.chunk(3)
+    with pytest.raises(ValueError, match="disagree on rows"):
+        batch_of(torch.zeros(4, 3, dtype=torch.long), kl_penalty=torch.zeros(3))
+
+
+def test_columns_set_batch_fields_and_refuse_others():
+    batch = batch_of(torch.zeros(2, 3, dtype=torch.long))
+    values = torch.ones(2, 3)
+    merged = batch | Columns({"values": values}, {"moe/routing_mismatch_frac": 0.0})
+    assert merged.values is values and merged.routing_metrics == {"moe/routing_mismatch_frac": 0.0}
+    # the engine gets the per-token columns that are set; per-row fields stay behind
+    tensors, lengths = merged.engine_inputs()
+    assert list(tensors) == ["tokens", "labels", "position_ids", "loss_mask", "rollout_log_probs", "values"]
+    with pytest.raises(ValueError, match=r"\['vals'\] are not Batch columns"):
+        Columns({"vals": values})
+    with pytest.raises(ValueError, match="verb output 'doubled' is not a Batch column"):
+        verb(Dispatch.DP, output="doubled")
 
 
 def test_role_classes_declare_their_verbs():
@@ -68,7 +112,7 @@ def test_role_proxy_dispatches_as_declared():
     group = RecordingGroup()
     verbs = {"update": Verb(Dispatch.DP), "sync": Verb(Dispatch.ALL), "ping": Verb(Dispatch.ONE)}
     proxy = RoleProxy(group, "actor", verbs)
-    batch = Batch({"tokens": torch.zeros(4, 8, dtype=torch.long)})
+    batch = batch_of(torch.zeros(4, 8, dtype=torch.long))
     assert proxy.update(batch) == "dp-result"
     assert proxy.sync(3) == "rank-0-result"
     assert proxy.ping() == "one-result"
@@ -93,7 +137,7 @@ class FakeRole:
     def __init__(self):
         self.engine, self.seen = FakeEngine(), {}
 
-    @verb(Dispatch.DP, output="doubled")
+    @verb(Dispatch.DP, output="values")
     def double(self, tensors, lengths, how):
         self.seen = {"keys": sorted(tensors), "lengths": lengths, "how": how}
         return tensors["tokens"] * 2
@@ -120,12 +164,13 @@ def test_worker_converts_a_batch_chunk_for_the_engine_and_back():
     role = FakeRole()
     worker = worker_with(role)
     tokens = torch.arange(6).reshape(2, 3)
-    chunk = Batch({"tokens": tokens, "lengths": torch.tensor([3, 2]), "scores": torch.tensor([1.0, 0.0])},
-                  policy_version=4)
+    chunk = batch_of(tokens, policy_version=4)
+    chunk.lengths = torch.tensor([3, 2])
     out = worker.call("fake", "double", chunk)
-    assert isinstance(out, Batch) and list(out.tensors) == ["doubled"] and torch.equal(out["doubled"], tokens * 2)
+    assert isinstance(out, Columns) and list(out.tensors) == ["values"] and torch.equal(out["values"], tokens * 2)
     # [rows, seq] tensors go to the engine; per-row fields (scores, the lengths) stay behind
-    assert role.seen["keys"] == ["tokens"] and torch.equal(role.seen["lengths"], torch.tensor([3, 2]))
+    assert role.seen["keys"] == sorted(["tokens", "labels", "position_ids", "loss_mask", "rollout_log_probs"])
+    assert torch.equal(role.seen["lengths"], torch.tensor([3, 2]))
     assert role.seen["how"] == "micro-batching"
     assert worker.call("fake", "score", chunk) == {"fake/loss": 15.0}
     assert worker.call("fake", "echo", 1, k=2) == ((1,), {"k": 2})

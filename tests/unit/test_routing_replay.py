@@ -67,8 +67,8 @@ def _sampled():
 def test_make_batch_aligns_routing_with_the_trainer_inputs():
     sampled = _sampled()
     batch = make_batch(sampled, pad_id=0, policy_version=0)
-    routing, lengths = batch["routing"], batch["lengths"]
-    assert routing.shape == (*batch["tokens"].shape, 2, 2)
+    routing, lengths = batch.routing, batch.lengths
+    assert routing.shape == (*batch.tokens.shape, 2, 2)
     for i, r in enumerate(sampled.responses):
         assert torch.equal(routing[i, : lengths[i]], r.routing)
         assert (routing[i, lengths[i]:] == -1).all()
@@ -76,8 +76,8 @@ def test_make_batch_aligns_routing_with_the_trainer_inputs():
 
 def test_packed_and_padded_micro_batches_carry_routing():
     batch = make_batch(_sampled(), pad_id=0, policy_version=0)
-    tensors = {k: batch[k] for k in ("tokens", "position_ids", "routing")}
-    lengths = batch["lengths"]
+    tensors = {k: getattr(batch, k) for k in ("tokens", "position_ids", "routing")}
+    lengths = batch.lengths
     rows = torch.tensor([0, 1])
     packed = batching.packed(tensors, rows, lengths, multiple=4)  # 4 + 4 tokens, no padding segment
     assert torch.equal(packed.tensors["routing"][0], torch.cat([tensors["routing"][r, : lengths[r]] for r in rows]))

@@ -9,7 +9,7 @@ import torch
 from megarl.config import AlgorithmConfig
 from megarl.data.datasets import PromptRecord
 from megarl.data.tokenizer import DigitTokenizer
-from megarl.protocol import Batch
+from megarl.protocol import Columns
 from megarl.rollout import Response
 from megarl.trainer.steps import (PromptStream, Scorer, advantages, make_batch, overlong_penalty, sample_step,
                                   varied_groups)
@@ -71,23 +71,23 @@ def test_remax_greedy_baseline():
     assert torch.equal(sampled.baseline, torch.ones(16))  # the scripted greedy answer is right
     batch = make_batch(sampled, TOK.pad_token_id, 0)
     batch |= advantages(batch, a)
-    mask = batch["loss_mask"].bool()
-    expected = (batch["scores"] - 1.0).unsqueeze(-1).expand_as(mask)[mask]
-    assert torch.allclose(batch["advantages"][mask], expected)
+    mask = batch.loss_mask.bool()
+    expected = (batch.scores - 1.0).unsqueeze(-1).expand_as(mask)[mask]
+    assert torch.allclose(batch.advantages[mask], expected)
 
 
 def test_batch_layout():
     a = algo(name="grpo")
     sampled = sample_step(ScriptedRollout(), stream(), Scorer(a, TOK), a, prompts_per_step=2, seed=0, eos_token_ids=[2])
     batch = make_batch(sampled, TOK.pad_token_id, 3)
-    assert batch.policy_version == 3 and batch["tokens"].shape[1] % 8 == 0
+    assert batch.policy_version == 3 and batch.tokens.shape[1] % 8 == 0
     r = sampled.responses[0]
     prompt = sampled.prompt_ids[0]
-    row = batch["labels"][0]
+    row = batch.labels[0]
     start = len(prompt) - 1
     assert row[start:start + r.length].tolist() == r.token_ids  # the mask covers exactly the response
-    assert batch["loss_mask"][0].nonzero().flatten().tolist() == list(range(start, start + r.length))
-    assert torch.equal(batch["rollout_log_probs"][0][start:start + r.length], torch.tensor(r.log_probs))
+    assert batch.loss_mask[0].nonzero().flatten().tolist() == list(range(start, start + r.length))
+    assert torch.equal(batch.rollout_log_probs[0][start:start + r.length], torch.tensor(r.log_probs))
 
 
 def test_overlong_penalty():
@@ -102,7 +102,7 @@ def test_advantages_are_zero_off_the_response(name):
     sampled = sample_step(ScriptedRollout(), odd, Scorer(a, TOK), a, prompts_per_step=4, seed=0, eos_token_ids=[2])
     batch = make_batch(sampled, TOK.pad_token_id, 0)
     adv = advantages(batch, a)["advantages"]
-    assert torch.all(adv[batch["loss_mask"] == 0] == 0) and adv.abs().sum() > 0
+    assert torch.all(adv[batch.loss_mask == 0] == 0) and adv.abs().sum() > 0
 
 
 def kl_batch(name, **kw):
@@ -112,10 +112,10 @@ def kl_batch(name, **kw):
     sampled = sample_step(ScriptedRollout(), odd, Scorer(a, TOK), a, prompts_per_step=4, seed=0, eos_token_ids=[2])
     batch = make_batch(sampled, TOK.pad_token_id, 0)
     g = torch.Generator().manual_seed(0)
-    shape = batch["loss_mask"].shape
-    batch |= Batch({"old_log_probs": -torch.rand(shape, generator=g), "ref_log_probs": -torch.rand(shape, generator=g)})
+    shape = batch.loss_mask.shape
+    batch |= Columns({"old_log_probs": -torch.rand(shape, generator=g), "ref_log_probs": -torch.rand(shape, generator=g)})
     if name == "remax":
-        batch |= Batch({"baseline_scores": torch.ones(len(batch))})
+        batch |= Columns({"baseline_scores": torch.ones(len(batch))})
     return batch
 
 
@@ -127,16 +127,16 @@ def test_kl_in_reward_reaches_outcome_estimators(name):
     from megarl.algorithms.presets import PRESETS
 
     batch = kl_batch(name)
-    mask = batch["loss_mask"]
-    kl = KL_ESTIMATORS.get("k1")(batch["old_log_probs"], batch["ref_log_probs"])
+    mask = batch.loss_mask
+    kl = KL_ESTIMATORS.get("k1")(batch.old_log_probs, batch.ref_log_probs)
     off = advantages(batch, algo(name=name, kl_coef=0.5, kl_estimator="k1", kl_in_reward=False))["advantages"]
     got = {}
     for coef in (0.1, 0.5):
         out = advantages(batch, algo(name=name, kl_coef=coef, kl_estimator="k1", kl_in_reward=True))
         penalty = (coef * kl * mask).sum(-1)
         assert torch.allclose(out["kl_penalty"], penalty, atol=1e-6)
-        inputs = AdvantageInputs(response_mask=mask, scores=batch["scores"] - penalty, index=batch["index"],
-                                 baseline_scores=batch.tensors.get("baseline_scores"))
+        inputs = AdvantageInputs(response_mask=mask, scores=batch.scores - penalty, index=batch.index,
+                                 baseline_scores=batch.baseline_scores)
         expected, _ = ADVANTAGE_ESTIMATORS.get(PRESETS.get(name).estimator)(inputs)
         assert torch.allclose(out["advantages"], expected, atol=1e-5)
         got[coef] = out["advantages"]
@@ -150,11 +150,11 @@ def test_kl_in_reward_for_token_estimators_stays_per_token():
     batch = kl_batch("reinforce_pp")
     a = algo(name="reinforce_pp", kl_coef=0.2, kl_estimator="k1")  # kl_in_reward: null -> the preset's (true)
     out = advantages(batch, a)
-    mask = batch["loss_mask"]
-    kl = batch["old_log_probs"] - batch["ref_log_probs"]
+    mask = batch.loss_mask
+    kl = batch.old_log_probs - batch.ref_log_probs
     first = mask.argmax(-1)
     rows = torch.arange(len(batch))
-    assert torch.allclose(out["returns"][rows, first], batch["scores"] - (0.2 * kl * mask).sum(-1), atol=1e-5)
+    assert torch.allclose(out["returns"][rows, first], batch.scores - (0.2 * kl * mask).sum(-1), atol=1e-5)
 
 
 def test_presets_resolve_defaults_and_refuse_by_field():

@@ -107,7 +107,7 @@ def test_transcript_masks_and_log_probs_through_make_batch():
     assert contexts == [ids[0]] * 2 + [ids[0] + want[:7]] * 2 + [ids[0] + want[:14]] * 2
     assert episodes.rewards.tolist() == [1.5, 1.5]  # 0.25 + 0.25 + 1
     assert [r.token_ids for r in episodes.final_turns] == [turn(2)] * 2
-    m = episodes.metrics
+    m = {name: metric.value for name, metric in episodes.metrics.items()}
     assert (m["agent/turns_mean"], m["agent/turns_max"], m["agent/tool_calls_mean"]) == (3, 3, 2)
     assert (m["agent/observation_tokens_mean"], m["agent/ended_done"], m["agent/generate_calls"]) == (6, 1.0, 3)
     assert m["agent/rows_per_call"] == 2 and m["agent/tool_errors_mean"] == 0
@@ -116,14 +116,14 @@ def test_transcript_masks_and_log_probs_through_make_batch():
     sampled = Sampled(recs, ids, episodes.responses, episodes.rewards, episodes.rewards)
     batch = make_batch(sampled, TOK.pad_token_id)
     start = len(ids[0]) - 1  # the position predicting the first response token
-    row_mask = batch["loss_mask"][0]
+    row_mask = batch.loss_mask[0]
     assert row_mask[:start].sum() == 0 and row_mask[start + len(want):].sum() == 0
     assert row_mask[start:start + len(want)].tolist() == mask
-    trained = batch["labels"][0][row_mask.bool()].tolist()
+    trained = batch.labels[0][row_mask.bool()].tolist()
     assert trained == turn(0) + turn(1) + turn(2)  # policy tokens only
-    assert batch["rollout_log_probs"][0][row_mask.bool()].tolist() == pytest.approx(
+    assert batch.rollout_log_probs[0][row_mask.bool()].tolist() == pytest.approx(
         [v for v, k in zip(logp, mask) if k], abs=1e-7)
-    assert batch["rollout_log_probs"][0][start:start + len(want)][torch.tensor(mask) == 0].abs().sum() == 0
+    assert batch.rollout_log_probs[0][start:start + len(want)][torch.tensor(mask) == 0].abs().sum() == 0
 
 
 def test_a_slow_tool_delays_only_its_episode():
@@ -150,19 +150,19 @@ def test_budget_cuts():
     engine = ScriptedRollout()
     _, _, cut = run(engine, lambda: CountingEnv(turns=5), max_turns=2)
     r = cut.responses[0]
-    assert cut.metrics["agent/turns_max"] == 2 and sum(r.policy_mask) == 8 and r.policy_mask[-1] == 1
-    assert cut.metrics["agent/ended_done"] == 0 and cut.rewards.tolist() == [0.5]
+    assert cut.metrics["agent/turns_max"].value == 2 and sum(r.policy_mask) == 8 and r.policy_mask[-1] == 1
+    assert cut.metrics["agent/ended_done"].value == 0 and cut.rewards.tolist() == [0.5]
 
     engine = ScriptedRollout()  # budget 10: turn 4 + obs 3 (7), turn 2 of at most 3 tokens, cut
     _, _, small = run(engine, lambda: CountingEnv(turns=5), max_total_tokens=10)
     r = small.responses[0]
     assert [call[1] for call in engine.calls] == [8, 3]  # min(max_new_tokens, what is left)
     assert r.length == 10 and r.finish_reason == "length" and r.policy_mask == [1] * 4 + [0] * 3 + [1] * 3
-    assert small.metrics["agent/ended_budget"] == 1.0  # the next observation would not fit
+    assert small.metrics["agent/ended_budget"].value == 1.0  # the next observation would not fit
 
     engine = ScriptedRollout()  # budget 7: turn 1 (4) + its observation (3) leave no token: cut
     _, _, fits = run(engine, lambda: CountingEnv(turns=5), max_total_tokens=7)
-    assert fits.responses[0].length == 4 and fits.metrics["agent/ended_budget"] == 1.0
+    assert fits.responses[0].length == 4 and fits.metrics["agent/ended_budget"].value == 1.0
 
 
 class RaisingEnv(CountingEnv):
@@ -184,11 +184,11 @@ def test_malformed_calls_failures_and_timeouts_are_error_observations():
     r = episodes.responses[0]
     # the digit tokenizer keeps the characters it has of the error text
     assert TOK.decode(r.token_ids) == "0+0| |1+1|1|2+2" and r.finish_reason == "stop"
-    assert episodes.metrics["agent/tool_errors_mean"] == 1 and envs[0].closed
+    assert episodes.metrics["agent/tool_errors_mean"].value == 1 and envs[0].closed
 
     engine = ScriptedRollout()
     _, _, episodes = run(engine, lambda: RaisingEnv(turns=4), max_turns=3, max_tool_seconds=0.2)
-    assert episodes.metrics["agent/tool_errors_mean"] == 2 and episodes.metrics["agent/turns_max"] == 3
+    assert episodes.metrics["agent/tool_errors_mean"].value == 2 and episodes.metrics["agent/turns_max"].value == 3
 
 
 class FailingResetEnv(CountingEnv):

@@ -47,14 +47,14 @@ def test_weights_equal_a_direct_computation(mode):
     assert torch.isfinite(weights).all() and (weights[mask == 0] == 0).all()
     assert (weights - want).abs().max().item() <= TOL
     valid = mask.bool()
-    assert abs(metrics["weight_mean"].item() - want[valid].mean().item()) <= TOL
-    assert abs(metrics["weight_max"].item() - want[valid].max().item()) <= TOL
+    assert abs(metrics["weight_mean"].value.item() - want[valid].mean().item()) <= TOL
+    assert abs(metrics["weight_max"].value.item() - want[valid].max().item()) <= TOL
     raw = _direct(old, rollout, mask, mode[:-3] + "raw")
-    frac = metrics["frac_truncated" if mode.endswith("_tis") else "frac_masked"].item()
+    frac = metrics["frac_truncated" if mode.endswith("_tis") else "frac_masked"].value.item()
     assert 0 < frac < 1  # the batch has weights on both sides of C
     assert abs(frac - (raw[valid] > C).double().mean().item()) <= TOL
-    assert abs(metrics["ratio_max"].item() - raw[valid].max().item()) <= TOL
-    assert all(torch.isfinite(v) for v in metrics.values())
+    assert abs(metrics["ratio_max"].value.item() - raw[valid].max().item()) <= TOL
+    assert all(torch.isfinite(m.value) for m in metrics.values())
 
 
 def test_kl_is_k3_of_rollout_against_old_at_every_mode():
@@ -64,7 +64,7 @@ def test_kl_is_k3_of_rollout_against_old_at_every_mode():
     want = (torch.exp(x) - x - 1).mean().item()
     for mode in ROLLOUT_CORRECTIONS:
         weights, metrics = rollout_correction_weights(old, rollout, mask, mode, C)
-        assert abs(metrics["kl"].item() - want) <= TOL and want > 0
+        assert abs(metrics["kl"].value.item() - want) <= TOL and want > 0
     assert weights is not None and rollout_correction_weights(old, rollout, mask, "none", C)[0] is None
 
 
@@ -72,7 +72,7 @@ def test_equal_policies_give_unit_weights_and_zero_kl():
     old, _, mask = _batch()
     for mode in ROLLOUT_CORRECTIONS[1:]:
         weights, metrics = rollout_correction_weights(old, old, mask, mode, C)
-        assert torch.equal(weights, mask) and metrics["kl"].item() == 0
+        assert torch.equal(weights, mask) and metrics["kl"].value.item() == 0
 
 
 def test_huge_log_ratios_stay_finite():
@@ -80,7 +80,7 @@ def test_huge_log_ratios_stay_finite():
     old = old + 500 * mask  # exp(500) overflows even float64 without the clamp
     for mode in ROLLOUT_CORRECTIONS[1:]:
         weights, metrics = rollout_correction_weights(old.float(), rollout.float(), mask.float(), mode, C)
-        assert torch.isfinite(weights).all() and all(torch.isfinite(v) for v in metrics.values())
+        assert torch.isfinite(weights).all() and all(torch.isfinite(m.value) for m in metrics.values())
 
 
 @pytest.mark.parametrize("mode,threshold,field", [
