@@ -14,6 +14,7 @@ import json
 import math
 import operator
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -155,7 +156,8 @@ class SandboxLimits:
     """Limits of one :func:`run_python` call."""
 
     timeout_s: float = 10.0
-    """Wall-clock limit; past it the whole process group is killed (SIGKILL)."""
+    """Wall-clock limit of the code's run, from its start (the interpreter's start-up and the
+    confinement before it are not counted); past it the whole process group is killed (SIGKILL)."""
     cpu_s: Optional[int] = None
     """CPU-time limit (RLIMIT_CPU); None: ``ceil(timeout_s)``."""
     memory_mb: int = 512
@@ -211,6 +213,10 @@ class ToolResult:
 
 
 SANDBOX_PACKAGES = ("numpy",)
+# The interpreter's start-up and the confinement (namespaces, mounts) before the user's code runs:
+# milliseconds on a quiet node, seconds on one loaded far past its cores. ``timeout_s`` counts from
+# the code's start, so a loaded node does not fail correct code; this bounds the start-up itself.
+SANDBOX_START_S = 60.0
 """The third-party packages the sandboxed code may import (those installed): of the interpreter's
 site directories, only their directories are mounted in its root, beside the standard library."""
 
@@ -553,6 +559,20 @@ def _read_head(path: str, limit: int) -> str:
     return text
 
 
+def _read_status(fd: int, deadline: float) -> Optional[bytes]:
+    """The child's status (its bootstrap writes it, then closes the pipe, just before the user's
+    code runs; nothing if it died first), or None if ``deadline`` passes before the pipe closes."""
+    data = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return data
+        data += chunk
+
+
 def _wait_unreaped(pid: int, deadline: float) -> bool:
     """Wait until ``pid`` exits, leaving it a zombie (so that its process-group id stays taken
     until the group is killed); False if ``deadline`` passes first."""
@@ -572,7 +592,8 @@ def run_python(code: str, limits: Optional[SandboxLimits] = None) -> ToolResult:
 
     What it does: a fresh temporary directory is the cwd (and HOME, TMPDIR), removed afterwards;
     the child is ``sys.executable -I`` with a minimal environment, in its own session and process
-    group, with RLIMIT_CPU/AS/FSIZE/NOFILE/NPROC set; past ``timeout_s`` the process group is
+    group, with RLIMIT_CPU/AS/FSIZE/NOFILE/NPROC set; ``timeout_s`` after the code starts (start-up
+    and confinement are not counted, up to :data:`SANDBOX_START_S`) the process group is
     SIGKILLed and reaped, and it is killed in any case once the leader exits, so nothing is left
     running. It installs an audit hook (which Python cannot remove) refusing sockets, ctypes,
     subprocesses, fork/exec, signals to other processes, and writes, renames, removals or links
@@ -642,16 +663,17 @@ def run_python(code: str, limits: Optional[SandboxLimits] = None) -> ToolResult:
                                     pass_fds=(status_write,))
         os.close(status_write)
         status_write = -1
-        exited = _wait_unreaped(proc.pid, start + limits.timeout_s)
+        status_bytes = _read_status(status_read, start + SANDBOX_START_S)  # written just before the code runs
+        exited = status_bytes is not None and _wait_unreaped(proc.pid, time.monotonic() + limits.timeout_s)
         try:  # the whole group: a process that escaped the hook dies with it
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait()
         seconds = time.monotonic() - start
-        with os.fdopen(status_read, "rb") as f:
-            status_read = -1
-            status = json.loads(f.read() or b"{}")  # empty: the child died before it wrote it
+        os.close(status_read)
+        status_read = -1
+        status = json.loads(status_bytes or b"{}")  # empty: the child died before it wrote it
         stdout = _read_head(out_path, limits.max_output_chars)
         stderr = _read_head(err_path, limits.max_output_chars)
     finally:
@@ -662,7 +684,7 @@ def run_python(code: str, limits: Optional[SandboxLimits] = None) -> ToolResult:
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(root, ignore_errors=True)
-    return ToolResult(stdout, stderr, proc.returncode, _diagnose(exited, proc.returncode, stderr, limits), seconds,
+    return ToolResult(stdout, stderr, proc.returncode, _diagnose(exited, proc.returncode, stderr, limits, status_bytes is not None), seconds,
                       status.get("netns", False), status.get("confined", False))
 
 
@@ -679,7 +701,9 @@ def confinement_error() -> Optional[str]:
     return result.error or "the code ran unconfined"
 
 
-def _diagnose(exited: bool, returncode: int, stderr: str, limits: SandboxLimits) -> Optional[str]:
+def _diagnose(exited: bool, returncode: int, stderr: str, limits: SandboxLimits, started: bool) -> Optional[str]:
+    if not started:
+        return f"the sandbox did not start within {SANDBOX_START_S:g} s (killed)"
     if not exited:
         return f"timed out after {limits.timeout_s:g} s (killed)"
     if returncode == 0:
