@@ -39,12 +39,12 @@ import torch.distributed as dist
 
 from megarl.engines import batching
 from megarl.engines.batching import MicroBatch, Tensors
+from megarl.engines.train_state import TrainState
 from megarl.engines.vocab_parallel import log_prob_and_entropy
 from megarl.models.builder import set_aux_loss_copies
 from megarl.parallel.context import gather_sequence, split_for_rank
 from megarl.runtime import progress
 from megarl.runtime.devices import compute_device
-from megarl.training.lm import TrainState
 
 # (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metric sums);
 # for a value head: (values [n, s], None, tensors). A metric named ``*_max`` / ``*_min`` is an
@@ -316,10 +316,23 @@ class MegatronEngine:
             grad_norms.append(grad_norm)
         return self._metrics(reports, grad_norms)
 
+    def forward_backward(self, batch: Tensors, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
+                         temperature: float = 1.0) -> Dict[str, float]:
+        """Gradients of ``loss_fn`` over this DP rank's ``batch`` in the DDP buffers (reduced over
+        the data-parallel ranks), without an optimizer step; returns the global loss and metrics
+        as :meth:`update` does (a gradient parity check's single pass)."""
+        return self._metrics([self._reduce(self._forward_backward(batch, lengths, loss_fn, how, temperature))], [])
+
     def _optimizer_step(self, batch: Tensors, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
                         temperature: float):
         """One forward-backward over ``batch`` and one optimizer step: (outputs, grad norm), the
         grad norm None when the step was skipped (see :meth:`_step_if_finite`)."""
+        outputs = self._forward_backward(batch, lengths, loss_fn, how, temperature)
+        return outputs, self._step_if_finite(outputs)
+
+    def _forward_backward(self, batch: Tensors, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
+                          temperature: float):
+        """Zeroed gradients, then Megatron's schedule forward and backward: its outputs per micro-batch."""
         state = self.state
         for chunk in state.model:
             chunk.zero_grad_buffer()
@@ -333,8 +346,7 @@ class MegatronEngine:
             return loss_sum, count.to(torch.int), {"report": report, "names": list(metrics)}
 
         routing = "routing" in batch and self._set_routing(count=False)
-        outputs = self._run(self.micro_batches(batch, lengths, how), loss_func, forward_only=False, routing=routing)
-        return outputs, self._step_if_finite(outputs)
+        return self._run(self.micro_batches(batch, lengths, how), loss_func, forward_only=False, routing=routing)
 
     def _step_if_finite(self, outputs) -> Optional[float]:
         """Megatron's optimizer step and the LR schedule's, unless the loss or a gradient is not
