@@ -16,6 +16,7 @@ from typing import Any, Dict
 import torch
 
 from megarl.algorithms.presets import preset, resolve
+from megarl.checkpoint.train_state import load_train_state, save_train_state, weights_checksum
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
 from megarl.engines.offload import PhaseOffload
 from megarl.engines.train_state import build_frozen_state, build_train_state, copy_weights
@@ -170,8 +171,6 @@ class RLWorker:
     def save_checkpoint(self, path: str) -> None:
         """Write the trained roles under ``path``; with ``trainer.async_save`` the tensors are
         still being written when this returns (see :meth:`finish_checkpoint`)."""
-        from megarl.checkpoint.train_state import save_train_state
-
         t = self.cfg.trainer
         if t.async_save and getattr(self, "save_queue", None) is None:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -195,14 +194,10 @@ class RLWorker:
     def load_checkpoint(self, path: str) -> bool:
         """Restore the trained roles; True when the checkpoint's layout is this one (RNG
         streams restored too), False after a re-layout."""
-        from megarl.checkpoint.train_state import load_train_state
-
         with self.phases.resident():
             return all([load_train_state(state, Path(path) / name) for name, state in self._trained().items()])
 
     def actor_weights_checksum(self) -> float:
-        from megarl.checkpoint.train_state import weights_checksum
-
         with self.phases.resident():
             return weights_checksum(self.roles["actor"].engine.state)
 

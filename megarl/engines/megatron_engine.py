@@ -41,6 +41,7 @@ from megarl.engines import batching
 from megarl.engines.batching import MicroBatch, Tensors
 from megarl.engines.train_state import TrainState
 from megarl.engines.vocab_parallel import log_prob_and_entropy
+from megarl.models import routing_replay
 from megarl.models.builder import set_aux_loss_copies
 from megarl.parallel.context import gather_sequence, split_for_rank
 from megarl.runtime import progress
@@ -132,8 +133,6 @@ class MegatronEngine:
         ``routing`` (the rollout's experts) is then compared with the trainer's in
         :meth:`forward_log_probs` (``routing_mismatch``), and with ``replay`` it is the routing of
         both the log-prob and the update passes; the gating weights stay live."""
-        from megarl.models import routing_replay
-
         self.routers = {id(c): h for c, h in zip(self.state.model, routing_replay.attach(self.state.model))}
         self.routing_replay = replay
 
@@ -187,8 +186,6 @@ class MegatronEngine:
         recorded experts before its forward."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-        from megarl.models import routing_replay
 
         layout = self.groups.layout
         sp = (self.groups.tp_rank, layout.tp) if layout.sequence_parallel and layout.tp > 1 else (0, 1)
