@@ -62,7 +62,6 @@ RUN if [ "${WITH_APEX}" = "1" ]; then \
 
 COPY setup.py README.md ./
 COPY megarl ./megarl
-COPY checkpoint_tools ./checkpoint_tools
 # megarl itself; then fail the build if any package SGLang pinned was changed by what came after.
 RUN python -m pip install -c /opt/megarl/base-constraints.txt -e . \
  && python -m pip freeze > /tmp/after.txt \

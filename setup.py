@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megarl", "megarl.*", "checkpoint_tools", "checkpoint_tools.*"]),
+    packages=find_packages(include=["megarl", "megarl.*"]),
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16,<0.17",

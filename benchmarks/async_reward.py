@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from megarl.rewards.verifiers import reverse_digits_reward
+from megarl.tasks.reverse_digits import reverse_digits_reward
 
 
 def remote_reverse_digits(response: str, answer) -> float:

@@ -41,21 +41,24 @@ def worker(args) -> None:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     from megarl.checkpoint.integrity import record_hashes, write_manifest
+    from megarl.checkpoint.train_state import load_train_state, own_files, save_train_state
     from megarl.config import ModelConfig, OptimizerConfig
+    from megarl.engines import supervised
+    from megarl.engines.megatron_engine import MicroBatching
+    from megarl.engines.train_state import build_train_state
     from megarl.parallel import Layout, build_groups
     from megarl.runtime import init_distributed, set_seed
-    from megarl.training import lm
-    from megarl.training.tasks import reverse_digits_batch
-    from megarl.training.train_ckpt import load_train_state, own_files, save_train_state
+    from megarl.tasks.reverse_digits import reverse_digits_batch
 
     init_distributed()
     tp, pp, dp = (int(x) for x in args.layout.split(","))
     groups = build_groups(Layout(tp=tp, pp=pp, dp=dp))
     set_seed(0, groups)
     model = ModelConfig(hf_config=args.model)
-    state = lm.build_train_state(model, OptimizerConfig(), groups, 4)
-    lm.train_step(state, lm.dp_shard(reverse_digits_batch(0, 8, 4, seed=0), groups), 2)  # fills Adam's moments
-    fresh = lm.build_train_state(model, OptimizerConfig(), groups, 4)
+    state = build_train_state(model, OptimizerConfig(), groups, 4)
+    supervised.train_step(supervised.engine(state), supervised.dp_shard(reverse_digits_batch(0, 8, 4, seed=0), groups),
+                          MicroBatching(2))  # fills Adam's moments
+    fresh = build_train_state(model, OptimizerConfig(), groups, 4)
     queue = AsyncCallsQueue()
     keys = ("blocked", "saved", "load", "sizes", "hashed", "rank_hash", "merged")
     timings = {mode: {"mb": 0.0, **{key: [] for key in keys}} for mode in MODES}

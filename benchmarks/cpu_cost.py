@@ -97,11 +97,11 @@ def _cpu_share(seconds: float = 1.0) -> float:
 
 def demo_shape(cfg) -> dict:
     """The demo step's batch shape: prompt tokens (BOS + digits + '='), rows, new tokens, model FLOPs."""
-    from megarl.data.datasets import reverse_digits_records
     from megarl.data.tokenizer import DigitTokenizer
     from megarl.hybrid import ModelSpec
     from megarl.models.flops import forward_flops
     from megarl.models.hf_config import megatron_args_from_hf
+    from megarl.tasks.reverse_digits import reverse_digits_records
 
     record = reverse_digits_records(1, cfg.data.num_digits, 0)[0]
     prompt = len(DigitTokenizer().prompt_ids(record.prompt))
@@ -121,13 +121,13 @@ def _compute_worker(out: Path, repeats: int) -> None:
     from megarl.algorithms.presets import resolve
     from megarl.config import load_config
     from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+    from megarl.engines.train_state import build_train_state
     from megarl.hybrid import regroup
     from megarl.parallel import Layout, build_groups
-    from megarl.rollout import SamplingParams
     from megarl.roles.actor import Actor, ActorLossConfig
+    from megarl.rollout import SamplingParams
     from megarl.rollout.native import NativeRollout
     from megarl.runtime import init_distributed, set_seed
-    from megarl.training import lm
 
     init_distributed()
     torch.set_num_threads(1)
@@ -148,7 +148,7 @@ def _compute_worker(out: Path, repeats: int) -> None:
 
     groups = build_groups(Layout(tp=1, dp=1))
     set_seed(0, groups)
-    state = lm.build_train_state(cfg.model, cfg.optimizer, groups, total_steps=1000)
+    state = build_train_state(cfg.model, cfg.optimizer, groups, total_steps=1000)
     engine = MegatronEngine(state, args.vocab_size)
     # the demo's actor and its PPO loss, as megarl.controller.rl_worker builds them (GRPO: no KL term)
     assert algo.kl_coef == 0, "the demo trains without a reference policy"
@@ -318,20 +318,20 @@ def _layout_costs(repeats: int) -> dict:
 
     from megarl.config import load_config
     from megarl.engines.offload import PhaseOffload
+    from megarl.engines.train_state import build_train_state
     from megarl.hybrid import regroup
     from megarl.parallel import Layout, build_groups
     from megarl.roles.rollout import Rollout
     from megarl.rollout import SamplingParams
     from megarl.rollout.native import NativeRollout
     from megarl.runtime import set_seed
-    from megarl.training import lm
 
     cfg = load_config([DEMO])
     shape, world, tp = demo_shape(cfg), dist.get_world_size(), cfg.parallel.actor.tp
     args = shape["args"]
     groups = build_groups(Layout(tp=tp, dp=world // tp))
     set_seed(0, groups)
-    state = lm.build_train_state(cfg.model, cfg.optimizer, groups, total_steps=1000)
+    state = build_train_state(cfg.model, cfg.optimizer, groups, total_steps=1000)
     engine = NativeRollout(cfg.model, args, regroup(groups.layout, cfg.parallel.rollout.tp), state.model)
     role = Rollout(engine, PhaseOffload([state], False, False, False))
     role.update_weights(0)

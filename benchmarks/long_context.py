@@ -5,8 +5,8 @@ and activation recompute, side by side in one run.
         [--recompute none selective full] [--repeats 1]
 
 For each cp (world = cp; tp = pp = dp = 1) one torchrun session trains a small Llama (hidden 256,
-4 layers, vocab 4096, fp32) through megarl's real path (``lm.build_train_state`` and
-``lm.train_step``: Megatron DDP, distributed optimizer, the SDPA core attention's context
+4 layers, vocab 4096, fp32) through megarl's real path (``build_train_state`` and
+``supervised.train_step``: Megatron DDP, distributed optimizer, the SDPA core attention's context
 parallelism) on one batch row of each length, at each recompute setting. Each recompute
 setting builds the model once and takes one warm-up step at the shortest length (Adam allocates
 its state), then ``--repeats`` timed steps (forward+backward+optimizer) at each length in turn.
@@ -75,10 +75,12 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from megarl.config import ModelConfig, OptimizerConfig
+    from megarl.engines import supervised
+    from megarl.engines.megatron_engine import MicroBatching
+    from megarl.engines.train_state import build_train_state
     from megarl.parallel import Layout, build_groups
     from megarl.runtime import init_distributed, set_seed
     from megarl.runtime.memory import reset_peak_memory, window_peaks_gb
-    from megarl.training import lm
 
     init_distributed()
     groups = build_groups(Layout(cp=dist.get_world_size()))
@@ -95,8 +97,9 @@ def worker(args) -> None:
         set_seed(SEED, groups)
         empty = now()
         model_cfg = ModelConfig(hf_config=args.model, recompute_granularity=None if recompute == "none" else recompute)
-        state = lm.build_train_state(model_cfg, OptimizerConfig(lr=1e-5), groups, 1 + len(batches) * args.repeats)
-        lm.train_step(state, batches[min(batches)], 1)  # warm-up: Adam allocates its state
+        state = build_train_state(model_cfg, OptimizerConfig(lr=1e-5), groups, 1 + len(batches) * args.repeats)
+        engine, how = supervised.engine(state), MicroBatching(1)
+        supervised.train_step(engine, batches[min(batches)], how)  # warm-up: Adam allocates its state
         gc.collect()
         kept = now() - empty  # weights, gradient buffers, Adam state
         for length, batch in batches.items():
@@ -106,7 +109,7 @@ def worker(args) -> None:
                 dist.barrier()
                 before = now()
                 start = time.perf_counter()
-                losses.append(lm.train_step(state, batch, 1)["loss"])
+                losses.append(supervised.train_step(engine, batch, how)["loss"])
                 dist.barrier()
                 seconds.append(time.perf_counter() - start)
                 growth = max(growth, window_peaks_gb()[kind] - before)

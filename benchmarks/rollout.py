@@ -84,13 +84,13 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from megarl.config import ModelConfig
+    from megarl.engines.train_state import build_frozen_state
     from megarl.hybrid import regroup
     from megarl.models.hf_config import megatron_args_from_hf
     from megarl.parallel import Layout, build_groups
     from megarl.rollout import SamplingParams
     from megarl.rollout.native import NativeRollout
     from megarl.runtime import init_distributed, set_seed
-    from megarl.training import lm
 
     init_distributed()
     torch.set_num_threads(1)  # the same for the native engine and transformers
@@ -100,7 +100,7 @@ def worker(args) -> None:
     for tp, gen_tp, batches in SETTINGS[world]:
         groups = build_groups(Layout(tp=tp, dp=world // tp))
         set_seed(0, groups)
-        state = lm.build_frozen_state(model_cfg, groups)
+        state = build_frozen_state(model_cfg, groups)
         rollout = NativeRollout(model_cfg, margs, regroup(groups.layout, gen_tp), state.model)
         rollout.update_weights(0)
         hf = hf_twin(rollout, model_cfg, margs, json.loads(Path(args.model).read_text())) if world == 1 else None

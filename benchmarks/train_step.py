@@ -32,23 +32,26 @@ def worker(args) -> None:
     import torch
 
     from megarl.config import ModelConfig, OptimizerConfig
+    from megarl.engines import supervised
+    from megarl.engines.megatron_engine import MicroBatching
+    from megarl.engines.train_state import build_train_state
     from megarl.parallel import Layout, build_groups
     from megarl.runtime import init_distributed, set_seed
-    from megarl.training import lm
-    from megarl.training.tasks import reverse_digits_batch
+    from megarl.tasks.reverse_digits import reverse_digits_batch
 
     init_distributed()
     tp, pp, dp = (int(x) for x in args.layout.split(","))
     groups = build_groups(Layout(tp=tp, pp=pp, dp=dp))
     set_seed(0, groups)
-    state = lm.build_train_state(ModelConfig(hf_config=args.model), OptimizerConfig(), groups, args.steps + 2)
+    state = build_train_state(ModelConfig(hf_config=args.model), OptimizerConfig(), groups, args.steps + 2)
+    engine, how = supervised.engine(state), MicroBatching(args.micro)
     batch = reverse_digits_batch(0, args.batch, args.digits, seed=0)
     for _ in range(2):  # warm-up
-        lm.train_step(state, lm.dp_shard(batch, groups), args.micro)
+        supervised.train_step(engine, supervised.dp_shard(batch, groups), how)
     torch.distributed.barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
-        lm.train_step(state, lm.dp_shard(batch, groups), args.micro)
+        supervised.train_step(engine, supervised.dp_shard(batch, groups), how)
     torch.distributed.barrier()
     seconds = time.perf_counter() - start
     if torch.distributed.get_rank() == 0:
@@ -68,12 +71,12 @@ def ppo_worker(args) -> None:
 
     from megarl.config import ModelConfig, OptimizerConfig
     from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
+    from megarl.engines.train_state import build_train_state
     from megarl.models.hf_config import megatron_args_from_hf
     from megarl.parallel import Layout, build_groups
     from megarl.roles.actor import Actor, ActorLossConfig
     from megarl.runtime import init_distributed, set_seed
-    from megarl.training import lm
-    from megarl.training.tasks import reverse_digits_batch
+    from megarl.tasks.reverse_digits import reverse_digits_batch
 
     init_distributed()
     tp, pp, dp = (int(x) for x in args.layout.split(","))
@@ -82,11 +85,11 @@ def ppo_worker(args) -> None:
     mini_batches, epochs = (int(x) for x in args.schedule.split("x"))
     mini = MiniBatches(size=args.batch // mini_batches, epochs=epochs, seed=0)
     updates = args.steps + 1
-    state = lm.build_train_state(ModelConfig(hf_config=args.model), OptimizerConfig(lr=1e-5), groups,
-                                 updates * mini_batches * epochs)
+    state = build_train_state(ModelConfig(hf_config=args.model), OptimizerConfig(lr=1e-5), groups,
+                              updates * mini_batches * epochs)
     actor = Actor(MegatronEngine(state, megatron_args_from_hf(args.model).vocab_size),
                   ActorLossConfig(kl_coef=0.01, entropy_coef=0.01))
-    batch = lm.dp_shard(reverse_digits_batch(0, args.batch, args.digits, seed=0), groups)
+    batch = supervised.dp_shard(reverse_digits_batch(0, args.batch, args.digits, seed=0), groups)
     lengths = torch.full((batch["tokens"].shape[0],), batch["tokens"].shape[1])
     how = MicroBatching(micro_batch_size=args.micro)
     gen = torch.Generator().manual_seed(groups.dp_rank)

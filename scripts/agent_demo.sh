@@ -3,7 +3,7 @@
 #   1. warm start: supervised training of a random tiny Llama on calculator transcripts in which
 #      the demonstrator calls the tool 30% of the time (megarl train-lm, configs/agent/sft.yaml)
 #   2. convert it to a Hugging Face directory (megarl convert mcore-to-hf)
-#   3. multi-turn GRPO from that directory against megarl.agent.tasks:CalculatorTask
+#   3. multi-turn GRPO from that directory against megarl.tasks.calculator:CalculatorTask
 #      (megarl train configs/agent/calculator.yaml model.path=DIR)
 #   4. the reward, the tool-call rate and the step time per phase, per tenth of the steps
 # Usage: scripts/agent_demo.sh [key=value ...]   (overrides for the GRPO stage)

@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from megarl.config import ModelConfig
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.train_state import build_frozen_state
 from megarl.hybrid import regroup
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
 from megarl.rollout import SamplingParams
 from megarl.rollout.native import NativeRollout
 from megarl.runtime import init_distributed, set_seed
-from megarl.training import lm
 
 HF = "configs/models/tiny-llama.json"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # TF32/bf16 kernels, not the CPU's 1e-5
@@ -72,7 +72,7 @@ def main() -> int:
         model_cfg = ModelConfig(hf_config=HF, params_dtype=dtype_name, transformer_impl="local")
         groups = build_groups(Layout(tp=world))
         set_seed(0, groups)
-        state = lm.build_frozen_state(model_cfg, groups)
+        state = build_frozen_state(model_cfg, groups)
         engine = MegatronEngine(state, args.vocab_size)
         rg = regroup(groups.layout, 1)
         ok &= check("native", NativeRollout(model_cfg, args, rg, state.model), engine, prompts, dtype)

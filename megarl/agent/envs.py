@@ -19,9 +19,8 @@ from urllib.parse import urlsplit
 from megarl.agent.env import Environment, StepResult
 from megarl.agent.tool_calls import TOOL_CALL_FORMATS, ToolCall, ToolCallError, parse_tool_calls
 from megarl.agent.tools import CALCULATOR, SandboxLimits, Tool, ToolError, confinement_error, python_tool
-from megarl.algorithms.registry import Registry
 from megarl.data.datasets import PromptRecord
-from megarl.rewards.worker import load_fn
+from megarl.registry import Registry, load_object
 
 EnvFactory = Callable[[], Environment]
 
@@ -293,7 +292,7 @@ def env_factory(spec: str, http_timeout_s: float = 30.0, sandbox_limits: Optiona
         except KeyError as err:
             raise ValueError(f"rollout.env: {err.args[0]}; or an http(s):// URL, or package.module:Name") from None
     try:
-        target = load_fn(spec)
+        target = load_object(spec)
     except Exception as err:  # the user's module may fail in any way as it is imported
         raise ValueError(f"rollout.env='{spec}': cannot import ({type(err).__name__}: {err})") from None
     if isinstance(target, type) and not issubclass(target, Environment):

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List
 
-from megarl.algorithms.registry import Registry
+from megarl.registry import Registry
 
 
 class ToolCallError(ValueError):

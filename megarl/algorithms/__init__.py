@@ -24,7 +24,7 @@ from megarl.algorithms.losses import (
     value_loss,
 )
 from megarl.algorithms.masked import masked_mean, masked_mean_var, masked_whiten, whiten_with_stats
-from megarl.algorithms.registry import Registry
+from megarl.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from megarl.algorithms.masked import masked_whiten
-from megarl.algorithms.registry import Registry
+from megarl.registry import Registry
 
 AdvantageEstimator = Callable[["AdvantageInputs"], Tuple[Tensor, Tensor]]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")

@@ -11,7 +11,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
-from megarl.algorithms.registry import Registry
+from megarl.registry import Registry
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from megarl.algorithms.kl import KL_ESTIMATORS, clamp_log_ratio, k3
 from megarl.algorithms.masked import masked_mean, select_valid
-from megarl.algorithms.registry import Registry
+from megarl.registry import Registry
 
 Count = Union[int, float, Tensor]
 Metrics = Dict[str, Tensor]  # 0-d, detached, local to this micro-batch: no host sync here

@@ -20,7 +20,7 @@ from typing import List
 from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megarl.algorithms.kl import KL_ESTIMATORS
 from megarl.algorithms.losses import AGG_MODES, POLICY_LOSSES
-from megarl.algorithms.registry import Registry
+from megarl.registry import Registry
 
 
 @dataclass(frozen=True)

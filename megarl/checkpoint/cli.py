@@ -1,4 +1,4 @@
-"""``megarl convert hf-to-mcore|mcore-to-hf``; also ``checkpoint_tools/*.py`` under torchrun/srun.
+"""``megarl convert hf-to-mcore|mcore-to-hf``; under torchrun/srun: ``python -m megarl.checkpoint.cli ...``.
 
 Run it plainly (one process, or ``--nproc N`` to have it launch torchrun on this node), or start
 it yourself with torchrun/srun on many nodes. Errors name the tensor or field, exit with 2 (4 when

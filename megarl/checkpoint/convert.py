@@ -26,14 +26,21 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megarl.checkpoint.disk import named_if_full
+from megarl.checkpoint.dist_ckpt import (
+    read_tensor, save_sharded, sharded_state_dict, tensor_keys, verify_dist_checkpoint,
+)
 from megarl.checkpoint.hf_files import write_side_files
 from megarl.checkpoint.hf_io import HFCheckpoint, ShardWriter, finalize
-from megarl.checkpoint.hf_mapping import ConversionError, Item, build_plan, check_names, skipped_hf_names
+from megarl.checkpoint.integrity import manifest_root, safe_reader, verify_manifest
 from megarl.checkpoint.load import HF_SUBDIR, fill_from_hf
 from megarl.config import ModelConfig, ParallelConfig
+from megarl.models import build_model
 from megarl.models.builder import check_layout
 from megarl.models.hf_config import megatron_args_from_hf
+from megarl.models.hf_mapping import ConversionError, Item, build_plan, check_names, skipped_hf_names
+from megarl.parallel import build_groups
 from megarl.parallel.layout import Layout
+from megarl.runtime import init_distributed, world_size_from_env
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -89,11 +96,6 @@ def prepare_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: Paral
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfig,
                 options: ConvertOptions = ConvertOptions()) -> None:
     """Convert an HF checkpoint to a Megatron dist checkpoint; run on every rank of the world."""
-    from megarl.models import build_model
-    from megarl.parallel import build_groups
-    from megarl.runtime import init_distributed, world_size_from_env
-    from megarl.training.dist_ckpt import save_sharded, sharded_state_dict
-
     prepared = prepare_hf_to_mcore(hf_dir, out_dir, parallel, options, world_size_from_env())
     hf, args, plan, layout = prepared.hf, prepared.args, prepared.plan, prepared.layout
     init_distributed()
@@ -156,9 +158,6 @@ def prepare_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
     """Check the checkpoint's files (with ``hashes``, their SHA-256 where a run checkpoint's
     manifest covers them), its config and its tensor names, and the output path (no process
     group)."""
-    from megarl.checkpoint.integrity import manifest_root, verify_manifest
-    from megarl.training.dist_ckpt import tensor_keys, verify_dist_checkpoint
-
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     root = manifest_root(ckpt_dir) if hashes else None
     if root is not None:  # a run checkpoint's role (step_N/actor): its files' hashes
@@ -197,8 +196,6 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
     dtype), generation_config.json and the tokenizer of ``tokenizer_dir`` (default: the
     config's directory), never the source's weights (:mod:`megarl.checkpoint.hf_files`).
     ``hashes=False``: the caller has checked the files' hashes already."""
-    from megarl.runtime import init_distributed
-
     # Rank 0 alone reads every file for its hash (the others would read them all again); when
     # it fails, the launcher (torchrun, srun) stops the ranks waiting for it.
     hashes = hashes and os.environ.get("RANK", "0") == "0"
@@ -215,9 +212,6 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
 
 def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max_shard_bytes: int,
               tokenizer_dir: Optional[str | Path]) -> None:
-    from megarl.checkpoint.integrity import safe_reader
-    from megarl.training.dist_ckpt import read_tensor
-
     config, config_dir, by_key = prepared.config, prepared.config_dir, prepared.by_key
     reader = safe_reader(prepared.ckpt_dir)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

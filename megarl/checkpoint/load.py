@@ -16,11 +16,18 @@ from typing import Dict, List, Optional
 
 import torch
 
+from megarl.checkpoint.dist_ckpt import checkpoint_layer_keys, load_model, sharded_state_dict, verify_dist_checkpoint
 from megarl.checkpoint.hf_io import INDEX, HFCheckpoint
-from megarl.checkpoint.hf_mapping import (
+from megarl.checkpoint.integrity import manifest_root, verify_manifest
+from megarl.config import load_config
+from megarl.models import build_model
+from megarl.models.hf_config import megatron_args_from_hf
+from megarl.models.hf_mapping import (
     IDENTITY, ConversionError, GateUp, Item, Plan, Rule, VocabPad, build_plan, check_names, skipped_hf_names,
 )
-from megarl.models.hf_config import megatron_args_from_hf
+from megarl.models.value_head import attach_value_head
+from megarl.parallel import Layout, build_groups
+from megarl.runtime import cpu_mode
 
 HF_SUBDIR = "hf"  # the source's config.json and tokenizer files, kept inside a converted Megatron checkpoint
 DEFAULT_HF_CONFIG = "configs/models/tiny-llama.json"  # model.hf_config when neither it nor model.path is set
@@ -62,7 +69,6 @@ def locate(path: str | Path, field: str = "model.path", need_config: bool = True
         if (p / HF_SUBDIR / "config.json").is_file():
             return PretrainedSource("mcore", p, p / HF_SUBDIR, _tokenizer_dir(p / HF_SUBDIR))
         if (p.parent / "config.yaml").is_file():  # a run's checkpoint: the run's model config
-            from megarl.config import load_config
 
             run = load_config([p.parent / "config.yaml"])
             if run.model.hf_config:
@@ -200,8 +206,6 @@ def load_pretrained(chunks: List[torch.nn.Module], path: str | Path, args, vocab
                     value_head: bool = False) -> None:
     """Fill this rank's model chunks (not yet wrapped in DDP) from ``path``, anything
     :func:`locate` accepts. Collective over the world."""
-    from megarl.training.dist_ckpt import load_model, sharded_state_dict
-
     source = locate(path, need_config=False)
     if source.kind == "mcore":
         load_model(chunks, source.weights)
@@ -217,9 +221,6 @@ def load_pretrained(chunks: List[torch.nn.Module], path: str | Path, args, vocab
 def _world_of_one():
     """A one-process gloo world with its Megatron groups, for building a model on the meta device
     in a process that is not part of any training world (the driver, before Ray starts)."""
-    from megarl.parallel import Layout, build_groups
-    from megarl.runtime import cpu_mode
-
     cpu_mode.enable()
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     groups = build_groups(Layout())
@@ -234,10 +235,6 @@ def expected_shards(model_cfg, args, value_head: bool = False, layer_keys: str =
     """The model's ShardedTensors at tp=pp=1 on the meta device (global names and shapes; no
     memory), keyed as ``dist_ckpt.sharded_state_dict(layer_keys=...)``. Runs in a process
     without a training world."""
-    from megarl.models import build_model
-    from megarl.models.value_head import attach_value_head
-    from megarl.training.dist_ckpt import sharded_state_dict
-
     assert not torch.distributed.is_initialized(), "expected_shards runs outside a training world"
     with _world_of_one() as groups, torch.device("meta"):
         chunks = build_model(model_cfg, groups, args, initialize=False)
@@ -288,9 +285,6 @@ def _check_hf(directory: Path, args, vocab_multiple: int, value_head: bool, shar
 
 
 def _check_mcore(directory: Path, model_cfg, args, value_head: bool, field: str) -> None:
-    from megarl.checkpoint.integrity import manifest_root, verify_manifest
-    from megarl.training.dist_ckpt import checkpoint_layer_keys, verify_dist_checkpoint
-
     try:
         root = manifest_root(directory)
         if root is not None:  # a run checkpoint's role (step_N/actor): its files' hashes

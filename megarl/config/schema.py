@@ -163,7 +163,7 @@ class DataConfig:
     task: str = "reverse_digits"
     """The built-in task (data.train_files empty; also what ``megarl train-lm`` trains on):
     ``reverse_digits`` (``d1..dn=`` → the digits reversed) or ``calculator`` (``a*b=`` → the product,
-    multi-turn with a calculator tool: rollout.env=megarl.agent.tasks:CalculatorTask)."""
+    multi-turn with a calculator tool: rollout.env=megarl.tasks.calculator:CalculatorTask)."""
     num_digits: int = bounded(6, ge=1)
     """Built-in task size: digits per problem for reverse_digits (train-lm sequences are 2*num_digits+2
     tokens), digits per operand for calculator (sequences up to 8*num_digits+9 tokens)."""

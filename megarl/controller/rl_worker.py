@@ -16,8 +16,10 @@ from typing import Any, Dict
 import torch
 
 from megarl.algorithms.presets import preset, resolve
+from megarl.checkpoint.train_state import load_train_state, save_train_state, weights_checksum
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
 from megarl.engines.offload import PhaseOffload
+from megarl.engines.train_state import build_frozen_state, build_train_state, copy_weights
 from megarl.hybrid import regroup
 from megarl.models.flops import gpu_peak_tflops
 from megarl.models.hf_config import megatron_args_from_hf, read_hf_config
@@ -29,7 +31,6 @@ from megarl.roles.reference import Reference
 from megarl.roles.rollout import Rollout
 from megarl.runtime import init_distributed, peak_gpu_gb, peak_rss_gb, progress, set_seed
 from megarl.runtime.devices import to_device, to_host
-from megarl.training import lm
 
 def needs_reference(algo) -> bool:
     return algo.kl_coef > 0
@@ -67,7 +68,7 @@ class RLWorker:
         # LR schedules count optimizer steps: one per PPO mini-batch and epoch of each RL step
         rows = cfg.data.prompts_per_step * algo.samples_per_prompt
         steps = cfg.trainer.train_steps * (rows // (algo.ppo_mini_batch_size or rows)) * algo.ppo_epochs
-        state = lm.build_train_state(cfg.model, cfg.optimizer, self.groups, steps, init_checkpoint=cfg.model.path)
+        state = build_train_state(cfg.model, cfg.optimizer, self.groups, steps, init_checkpoint=cfg.model.path)
         progress.tick()  # start-up advances: each model built (the hang check's progress)
         loss = ActorLossConfig(
             policy_loss=algo.policy_loss, agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
@@ -79,14 +80,14 @@ class RLWorker:
         # this rank's roles by name; the driver reaches their declared verbs through call()
         self.roles: Dict[str, Any] = {"actor": Actor(MegatronEngine(state, args.vocab_size, max_bad_steps=bad), loss)}
         if needs_reference(algo):  # a frozen copy of the initial policy, same layout
-            ref_state = lm.build_frozen_state(cfg.model, self.groups)
-            lm.copy_weights(state, ref_state)
+            ref_state = build_frozen_state(cfg.model, self.groups)
+            copy_weights(state, ref_state)
             progress.tick()
             self.roles["reference"] = Reference(MegatronEngine(ref_state, args.vocab_size), algo.temperature)
         if needs_critic(algo):
             optim = dataclasses.replace(cfg.optimizer, lr=algo.critic_lr or cfg.optimizer.lr)
-            critic_state = lm.build_train_state(cfg.model, optim, self.groups, steps, value_head=True)
-            lm.copy_weights(state, critic_state)  # the actor's backbone; a new value head
+            critic_state = build_train_state(cfg.model, optim, self.groups, steps, value_head=True)
+            copy_weights(state, critic_state)  # the actor's backbone; a new value head
             progress.tick()
             self.roles["critic"] = Critic(MegatronEngine(critic_state, None, max_bad_steps=bad), CriticLossConfig(
                 clip_range=algo.clip_low, agg_mode=algo.agg_mode, max_len=algo.max_new_tokens))
@@ -95,7 +96,7 @@ class RLWorker:
 
             rm = cfg.reward_model
             rm_cfg = dataclasses.replace(cfg.model, path=None, hf_config=rm.hf_config or cfg.model.hf_config)
-            rm_state = lm.build_frozen_state(rm_cfg, self.groups, rm.path or rm.checkpoint, value_head=True)
+            rm_state = build_frozen_state(rm_cfg, self.groups, rm.path or rm.checkpoint, value_head=True)
             progress.tick()
             # an HF sequence-classifier scores where transformers does: its last non-pad token
             pad = read_hf_config(rm_cfg.hf_config).get("pad_token_id") if rm.path else None
@@ -170,8 +171,6 @@ class RLWorker:
     def save_checkpoint(self, path: str) -> None:
         """Write the trained roles under ``path``; with ``trainer.async_save`` the tensors are
         still being written when this returns (see :meth:`finish_checkpoint`)."""
-        from megarl.training.train_ckpt import save_train_state
-
         t = self.cfg.trainer
         if t.async_save and getattr(self, "save_queue", None) is None:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -195,14 +194,10 @@ class RLWorker:
     def load_checkpoint(self, path: str) -> bool:
         """Restore the trained roles; True when the checkpoint's layout is this one (RNG
         streams restored too), False after a re-layout."""
-        from megarl.training.train_ckpt import load_train_state
-
         with self.phases.resident():
             return all([load_train_state(state, Path(path) / name) for name, state in self._trained().items()])
 
     def actor_weights_checksum(self) -> float:
-        from megarl.training.train_ckpt import weights_checksum
-
         with self.phases.resident():
             return weights_checksum(self.roles["actor"].engine.state)
 

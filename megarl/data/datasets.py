@@ -1,4 +1,4 @@
-"""Prompt datasets: jsonl and parquet files of HF-style records, and the built-in tasks.
+"""Prompt datasets: jsonl and parquet files of HF-style records (the built-in tasks: megarl.tasks).
 
 A record has a prompt (a string, or a list of chat messages) under ``prompt_key`` and a
 reference answer under ``answer_key`` (also looked up in ``reward_model.ground_truth``, the
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence, Union
@@ -97,35 +96,3 @@ def load_records(files: Sequence[str], prompt_key: str = "prompt", answer_key: s
     if not out:
         raise DataError(f"no valid records in {list(files)}")
     return out
-
-
-def reverse_digits_records(count: int, num_digits: int, seed: int) -> List[PromptRecord]:
-    """The built-in task: "3 1 4 =" → answer "413" (the digits reversed)."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(count):
-        digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
-        out.append(PromptRecord(digits + "=", digits[::-1], f"reverse_digits:{i}"))
-    return out
-
-
-def calculator_records(count: int, num_digits: int, seed: int) -> List[PromptRecord]:
-    """The built-in multi-turn task (megarl.agent.tasks:CalculatorTask): "37*48=" → answer "1776",
-    two operands of ``num_digits`` digits (no leading zero)."""
-    rng = random.Random(seed)
-    low, high = 10 ** (num_digits - 1), 10 ** num_digits - 1
-    out = []
-    for i in range(count):
-        a, b = rng.randint(low, high), rng.randint(low, high)
-        out.append(PromptRecord(f"{a}*{b}=", str(a * b), f"calculator:{i}"))
-    return out
-
-
-BUILTIN_TASKS = {"reverse_digits": reverse_digits_records, "calculator": calculator_records}
-
-
-def builtin_records(task: str, count: int, num_digits: int, seed: int) -> List[PromptRecord]:
-    """The prompts of the built-in task ``data.task`` (used when data.train_files is empty)."""
-    if task not in BUILTIN_TASKS:
-        raise DataError(f"data.task='{task}' must be one of {sorted(BUILTIN_TASKS)}")
-    return BUILTIN_TASKS[task](count, num_digits, seed)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megarl.data.tokenizer import DigitTokenizer
+
 
 def build_digit_tokenizer():
     """A ``PreTrainedTokenizerFast`` with exactly the ids of ``DigitTokenizer``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-
-    from megarl.data.tokenizer import DigitTokenizer
 
     reference = DigitTokenizer()
     pad, bos, eos = (reference.vocab[i] for i in (reference.pad_token_id, reference.bos_token_id,

@@ -39,13 +39,14 @@ import torch.distributed as dist
 
 from megarl.engines import batching
 from megarl.engines.batching import MicroBatch, Tensors
+from megarl.engines.train_state import TrainState
 from megarl.engines.vocab_parallel import log_prob_and_entropy
 from megarl.metrics import Metric, Reduce
+from megarl.models import routing_replay
 from megarl.models.builder import set_aux_loss_copies
 from megarl.parallel.context import gather_sequence, split_for_rank
 from megarl.runtime import progress
 from megarl.runtime.devices import compute_device
-from megarl.training.lm import TrainState
 
 # (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metrics); for a
 # value head: (values [n, s], None, tensors). Each metric's value is 0-dim and reduced over
@@ -134,8 +135,6 @@ class MegatronEngine:
         ``routing`` (the rollout's experts) is then compared with the trainer's in
         :meth:`forward_log_probs` (``routing_mismatch``), and with ``replay`` it is the routing of
         both the log-prob and the update passes; the gating weights stay live."""
-        from megarl.models import routing_replay
-
         self.routers = {id(c): h for c, h in zip(self.state.model, routing_replay.attach(self.state.model))}
         self.routing_replay = replay
 
@@ -189,8 +188,6 @@ class MegatronEngine:
         recorded experts before its forward."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-        from megarl.models import routing_replay
 
         layout = self.groups.layout
         sp = (self.groups.tp_rank, layout.tp) if layout.sequence_parallel and layout.tp > 1 else (0, 1)
@@ -318,10 +315,23 @@ class MegatronEngine:
             grad_norms.append(grad_norm)
         return self._metrics(reports, grad_norms)
 
+    def forward_backward(self, batch: Tensors, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
+                         temperature: float = 1.0) -> Dict[str, float]:
+        """Gradients of ``loss_fn`` over this DP rank's ``batch`` in the DDP buffers (reduced over
+        the data-parallel ranks), without an optimizer step; returns the global loss and metrics
+        as :meth:`update` does (a gradient parity check's single pass)."""
+        return self._metrics([self._reduce(self._forward_backward(batch, lengths, loss_fn, how, temperature))], [])
+
     def _optimizer_step(self, batch: Tensors, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
                         temperature: float):
         """One forward-backward over ``batch`` and one optimizer step: (outputs, grad norm), the
         grad norm None when the step was skipped (see :meth:`_step_if_finite`)."""
+        outputs = self._forward_backward(batch, lengths, loss_fn, how, temperature)
+        return outputs, self._step_if_finite(outputs)
+
+    def _forward_backward(self, batch: Tensors, lengths: torch.Tensor, loss_fn: LossFn, how: MicroBatching,
+                          temperature: float):
+        """Zeroed gradients, then Megatron's schedule forward and backward: its outputs per micro-batch."""
         state = self.state
         for chunk in state.model:
             chunk.zero_grad_buffer()
@@ -336,8 +346,7 @@ class MegatronEngine:
                                                    "reduce": [m.reduce for m in metrics.values()]}
 
         routing = "routing" in batch and self._set_routing(count=False)
-        outputs = self._run(self.micro_batches(batch, lengths, how), loss_func, forward_only=False, routing=routing)
-        return outputs, self._step_if_finite(outputs)
+        return self._run(self.micro_batches(batch, lengths, how), loss_func, forward_only=False, routing=routing)
 
     def _step_if_finite(self, outputs) -> Optional[float]:
         """Megatron's optimizer step and the LR schedule's, unless the loss or a gradient is not

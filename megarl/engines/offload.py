@@ -21,8 +21,8 @@ from typing import Dict, Iterator, List, Sequence
 import torch
 from megatron.core.distributed import DistributedDataParallel
 
+from megarl.engines.train_state import TrainState
 from megarl.runtime.memory import reset_peak_memory, window_peaks_gb
-from megarl.training.lm import TrainState
 
 KINDS = ("params", "grads", "optimizer")
 

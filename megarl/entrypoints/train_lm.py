@@ -17,12 +17,19 @@ from pathlib import Path
 
 import torch
 
-from megarl.checkpoint.load import resolve_model_config
+from megarl.checkpoint.dist_ckpt import save_sharded, sharded_state_dict
+from megarl.checkpoint.load import HF_SUBDIR, resolve_model_config
 from megarl.config import MegarlConfig, load_config
+from megarl.data.digit_hf import save_digit_tokenizer
+from megarl.data.tokenizer import DigitTokenizer
+from megarl.engines import supervised
+from megarl.engines.megatron_engine import MicroBatching
+from megarl.engines.train_state import build_train_state
+from megarl.models.hf_config import read_hf_config
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed, torn_down
-from megarl.training import lm
-from megarl.training.tasks import calculator_batch, calculator_sequence_length, reverse_digits_batch
+from megarl.tasks.calculator import calculator_batch, calculator_sequence_length
+from megarl.tasks.reverse_digits import reverse_digits_batch
 
 log = logging.getLogger(__name__)
 TASKS = ("reverse_digits", "calculator")
@@ -37,9 +44,6 @@ def make_batch(data, step: int, seed: int) -> dict:
 
 def check_config(cfg: MegarlConfig) -> None:
     """Checks that need no process: the model reads the built-in tokenizer's ids; the output is new."""
-    from megarl.data.tokenizer import DigitTokenizer
-    from megarl.models.hf_config import read_hf_config
-
     if cfg.model.path:
         raise ValueError(f"model.path={cfg.model.path}: megarl train-lm trains a randomly initialised model on the "
                          f"built-in task (model.hf_config); start from pretrained weights with megarl train")
@@ -72,10 +76,6 @@ def write_hf_files(cfg: MegarlConfig, dtype: torch.dtype, dest: Path) -> None:
     config that stops at EOS, and the built-in digit tokenizer the task was trained with."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from megarl.data.digit_hf import save_digit_tokenizer
-    from megarl.data.tokenizer import DigitTokenizer
-    from megarl.models.hf_config import read_hf_config
-
     dest.mkdir(parents=True)
     digits = DigitTokenizer()
     ids = {"bos_token_id": digits.bos_token_id, "eos_token_id": digits.eos_token_id,
@@ -102,7 +102,9 @@ def _train(cfg: MegarlConfig) -> int:
     layout = Layout.from_config(cfg.parallel.actor, torch.distributed.get_world_size())
     groups = build_groups(layout)
     set_seed(cfg.trainer.seed, groups)
-    state = lm.build_train_state(cfg.model, cfg.optimizer, groups, cfg.trainer.train_steps)
+    state = build_train_state(cfg.model, cfg.optimizer, groups, cfg.trainer.train_steps)
+    engine = supervised.engine(state, cfg.trainer.max_bad_steps)
+    how = MicroBatching(micro_batch_size=cfg.data.micro_batch_size)
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
         backend = "nccl/GPU" if torch.cuda.is_available() else "gloo/CPU"
@@ -112,7 +114,7 @@ def _train(cfg: MegarlConfig) -> int:
     start = time.perf_counter()
     for step in range(cfg.trainer.train_steps):
         batch = make_batch(cfg.data, step, cfg.trainer.seed)
-        metrics = lm.train_step(state, lm.dp_shard(batch, groups), cfg.data.micro_batch_size)
+        metrics = supervised.train_step(engine, supervised.dp_shard(batch, groups), how)
         first = metrics["loss"] if first is None else first
         last = metrics["loss"]
         if rank0 and (step % cfg.trainer.log_interval == 0 or step == cfg.trainer.train_steps - 1):
@@ -121,9 +123,6 @@ def _train(cfg: MegarlConfig) -> int:
     if rank0:
         print(f"loss fell from {first:.4f} to {last:.4f} in {cfg.trainer.train_steps} steps", flush=True)
     if cfg.trainer.save_dir:
-        from megarl.checkpoint.convert import HF_SUBDIR
-        from megarl.training.dist_ckpt import save_sharded, sharded_state_dict
-
         dtype = next(state.model[0].parameters()).dtype
         save_sharded(sharded_state_dict(state.model), cfg.trainer.save_dir,
                      before_rename=lambda tmp: write_hf_files(cfg, dtype, tmp / HF_SUBDIR))

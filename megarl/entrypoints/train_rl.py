@@ -17,23 +17,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
 
-from megarl.algorithms.correction import check_rollout_correction
 from megarl.agent.envs import env_factory
 from megarl.agent.loop import Agent, check_config as check_agent_config, total_budget
+from megarl.algorithms.correction import check_rollout_correction
 from megarl.algorithms.presets import preset, resolve
 from megarl.checkpoint.load import check_pretrained, locate, resolve_model_config
+from megarl.checkpoint.train_state import OPTIMIZER_FORMATS
 from megarl.config import ConfigError, MegarlConfig, ParallelConfig, load_config, validate
 from megarl.config.schema import RolloutConfig
-from megarl.data.datasets import builtin_records, load_records
+from megarl.data.datasets import load_records
 from megarl.data.tokenizer import load_tokenizer
 from megarl.hybrid import regroup
 from megarl.models.builder import check_layout
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
 from megarl.runtime.signals import Preempted, Preemption
+from megarl.tasks.registry import builtin_records
 from megarl.trainer.resume import check_resume
 from megarl.trainer.steps import PromptStream, Scorer
-from megarl.training.train_ckpt import OPTIMIZER_FORMATS
 
 LOOPS = ("sync", "one_step_off")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")  # parallel.rollout.dtype
@@ -352,11 +353,11 @@ def run(prepared: Prepared) -> List[dict]:
 
 
 def _run_locked(prepared: Prepared) -> List[dict]:
+    from megarl.config import to_yaml
     from megarl.controller.cluster import RaySession
     from megarl.controller.group import WorkerGroup, gpu_assignment
     from megarl.controller.rl_worker import RLWorker
     from megarl.trainer import loop, one_step_off
-    from megarl.config import to_yaml
     from megarl.trainer.checkpoint import Checkpoints
     from megarl.trainer.logger import RunLogger
 

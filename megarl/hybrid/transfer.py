@@ -27,6 +27,7 @@ from megarl.hybrid.planner import Segment, bucket_segments, replica, training_sl
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
 from megarl.parallel.layout import Layout
 from megarl.runtime.devices import compute_device, synchronize
+from megarl.runtime.distributed import bound_store, collective_timeout
 
 @dataclass
 class TransferPlan:
@@ -89,8 +90,6 @@ def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: in
 def connect(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
     """The process group spanning trainer and rollout ranks (rank 0, a trainer rank, hosts the
     store). Collective over both groups: every member calls it at once. Gloo on CPU, NCCL on GPUs."""
-    from megarl.runtime.distributed import bound_store, collective_timeout
-
     timeout = collective_timeout()  # this process's, as its own world's collectives
     store = bound_store(address, port, world_size, rank, timeout)
     prefixed = dist.PrefixStore("megarl/weights", store)

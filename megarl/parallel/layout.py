@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megarl.runtime.distributed import collective_timeout
+
 
 class LayoutError(ValueError):
     """A parallel layout that cannot be built; the message says which sizes to change."""
@@ -260,8 +262,6 @@ def build_groups(layout: Layout) -> ParallelGroups:
     layout.validate(torch.distributed.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    from megarl.runtime.distributed import collective_timeout
-
     minutes = math.ceil(collective_timeout().total_seconds() / 60)  # the default group's timeout
     parallel_state.initialize_model_parallel(**layout.megatron_sizes(), order="tp-cp-ep-dp-pp",
                                              distributed_timeout_minutes=minutes)

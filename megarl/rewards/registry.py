@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from megarl.algorithms.registry import Registry
+from megarl.registry import Registry, load_object
 from megarl.rewards import verifiers
-from megarl.rewards.worker import load_fn
+from megarl.tasks import reverse_digits
 
 RewardFn = Callable[..., float]
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function")
-REWARD_FUNCTIONS.register("reverse_digits")(verifiers.reverse_digits_reward)
+REWARD_FUNCTIONS.register("reverse_digits")(reverse_digits.reverse_digits_reward)
 REWARD_FUNCTIONS.register("gsm8k")(verifiers.gsm8k_reward)
 REWARD_FUNCTIONS.register("math")(verifiers.math_reward)
 REWARD_FUNCTIONS.register("countdown")(verifiers.countdown_reward)
@@ -28,7 +28,7 @@ def resolve_reward_fn(name: str) -> RewardFn:
     if ":" not in name:
         return REWARD_FUNCTIONS.get(name)
     try:
-        fn = load_fn(name)
+        fn = load_object(name)
     except Exception as err:  # the module may fail in any way as it is imported (trusted, user code)
         raise ValueError(f"algorithm.reward_fn='{name}': cannot import ({type(err).__name__}: {err})") from None
     if not callable(fn):
@@ -47,7 +47,7 @@ def reward_fn_path(name: str) -> str:
         return name
     path = f"{fn.__module__}:{fn.__qualname__}"
     try:
-        found = load_fn(path)
+        found = load_object(path)
     except (ImportError, AttributeError):
         found = None
     if found is not fn:

@@ -120,17 +120,6 @@ def countdown_reward(response: str, answer) -> float:
         return 0.0
 
 
-def reverse_digits_reward(response: str, answer) -> float:
-    """Partial credit: the fraction of positions where the response has the reversed digit,
-    over max(len(answer), len(response)) so that extra digits cost too."""
-    expected = str(answer)
-    got = re.sub(r"\D", "", response)
-    if not got:
-        return 0.0
-    hits = sum(a == b for a, b in zip(got, expected))
-    return hits / max(len(expected), len(got))
-
-
 def exact_match(response: str, answer) -> float:
     return float(response.strip() == str(answer).strip())
 

@@ -7,7 +7,6 @@ This module and the package it lives in import no torch, so a worker starts in t
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import os
@@ -16,17 +15,10 @@ import struct
 import time
 from typing import Any, Optional, Tuple
 
+from megarl.registry import load_object
+
 KEYWORDS = ("prompt", "extra")  # what a reward function may take beyond (response, answer)
 _HEADER = struct.Struct("!I")
-
-
-def load_fn(path: str):
-    """The object at ``package.module:name`` (``name`` may be dotted, e.g. ``Class.method``)."""
-    module, _, attr = path.partition(":")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def accepted_keywords(fn) -> Tuple[str, ...]:
@@ -101,7 +93,7 @@ def main() -> None:
     os.dup2(2, 1)
     path, memory_mb = read_frame(reader)
     try:
-        fn = load_fn(path)
+        fn = load_object(path)
         keywords = accepted_keywords(fn)
     except Exception as err:  # reported to the driver, which names the function
         write_frame(writer, ("fail", f"{type(err).__name__}: {err}"))

@@ -14,7 +14,7 @@ class Reference:
 
     def __init__(self, engine: MegatronEngine, temperature: float = 1.0):
         if engine.state.optimizer is not None:
-            raise ValueError("the reference's engine must be frozen (lm.build_frozen_state)")
+            raise ValueError("the reference's engine must be frozen (megarl.engines.train_state.build_frozen_state)")
         self.engine = engine
         self.temperature = temperature
 

@@ -34,7 +34,7 @@ class RewardModel:
     def __init__(self, engine: MegatronEngine, pad_token_id: Optional[int] = None):
         if engine.vocab_size is not None or engine.state.optimizer is not None:
             raise ValueError("the reward model's engine needs a value head and no optimizer "
-                             "(lm.build_frozen_state(value_head=True))")
+                             "(megarl.engines.train_state.build_frozen_state(value_head=True))")
         self.engine, self.pad_token_id = engine, pad_token_id
 
     @verb(Dispatch.DP, output="scores")

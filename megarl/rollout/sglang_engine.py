@@ -49,11 +49,11 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.hf_mapping import build_plan
 from megarl.hybrid.executor import SyncStats
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement, TensorSpec
 from megarl.models.hf_config import MegatronModelArgs
+from megarl.models.hf_mapping import build_plan
 from megarl.parallel import Layout
 from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from megarl.runtime import cpu_mode
 from megarl.runtime.cpu_mode import _is_cuda_device as _device_is_cuda
 
 CUDA = torch.device("cuda", 0)
@@ -526,8 +527,6 @@ def _patch_distributed() -> None:
 
 # ----------------------------------------------------------------------------- torch.cuda
 def _patch_torch_cuda() -> None:
-    from megarl.runtime import cpu_mode
-
     cpu_mode._patch_torch_cuda()  # streams, events, memory queries, the RNG tracker's states
     cpu_mode._patch_megatron_rng()
     cuda = torch.cuda
@@ -585,8 +584,6 @@ def enable() -> bool:
             raise RuntimeError("the GPU-shaped harness is for machines without CUDA")
         _patch_torch_cuda()
         _patch_distributed()
-        from megarl.runtime import cpu_mode
-
         cpu_mode.fix_missing_transformer_engine()
         _patch_module_moves()
         _mode = _GpuShapedMode()

@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 from megarl.checkpoint.convert import mcore_to_hf
 from megarl.checkpoint.hf_io import CheckpointFileError
+from megarl.checkpoint.load import locate
 from megarl.config import ConfigError, load_config
 from megarl.trainer.checkpoint import Checkpoints
 
@@ -19,8 +20,6 @@ def side_file_sources(model_cfg, data_cfg, where: str) -> Tuple[Path, Optional[P
     """(the model config: a config.json or its directory, the tokenizer directory or None) of a
     run's config snapshot ``where``: ``model.hf_config`` (stored absolute, and filled from
     ``model.path`` by ``megarl train``), else ``model.path``'s config; ``data.tokenizer``."""
-    from megarl.checkpoint.load import locate
-
     path = getattr(model_cfg, "path", None)
     if model_cfg.hf_config:
         config = _existing(model_cfg.hf_config, "model.hf_config", where)

@@ -18,14 +18,14 @@ from megarl.config import ModelConfig, OptimizerConfig
 from megarl.engines.batching import balance_across_dp
 from megarl.engines.megatron_engine import MegatronEngine, MiniBatches
 from megarl.models import build_model, megatron_args_from_hf
-from megarl.parallel import Layout, build_groups
 from megarl.models.value_head import attach_value_head
+from megarl.parallel import Layout, build_groups
 from megarl.roles.actor import Actor, ActorLossConfig
 from megarl.roles.critic import Critic, CriticLossConfig
 from megarl.runtime import init_distributed, set_seed
 from tests.distributed.specs import HOW, parse
-from megarl.training import lm
-from megarl.training.dist_ckpt import save_model
+from megarl.checkpoint.dist_ckpt import save_model
+from megarl.engines.train_state import build_train_state
 from tests.distributed.parity_worker import _full_tensors, _rel, grads_as_weights
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
@@ -106,8 +106,8 @@ def run(work: Path, specs, reference: bool) -> None:
             if critic:
                 attach_value_head(chunks)
             save_model(chunks, init)
-        state = lm.build_train_state(model_cfg, OptimizerConfig(lr=1e-4, clip_grad=1.0), groups, 1,
-                                     use_distributed_optimizer=False, init_checkpoint=str(init),
+        state = build_train_state(model_cfg, OptimizerConfig(lr=1e-4, clip_grad=1.0), groups, 1,
+                                  use_distributed_optimizer=False, init_checkpoint=str(init),
                                      value_head=critic)
         vocab = megatron_args_from_hf(MODELS[name]).vocab_size
         engine = MegatronEngine(state, None if critic else vocab)

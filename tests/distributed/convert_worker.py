@@ -47,8 +47,8 @@ def convert(work: Path, specs) -> None:
 
 
 def megatron_logits(ckpt: Path, groups, hf_config: Path = None) -> torch.Tensor:
+    from megarl.checkpoint.dist_ckpt import load_model
     from megarl.models import build_model
-    from megarl.training.dist_ckpt import load_model
 
     model_cfg = ModelConfig(hf_config=str(hf_config or ckpt / "hf"))
     chunks = build_model(model_cfg, groups, initialize=False)
@@ -147,7 +147,7 @@ def interop(work: Path, groups) -> None:
         mcore_to_hf(saved, exported, hf_config_dir=hf_dir)
         reloaded = megatron_logits(saved, groups, hf_config=hf_dir)
         if dist.get_rank() == 0:
-            from megarl.training.dist_ckpt import checkpoint_layer_keys, verify_dist_checkpoint
+            from megarl.checkpoint.dist_ckpt import checkpoint_layer_keys, verify_dist_checkpoint
 
             ref = hf_logits(hf_dir)
             vocab = ref.shape[-1]

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.convert import mcore_to_hf
+from megarl.checkpoint.dist_ckpt import save_model
 from megarl.config import ModelConfig, OptimizerConfig
+from megarl.engines.train_state import build_frozen_state, build_train_state, copy_weights
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
-from megarl.training import lm
-from megarl.training.dist_ckpt import save_model
 
 
 def params(state):
@@ -26,12 +26,12 @@ def check(layout):
     groups = build_groups(layout)
     set_seed(5, groups)
     model = ModelConfig(hf_config="configs/models/tiny-digits.json")
-    actor = lm.build_train_state(model, OptimizerConfig(lr=1e-2), groups, 4)
-    critic = lm.build_train_state(model, OptimizerConfig(lr=1e-2), groups, 4, value_head=True)
-    reference = lm.build_frozen_state(model, groups)
+    actor = build_train_state(model, OptimizerConfig(lr=1e-2), groups, 4)
+    critic = build_train_state(model, OptimizerConfig(lr=1e-2), groups, 4, value_head=True)
+    reference = build_frozen_state(model, groups)
     head = {n: p.detach().clone() for n, p in params(critic).items() if n.startswith("output_layer")}
-    copied = lm.copy_weights(actor, critic)
-    ref_copied = lm.copy_weights(actor, reference)
+    copied = copy_weights(actor, critic)
+    ref_copied = copy_weights(actor, reference)
     # An optimizer step with zero gradients leaves Adam's update at 0: the weights it writes back
     # from its fp32 main copies must still be the actor's (stale main copies would undo the copy).
     for chunk in critic.model:
@@ -64,8 +64,8 @@ def check_pretrained(work: Path, name: str, layout: Layout):
     groups = build_groups(layout)
     set_seed(5, groups)
     source = work / "hf" / name
-    actor = lm.build_train_state(ModelConfig(path=str(source)), OptimizerConfig(lr=1e-2), groups, 4,
-                                 init_checkpoint=str(source))
+    actor = build_train_state(ModelConfig(path=str(source)), OptimizerConfig(lr=1e-2), groups, 4,
+                              init_checkpoint=str(source))
     for chunk in actor.model:
         chunk.zero_grad_buffer()
     actor.optimizer.step()

@@ -17,8 +17,8 @@ from megarl.parallel import Layout, build_groups
 from megarl.roles.reference import Reference
 from megarl.runtime import init_distributed, set_seed
 from tests.distributed.specs import HOW, parse
-from megarl.training import lm
-from megarl.training.dist_ckpt import save_model
+from megarl.checkpoint.dist_ckpt import save_model
+from megarl.engines.train_state import build_frozen_state, build_train_state
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json"}
 
@@ -67,8 +67,8 @@ def nonfinite(work: Path, spec: str, layout) -> None:
     groups = build_groups(layout)
     set_seed(3, groups)
     path = MODELS["dense"]
-    state = lm.build_train_state(ModelConfig(hf_config=path), OptimizerConfig(lr=1e-2), groups, 10,
-                                 init_checkpoint=str(work / "dense" / "init"))
+    state = build_train_state(ModelConfig(hf_config=path), OptimizerConfig(lr=1e-2), groups, 10,
+                              init_checkpoint=str(work / "dense" / "init"))
     engine = MegatronEngine(state, megatron_args_from_hf(path).vocab_size, max_bad_steps=3)
     per = 8 // layout.dp
     rows = slice(groups.dp_rank * per, (groups.dp_rank + 1) * per)
@@ -121,10 +121,10 @@ def run(work: Path, specs) -> None:
         init = str(work / name / "init")
         vocab = megatron_args_from_hf(path).vocab_size
         if name == "moe":  # the MoE runs go through the frozen reference role
-            engine = MegatronEngine(lm.build_frozen_state(ModelConfig(hf_config=path), groups, init), vocab)
+            engine = MegatronEngine(build_frozen_state(ModelConfig(hf_config=path), groups, init), vocab)
             compute = Reference(engine).compute_log_prob
         else:
-            state = lm.build_train_state(ModelConfig(hf_config=path), OptimizerConfig(), groups, 1, init_checkpoint=init)
+            state = build_train_state(ModelConfig(hf_config=path), OptimizerConfig(), groups, 1, init_checkpoint=init)
             engine = MegatronEngine(state, vocab)
             compute = lambda *a: engine.forward_log_probs(*a)["log_probs"]
         per = 8 // dp

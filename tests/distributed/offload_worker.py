@@ -9,11 +9,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ModelConfig, OptimizerConfig
+from megarl.engines import supervised
+from megarl.engines.megatron_engine import MicroBatching
 from megarl.engines.offload import KINDS, PhaseOffload, _storages, _storages_by_kind, offload
+from megarl.engines.train_state import build_train_state
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
-from megarl.training import lm
-from megarl.training.tasks import reverse_digits_batch
+from megarl.tasks.reverse_digits import reverse_digits_batch
 
 
 def snapshot(state):
@@ -30,7 +32,7 @@ def build(model, layout):
     states = []
     for _ in range(2):
         set_seed(4, groups)  # same seed: the two states start identical
-        states.append(lm.build_train_state(ModelConfig(hf_config=model), OptimizerConfig(lr=1e-3), groups, 4))
+        states.append(build_train_state(ModelConfig(hf_config=model), OptimizerConfig(lr=1e-3), groups, 4))
     return groups, states
 
 
@@ -40,10 +42,10 @@ if __name__ == "__main__":
                           ("configs/models/tiny-qwen3-moe.json", Layout(tp=1, dp=2, ep=2, etp=1)),
                           ("configs/models/tiny-llama.json", Layout(tp=2, dp=1))):
         groups, (plain, moved) = build(model, layout)
-        batch = lambda step: lm.dp_shard(reverse_digits_batch(step, 8, 4, seed=1), groups)
-        losses = [[], []]
-        for state, out in ((plain, losses[0]), (moved, losses[1])):
-            out.append(lm.train_step(state, batch(0), 2)["loss"])
+        batch = lambda step: supervised.dp_shard(reverse_digits_batch(step, 8, 4, seed=1), groups)
+        losses, engines, how = [[], []], [supervised.engine(plain), supervised.engine(moved)], MicroBatching(2)
+        for engine, out in zip(engines, losses):
+            out.append(supervised.train_step(engine, batch(0), how)["loss"])
         before = snapshot(moved)
         handle = offload(moved)
         freed = all(s.nbytes() == 0 for s in _storages(moved).values()) and all(
@@ -68,8 +70,8 @@ if __name__ == "__main__":
         phases.enter_train()
         restored = restored and all(torch.equal(a, b) for a, b in zip(before, snapshot(moved)))
         for step in (1, 2):
-            for state, out in ((plain, losses[0]), (moved, losses[1])):
-                out.append(lm.train_step(state, batch(step), 2)["loss"])
+            for engine, out in zip(engines, losses):
+                out.append(supervised.train_step(engine, batch(step), how)["loss"])
         same_params = all(torch.equal(a, b) for a, b in zip(snapshot(plain), snapshot(moved)))
         ok = torch.tensor([float(freed and restored and same_params and losses[0] == losses[1]
                                  and all(kinds_ok.values()) and phase_freed and resident)])

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
+from megarl.checkpoint.dist_ckpt import load_model, save_model
 from megarl.config import ModelConfig, OptimizerConfig
+from megarl.engines import supervised
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.train_state import build_train_state
 from megarl.models import build_model, megatron_args_from_hf
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
-from megarl.training import lm
-from megarl.training.dist_ckpt import load_model, save_model
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
           "moe_aux": "configs/models/tiny-qwen3-moe.json"}
@@ -100,8 +101,8 @@ def engine_phase(model_cfg, optim_cfg, groups, init, run_dir, model_name) -> dic
     batch = {k: v[rows] for k, v in engine_batch(vocab).items()}
     results = {}
     for mode, how in ENGINE_MODES.items():
-        state = lm.build_train_state(model_cfg, optim_cfg, groups, 1, use_distributed_optimizer=False,
-                                     init_checkpoint=str(init))
+        state = build_train_state(model_cfg, optim_cfg, groups, 1, use_distributed_optimizer=False,
+                                  init_checkpoint=str(init))
         engine = MegatronEngine(state, vocab)
         out = engine.forward_log_probs(batch, ENGINE_LENGTHS[rows], how)
         gathered = {}
@@ -140,22 +141,25 @@ def run(args) -> None:
                 save_model(build_model(model_cfg, groups), init)
             vocab = 256
             run_dir = out / model_name / layout_name(layout, recompute)
-            state = lm.build_train_state(model_cfg, optim_cfg, groups, STEPS,
-                                         use_distributed_optimizer=False, init_checkpoint=str(init))
+            state = build_train_state(model_cfg, optim_cfg, groups, STEPS,
+                                      use_distributed_optimizer=False, init_checkpoint=str(init))
             for chunk in state.model:
                 chunk.zero_grad_buffer()
             # Core-attention calls of the forward-backward: recompute runs them again in the backward.
             calls = [0]
             hooks = [m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
                      for chunk in state.model for m in chunk.modules() if type(m).__name__ == "SDPACoreAttention"]
-            loss = lm.forward_backward(state, lm.dp_shard(make_batch(0, vocab), groups), MICRO)
+            batch = supervised.dp_shard(make_batch(0, vocab), groups)
+            loss = supervised.forward_backward(supervised.engine(state), batch, MicroBatching(MICRO))
             for hook in hooks:
                 hook.remove()
             with grads_as_weights(state.model):
                 save_model(state.model, run_dir / "grads")
-            state = lm.build_train_state(model_cfg, optim_cfg, groups, STEPS,
-                                         use_distributed_optimizer=True, init_checkpoint=str(init))
-            steps = [lm.train_step(state, lm.dp_shard(make_batch(s, vocab), groups), MICRO)
+            state = build_train_state(model_cfg, optim_cfg, groups, STEPS,
+                                      use_distributed_optimizer=True, init_checkpoint=str(init))
+            engine = supervised.engine(state)
+            steps = [supervised.train_step(engine, supervised.dp_shard(make_batch(s, vocab), groups),
+                                           MicroBatching(MICRO))
                      for s in range(STEPS)]
             save_model(state.model, run_dir / "weights")
             engine = engine_phase(model_cfg, optim_cfg, groups, init, run_dir, model_name)

@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.dist_ckpt import load_model, save_model
 from megarl.config import ModelConfig
 from megarl.hybrid import ModelSpec, Resharder, regroup
 from megarl.models import build_model
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout, build_groups, build_placed_groups
 from megarl.runtime import init_distributed, set_seed
-from megarl.training.dist_ckpt import load_model, save_model
 
 # name: (HF config, overrides); four KV heads so that tp = 4 is possible
 MODELS = {"llama": ("tiny-llama", {"num_key_value_heads": 4}),

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint.dist_ckpt import save_model
 from megarl.config import ModelConfig
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.train_state import build_frozen_state
 from megarl.models.hf_config import read_hf_config
 from megarl.parallel import Layout, build_groups
 from megarl.roles.reward_model import RewardModel
 from megarl.runtime import init_distributed, set_seed
-from megarl.training import lm
-from megarl.training.dist_ckpt import save_model
 
 MODEL = ModelConfig(hf_config="configs/models/tiny-llama.json")
 LENGTHS = torch.tensor([12, 5, 9, 3])
@@ -30,7 +30,7 @@ def batch():
 
 
 def scores(groups, init=None):
-    state = lm.build_frozen_state(MODEL, groups, init, value_head=True)
+    state = build_frozen_state(MODEL, groups, init, value_head=True)
     rm = RewardModel(MegatronEngine(state, None))
     b = batch()
     per = 4 // groups.layout.dp
@@ -51,7 +51,7 @@ def hf_scores(work: Path) -> None:
     groups = build_groups(Layout(tp=world))
     for directory in sorted(p for p in (work / "hf_rm").iterdir() if p.is_dir()):
         ref = torch.load(directory.with_suffix(".pt"))
-        state = lm.build_frozen_state(ModelConfig(hf_config=str(directory)), groups, str(directory), value_head=True)
+        state = build_frozen_state(ModelConfig(hf_config=str(directory)), groups, str(directory), value_head=True)
         rm = RewardModel(MegatronEngine(state, None), read_hf_config(directory).get("pad_token_id"))
         got = rm.compute_scores({k: ref[k] for k in ("tokens", "position_ids")}, ref["lengths"],
                                 MicroBatching(max_tokens=16))

@@ -23,8 +23,10 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 
+from megarl.checkpoint.dist_ckpt import save_model
 from megarl.config import ModelConfig
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.train_state import build_frozen_state
 from megarl.hybrid import regroup
 from megarl.models import build_model
 from megarl.models.hf_config import megatron_args_from_hf
@@ -33,8 +35,6 @@ from megarl.parallel import Layout, build_groups
 from megarl.rollout import SamplingParams
 from megarl.rollout.native import NativeRollout
 from megarl.runtime import init_distributed, set_seed
-from megarl.training import lm
-from megarl.training.dist_ckpt import save_model
 
 MODELS = {"llama": "configs/models/tiny-llama.json", "qwen3-moe": "configs/models/tiny-qwen3-moe.json",
           "deepseek": "configs/models/tiny-deepseek-v3.json"}
@@ -131,7 +131,7 @@ def run(work: Path, case: str) -> None:
     args = megatron_args_from_hf(MODELS[name])
     groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None))
     set_seed(11, groups)
-    state = lm.build_frozen_state(model_cfg, groups, str(work / f"{name}-ckpt"))
+    state = build_frozen_state(model_cfg, groups, str(work / f"{name}-ckpt"))
     engine = MegatronEngine(state, args.vocab_size)
     rg = regroup(groups.layout, gen_tp, gen_pp, gen_ep, args.num_experts or 0)
     moe = bool(args.num_experts)

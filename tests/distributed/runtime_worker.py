@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import ModelConfig, OptimizerConfig
+from megarl.engines import supervised
+from megarl.engines.megatron_engine import MicroBatching
+from megarl.engines.train_state import build_train_state
 from megarl.parallel import Layout, LayoutError, build_groups
 from megarl.runtime import init_distributed, set_seed
-from megarl.training import lm
-from megarl.training.tasks import reverse_digits_batch
+from megarl.tasks.reverse_digits import reverse_digits_batch
 
 
 def emit(record) -> None:
@@ -76,12 +78,12 @@ def check_archs(specs) -> None:
         layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=tp if ep == 1 else 1, vpp=vpp or None)
         groups = build_groups(layout)
         set_seed(7, groups)
-        state = lm.build_train_state(ModelConfig(hf_config=f"configs/models/{name}.json"),
-                                     OptimizerConfig(lr=3e-3), groups, total_steps=4)
-        losses = []
+        state = build_train_state(ModelConfig(hf_config=f"configs/models/{name}.json"),
+                                  OptimizerConfig(lr=3e-3), groups, total_steps=4)
+        losses, engine = [], supervised.engine(state)
         for step in range(4):
             batch = reverse_digits_batch(0, 8, 4, seed=3)  # the same batch: loss must fall
-            losses.append(lm.train_step(state, lm.dp_shard(batch, groups), 2)["loss"])
+            losses.append(supervised.train_step(engine, supervised.dp_shard(batch, groups), MicroBatching(2))["loss"])
         emit({"check": "arch", "model": name, "layout": str(layout), "losses": losses})
         groups.destroy()
 

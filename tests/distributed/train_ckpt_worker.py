@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megarl.checkpoint.train_state import load_train_state, save_train_state, weights_checksum
 from megarl.config import ModelConfig, OptimizerConfig
+from megarl.engines import supervised
+from megarl.engines.megatron_engine import MicroBatching
+from megarl.engines.train_state import build_train_state
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
-from megarl.training import lm
-from megarl.training.tasks import reverse_digits_batch
-from megarl.training.train_ckpt import load_train_state, save_train_state, weights_checksum
+from megarl.tasks.reverse_digits import reverse_digits_batch
 
 STEPS = 4  # 2 before the checkpoint, 2 after
 CASES = [  # (model, layout A, layout B, distributed optimizer)
@@ -32,12 +34,13 @@ def build(model, layout, seed, distributed):
     groups = build_groups(layout)
     set_seed(seed, groups)
     optim = OptimizerConfig(lr=3e-3, lr_warmup_steps=2, lr_decay_style="linear", use_distributed_optimizer=distributed)
-    return lm.build_train_state(ModelConfig(hf_config=model), optim, groups, 8)
+    return build_train_state(ModelConfig(hf_config=model), optim, groups, 8)
 
 
 def train(state, steps):
-    batch = lambda step: lm.dp_shard(reverse_digits_batch(step, 8, 4, seed=3), state.groups)
-    return [lm.train_step(state, batch(step), 2)["loss"] for step in steps]
+    batch = lambda step: supervised.dp_shard(reverse_digits_batch(step, 8, 4, seed=3), state.groups)
+    engine = supervised.engine(state)
+    return [supervised.train_step(engine, batch(step), MicroBatching(2))["loss"] for step in steps]
 
 
 def zero_moments(state):

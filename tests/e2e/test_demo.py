@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.data.datasets import reverse_digits_records
 from megarl.data.digit_hf import build_digit_tokenizer
 from megarl.data.tokenizer import DigitTokenizer
-from megarl.training.tasks import reverse_digits_batch
+from megarl.tasks.reverse_digits import reverse_digits_records
+from megarl.tasks.reverse_digits import reverse_digits_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -142,9 +142,9 @@ def test_crafted_metadata_runs_nothing(run, tmp_path, capsys):
         proc = megarl(*args)
         assert proc.returncode == 2 and refused in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
-    from megarl.checkpoint.hf_mapping import ConversionError
     from megarl.checkpoint.load import check_pretrained
     from megarl.config import load_config
+    from megarl.models.hf_mapping import ConversionError
 
     model_cfg = load_config([step4 / "config.yaml"]).model
     with pytest.raises(ConversionError, match="refused to unpickle io.open"):

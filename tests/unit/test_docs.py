@@ -151,7 +151,7 @@ RUNNERS = [
     Runner(r"^megarl report ", "test", "tests/e2e/test_rl.py::test_report_draws_the_run"),
     Runner(r"^megarl convert hf-to-mcore ", "test", "tests/distributed/test_convert.py"),
     Runner(r"^megarl convert mcore-to-hf ", "test", "tests/e2e/test_export.py::test_mcore_to_hf_writes_a_loadable_directory"),
-    Runner(r"^torchrun .*checkpoint_tools/", "test", "tests/distributed/test_convert.py"),
+    Runner(r"^torchrun .*-m megarl.checkpoint.cli ", "test", "tests/distributed/test_convert.py"),
     Runner(r"^sbatch .*launch/slurm/convert\.sbatch", "test",
            "tests/faults/test_multinode.py::test_slurm_convert_runs_one_step_on_the_first_nodes_address"),
     Runner(r"^sbatch .*launch/slurm/train\.sbatch", "test", "tests/e2e/test_launch.py::test_slurm_train_dry_run"),
@@ -193,7 +193,7 @@ def test_mapped_tests_exist():
 
 def test_repository_paths_in_commands_are_in_a_fresh_clone():
     paths = sorted({tok for _, c in _all_commands() for tok in shlex.split(c)
-                    if re.match(r"(configs|launch|benchmarks|scripts|checkpoint_tools|requirements)/", tok)})
+                    if re.match(r"(configs|launch|benchmarks|scripts|requirements)/", tok)})
     assert paths and [p for p in paths if not (ROOT / p).exists()] == []
     ignored = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True).stdout.split()
     assert ignored == []

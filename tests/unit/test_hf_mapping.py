@@ -11,10 +11,10 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from megarl.checkpoint.hf_mapping import (
+from megarl.models.hf_config import megatron_args_from_hf
+from megarl.models.hf_mapping import (
     SUPPORTED, ConversionError, GateUp, QKV, VocabPad, build_plan, check_names, skipped_hf_names,
 )
-from megarl.models.hf_config import megatron_args_from_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_FOR = {"llama": "tiny-llama", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3", "mixtral": "tiny-mixtral",

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from megarl.data.datasets import DataError, load_records, reverse_digits_records
+from megarl.data.datasets import DataError, load_records
 from megarl.data.tokenizer import DigitTokenizer
 from megarl.rewards import resolve_reward_fn, reward_fn_path
-from megarl.rewards.verifiers import (boxed_answer, countdown_reward, gsm8k_reward, math_reward,
-                                     reverse_digits_reward)
+from megarl.rewards.verifiers import boxed_answer, countdown_reward, gsm8k_reward, math_reward
+from megarl.tasks.reverse_digits import reverse_digits_records, reverse_digits_reward
 
 GSM8K = [  # (response, reference answer, verdict)
     ("She pays 3 * 4 = 12 dollars. #### 12", "12", 1.0),

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megarl.checkpoint.hf_mapping import layer_rules
 from megarl.config import ModelConfig
 from megarl.models.hf_config import megatron_args_from_hf
+from megarl.models.hf_mapping import layer_rules
 from megarl.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,10 +8,11 @@ import asyncio
 import pytest
 import torch
 
-from megarl.agent.tasks import CalculatorTask
-from megarl.data.datasets import DataError, PromptRecord, builtin_records, calculator_records, reverse_digits_records
+from megarl.data.datasets import DataError, PromptRecord
 from megarl.data.tokenizer import DigitTokenizer
-from megarl.training.tasks import calculator_batch, calculator_sequence_length
+from megarl.tasks.calculator import CalculatorTask, calculator_batch, calculator_records, calculator_sequence_length
+from megarl.tasks.registry import builtin_records
+from megarl.tasks.reverse_digits import reverse_digits_records
 
 TOKENS = DigitTokenizer()
 

@@ -1,11 +1,14 @@
-"""A tiny name -> function registry: the extension point for estimators, losses and KL estimators.
+"""Name -> entry registries, the extension points (advantage estimators, policy losses, KL
+estimators, reward functions, environments, tool-call formats, built-in tasks), and
+:func:`load_object` for a user's entry named by import path. No torch: reward workers import it.
 
-A new entry registers itself with a decorator and must pass the contract tests in
-``tests/unit/algorithms/test_contract.py``.
+A new entry registers itself with a decorator and must pass its kind's contract tests (e.g.
+``tests/unit/algorithms/test_contract.py``).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Dict, Generic, List, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -40,3 +43,12 @@ class Registry(Generic[F]):
 
     def names(self) -> List[str]:
         return sorted(self._entries)
+
+
+def load_object(path: str):
+    """The object at ``package.module:name`` (``name`` may be dotted, e.g. ``Class.method``)."""
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -27,18 +27,28 @@ import json
 import random
 from functools import partial
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional, Protocol
 
 import numpy as np
 import torch
 
 from megarl.checkpoint.disk import call_named_if_full, named_if_full
-from megarl.checkpoint.integrity import record_hashes, weights_only_loads, write_then_record_hashes
-from megarl.training.dist_ckpt import (
+from megarl.checkpoint.dist_ckpt import (
     TENSOR_BYTES, _unwrap, checkpoint_layer_keys, sharded_state_dict, tensor_bytes, verify_dist_checkpoint,
 )
-from megarl.training.lm import TrainState
+from megarl.checkpoint.integrity import record_hashes, weights_only_loads, write_then_record_hashes
 from megarl.runtime.devices import group_device
+
+
+class TrainState(Protocol):
+    """What is saved and restored: a :class:`megarl.engines.train_state.TrainState` (named by its
+    fields here, since the engines build on this package)."""
+
+    model: List[torch.nn.Module]  # DDP-wrapped chunks
+    optimizer: Any  # megatron MegatronOptimizer
+    scheduler: Any  # megatron OptimizerParamScheduler
+    groups: Any  # megarl.parallel.layout.ParallelGroups
+
 
 OPTIMIZER_FORMATS = {"reshardable": "fully_reshardable", "dp_reshardable": "dp_reshardable"}
 LAYOUT_FILE = "layout.json"

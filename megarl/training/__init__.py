@@ -1,1 +1,0 @@
-"""Megatron training plumbing shared by the engines, the LM demo and the parity tests."""
