@@ -156,7 +156,7 @@ def _compute_worker(out: Path, repeats: int) -> None:
         policy_loss=algo.policy_loss, agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
         kl_coef=0.0, entropy_coef=algo.entropy_coef, max_len=algo.max_new_tokens, temperature=algo.temperature,
         rollout_correction=algo.rollout_correction, rollout_correction_threshold=algo.rollout_correction_threshold))
-    rollout = NativeRollout(cfg.model, args, regroup(groups.layout, 1), state.model)
+    rollout = NativeRollout.colocated(cfg.model, args, regroup(groups.layout, 1), state.model)
     rollout.update_weights(0)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, args.vocab_size, (shape["prompt"],), generator=gen).tolist()
@@ -332,7 +332,7 @@ def _layout_costs(repeats: int) -> dict:
     groups = build_groups(Layout(tp=tp, dp=world // tp))
     set_seed(0, groups)
     state = build_train_state(cfg.model, cfg.optimizer, groups, total_steps=1000)
-    engine = NativeRollout(cfg.model, args, regroup(groups.layout, cfg.parallel.rollout.tp), state.model)
+    engine = NativeRollout.colocated(cfg.model, args, regroup(groups.layout, cfg.parallel.rollout.tp), state.model)
     role = Rollout(engine, PhaseOffload([state], False, False, False))
     role.update_weights(0)
     # a gloo call costs CPU too (about 0.5 ms for a few bytes here), which the gloo fits already

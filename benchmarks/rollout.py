@@ -42,7 +42,7 @@ def hf_twin(rollout, model_cfg, margs, hf_config: dict):
     import torch
     import transformers
 
-    from megarl.rollout.sglang_engine import HFNames
+    from megarl.hybrid.hf_names import HFNames
 
     names = HFNames(margs, model_cfg.make_vocab_size_divisible_by)
     state = {}
@@ -101,7 +101,7 @@ def worker(args) -> None:
         groups = build_groups(Layout(tp=tp, dp=world // tp))
         set_seed(0, groups)
         state = build_frozen_state(model_cfg, groups)
-        rollout = NativeRollout(model_cfg, margs, regroup(groups.layout, gen_tp), state.model)
+        rollout = NativeRollout.colocated(model_cfg, margs, regroup(groups.layout, gen_tp), state.model)
         rollout.update_weights(0)
         hf = hf_twin(rollout, model_cfg, margs, json.loads(Path(args.model).read_text())) if world == 1 else None
         gen = torch.Generator().manual_seed(0)

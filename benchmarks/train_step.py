@@ -70,6 +70,7 @@ def ppo_worker(args) -> None:
     import torch
 
     from megarl.config import ModelConfig, OptimizerConfig
+    from megarl.engines import supervised
     from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
     from megarl.engines.train_state import build_train_state
     from megarl.models.hf_config import megatron_args_from_hf

@@ -75,7 +75,7 @@ def main() -> int:
         state = build_frozen_state(model_cfg, groups)
         engine = MegatronEngine(state, args.vocab_size)
         rg = regroup(groups.layout, 1)
-        ok &= check("native", NativeRollout(model_cfg, args, rg, state.model), engine, prompts, dtype)
+        ok &= check("native", NativeRollout.colocated(model_cfg, args, rg, state.model), engine, prompts, dtype)
         try:
             import sglang  # noqa: F401
         except ImportError:

@@ -1,23 +1,25 @@
 """Compose a MegarlConfig from YAML files and ``key=value`` overrides, checked against the schema.
 
-Unknown keys, values of the wrong type and values outside a field's declared bounds (see
-``schema.bounded``) raise :class:`ConfigError` naming the full key; a YAML syntax error names the
+Unknown keys, values of the wrong type, values outside a field's declared bounds (see
+``schema.bounded``) and values a choice field (``schema.Choice``) does not allow raise :class:`ConfigError` naming the full key; a YAML syntax error names the
 file and line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
+import typing
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence, Type, TypeVar
+from typing import Iterable, Iterator, Optional, Sequence, Type, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 import yaml
 
-from megarl.config.schema import MegarlConfig
+from megarl.config.schema import Choice, MegarlConfig
 
 T = TypeVar("T")
 
@@ -26,8 +28,30 @@ class ConfigError(ValueError):
     """A configuration value or key a user must change."""
 
 
-def _explain(exc: OmegaConfBaseException, source: str) -> ConfigError:
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _choice_of(schema: type, key: str) -> Optional[Type[Choice]]:
+    """The Choice enum of field ``key`` (``a.b.c``) of ``schema``, or None."""
+    cls: object = schema
+    for part in key.split("."):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            return None
+        cls = _field_types(cls).get(part)
+    return cls if isinstance(cls, type) and issubclass(cls, Choice) else None
+
+
+def _bad_choice(key: str, value, choice: Type[Choice]) -> str:
+    return f"{key}='{value}' must be one of {choice.allowed()}"
+
+
+def _explain(exc: OmegaConfBaseException, source: str, schema: type = MegarlConfig) -> ConfigError:
     key = getattr(exc, "full_key", None) or "?"
+    choice = _choice_of(schema, key)
+    if choice is not None and getattr(exc, "value", None) is not None:  # a value the choice does not allow
+        return ConfigError(_bad_choice(key, exc.value, choice))
     msg = getattr(exc, "msg", None) or str(exc)
     first = str(msg).splitlines()[0]
     return ConfigError(f"{source}: config key '{key}': {first}")
@@ -50,8 +74,9 @@ _BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.
 
 
 def validate(cfg) -> None:
-    """Check every field's declared bounds (``schema.bounded``) over the tree; one ConfigError
-    lists every field out of bounds. NaN and infinity are out of any bounds."""
+    """Check every field's declared bounds (``schema.bounded``) and every choice field's value
+    (a config built in code may hold any string) over the tree; one ConfigError lists every field
+    out of bounds. NaN and infinity are out of any bounds."""
     problems = list(_out_of_bounds(cfg, ""))
     if problems:
         raise ConfigError("; ".join(problems))
@@ -62,6 +87,10 @@ def _out_of_bounds(cfg, prefix: str) -> Iterator[str]:
         value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             yield from _out_of_bounds(value, key + ".")
+            continue
+        choice = _choice_of(type(cfg), f.name)
+        if choice is not None and value not in tuple(choice):
+            yield _bad_choice(key, value, choice)
             continue
         bounds = f.metadata.get("bounds")
         if value is None or not bounds:
@@ -89,7 +118,7 @@ def load_config(
         try:
             cfg = OmegaConf.merge(cfg, _load_yaml(path))
         except OmegaConfBaseException as exc:
-            raise _explain(exc, str(path)) from None
+            raise _explain(exc, str(path), schema) from None
     overrides = list(overrides)
     for item in overrides:
         if "=" not in item:
@@ -98,7 +127,7 @@ def load_config(
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
         out = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
-        raise _explain(exc, "override") from None
+        raise _explain(exc, "override", schema) from None
     except yaml.YAMLError:  # an override's value is parsed as YAML too: name the one that fails
         for item in overrides:
             try:

@@ -7,7 +7,59 @@ are checked against this tree by :mod:`megarl.config.loader`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, List, Optional
+
+
+class Choice(StrEnum):
+    """A field with a fixed set of values. Members are their own values (yaml, ``key=value`` and
+    config.yaml read and write the value); the loader refuses any other value at load time, naming
+    the field and :meth:`allowed`. Code compares against members, never strings."""
+
+    @classmethod
+    def allowed(cls) -> str:
+        """The allowed values as error messages list them."""
+        return str(tuple(m.value for m in cls))
+
+
+class Engine(Choice):
+    """``parallel.rollout.engine``: the rollout backend (megarl/rollout/backends.py)."""
+
+    native = "native"
+    sglang = "sglang"
+
+
+class RolloutDtype(Choice):
+    """``parallel.rollout.dtype``: the native engine's generation precision."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class Placement(Choice):
+    """``trainer.placement``: where the rollout runs."""
+
+    colocated = "colocated"
+    split = "split"
+
+
+class Loop(Choice):
+    """``trainer.loop``: the schedule of generation and training."""
+
+    sync = "sync"
+    one_step_off = "one_step_off"
+
+
+class CheckpointFormat(Choice):
+    """``trainer.checkpoint_format``: how optimizer state is laid out in checkpoints."""
+
+    reshardable = "reshardable"
+    dp_reshardable = "dp_reshardable"
+
+    @classmethod
+    def allowed(cls) -> str:
+        return str(sorted(m.value for m in cls))
 
 
 def bounded(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None,
@@ -80,7 +132,7 @@ class RolloutLayoutConfig:
     """Generation pipeline-parallel size p_g."""
     ep: int = bounded(1, ge=1)
     """Generation expert-parallel size e_g (MoE)."""
-    engine: str = "native"
+    engine: Engine = Engine.native
     """``native`` (Megatron with a KV cache; CPU and GPU) or ``sglang`` (GPU, extra ``sglang``)."""
     bucket_mb: int = bounded(256, ge=1)
     """Hybrid-engine bucket: extra memory a weight sync may hold (MiB)."""
@@ -90,7 +142,7 @@ class RolloutLayoutConfig:
     nproc: int = bounded(0, ge=0)
     """Split placement (trainer.placement=split): the rollout's own ranks (its layout: tp above, dp =
     nproc / tp, pp = 1), besides the trainer's nnodes x nproc_per_node; ignored when colocated."""
-    dtype: str = "auto"
+    dtype: RolloutDtype = RolloutDtype.auto
     """Generation precision of the native engine: ``float32``, ``bfloat16`` or ``auto`` (the actor's
     model.params_dtype: fp32 on CPU, bf16 with CUDA). Training keeps its own; the weight sync casts
     (fp32 -> bf16 rounds). A bf16 rollout of an fp32 actor is the train-inference mismatch that
@@ -177,6 +229,10 @@ class DataConfig:
     """Sequences per optimizer step over all data-parallel ranks; must divide by dp*micro_batch_size."""
     micro_batch_size: int = bounded(2, ge=1)
     """Sequences per micro-batch on one data-parallel rank."""
+
+
+REWARD_MODEL = "model"
+"""``algorithm.reward_fn``'s value that scores with the reward model (reward_model.*) instead of a function."""
 
 
 @dataclass
@@ -319,18 +375,18 @@ class TrainerConfig:
     """Checkpoints kept (oldest removed first)."""
     resume: bool = True
     """Continue from the newest usable checkpoint in run_dir/checkpoints when there is one."""
-    checkpoint_format: str = "reshardable"
+    checkpoint_format: CheckpointFormat = CheckpointFormat.reshardable
     """Optimizer state in checkpoints: ``reshardable`` (per parameter under global names: resume at any
     tp/pp/dp/ep/vpp) or ``dp_reshardable`` (Megatron's bucket space: no data-parallel gather at save;
     resume may change dp only)."""
     async_save: bool = False
     """Write checkpoint tensors from a background process while training goes on (Megatron's async
     save); the checkpoint becomes ``latest`` once every rank has finished writing."""
-    placement: str = "colocated"
+    placement: Placement = Placement.colocated
     """``colocated``: every role on the same ranks, the rollout time-sharing them with training (the
     3D-HybridEngine). ``split``: the rollout gets its own parallel.rollout.nproc ranks and worker group,
     and each sync sends every rollout rank its generation shard from the training ranks that hold it."""
-    loop: str = "sync"
+    loop: Loop = Loop.sync
     """``sync`` (on-policy) or ``one_step_off`` (the rollout of step k+1 is drawn from the weights before
     update k; with split placement it is generated and scored while step k trains)."""
     max_staleness: int = bounded(0, ge=0)

@@ -17,7 +17,9 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, RayTaskError, WorkerCrashedError
 
 from megarl.config import ConfigError
+from megarl.config.schema import Engine
 from megarl.protocol import Batch, Columns, Dispatch, Verb
+from megarl.rollout.backends import rollout_backend
 from megarl.runtime.progress import describe_stall
 from megarl.runtime.processes import WorkerDied, WorkerHung, forks_die_with_this_process
 
@@ -63,17 +65,17 @@ def _node_placement(world_size: int, nnodes: int, cpus: float, gpus: float):
     return group
 
 
-def gpu_assignment(cluster_gpus: float, ranks: int, engine: str = "native") -> Tuple[int, str]:
+def gpu_assignment(cluster_gpus: float, ranks: int, engine: Engine = Engine.native) -> Tuple[int, str]:
     """GPUs each of a run's ``ranks`` workers (trainer and rollout together) asks Ray for, and why,
     from the Ray cluster's GPUs (``ray.cluster_resources()``), not the driver's: a GPU-less head node
     still gives the workers on its GPU nodes one each. One GPU per rank: two ranks of one NCCL
     communicator cannot share a GPU (NCCL's "Duplicate GPU detected"), and split placement's
     weights group spans trainer and rollout ranks. Raises ConfigError when the cluster has GPUs but
-    fewer than ``ranks``, or none for ``engine=sglang``."""
+    fewer than ``ranks``, or none for a GPU-only ``engine`` (sglang)."""
     if not cluster_gpus:
-        if engine == "sglang":
-            raise ConfigError("parallel.rollout.engine=sglang needs GPUs and the Ray cluster has none; "
-                              "use parallel.rollout.engine=native or a cluster with GPU nodes")
+        if rollout_backend(engine).needs_gpus:
+            raise ConfigError(f"parallel.rollout.engine={engine} needs GPUs and the Ray cluster has none; "
+                              f"use parallel.rollout.engine=native or a cluster with GPU nodes")
         return 0, "the Ray cluster has no GPUs: workers on CPU (gloo)"
     if cluster_gpus < ranks:
         raise ConfigError(f"{ranks} ranks (trainer and rollout) need a GPU each and the Ray cluster has "

@@ -17,6 +17,7 @@ import torch
 
 from megarl.algorithms.presets import preset, resolve
 from megarl.checkpoint.train_state import load_train_state, save_train_state, weights_checksum
+from megarl.config.schema import REWARD_MODEL, Placement
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
 from megarl.engines.offload import PhaseOffload
 from megarl.engines.train_state import build_frozen_state, build_train_state, copy_weights
@@ -29,6 +30,7 @@ from megarl.roles.actor import Actor, ActorLossConfig
 from megarl.roles.critic import Critic, CriticLossConfig
 from megarl.roles.reference import Reference
 from megarl.roles.rollout import Rollout
+from megarl.rollout.backends import rollout_backend
 from megarl.runtime import init_distributed, peak_gpu_gb, peak_rss_gb, progress, set_seed
 from megarl.runtime.devices import to_device, to_host
 
@@ -91,7 +93,7 @@ class RLWorker:
             progress.tick()
             self.roles["critic"] = Critic(MegatronEngine(critic_state, None, max_bad_steps=bad), CriticLossConfig(
                 clip_range=algo.clip_low, agg_mode=algo.agg_mode, max_len=algo.max_new_tokens))
-        if algo.reward_fn == "model":  # colocated, in the actor's layout
+        if algo.reward_fn == REWARD_MODEL:  # colocated, in the actor's layout
             from megarl.roles.reward_model import RewardModel
 
             rm = cfg.reward_model
@@ -114,30 +116,12 @@ class RLWorker:
                 # one rank per DP index answers: TP rank 0 of the last stage, CP rank 0 (CP ranks
                 # gather whole sequences, so each holds the full result)
                 "collect": g.tp_rank == 0 and g.is_last_stage and g.pg.cp.rank() == 0}
-        if cfg.trainer.placement == "split":  # the rollout has its own ranks: this rank sends it weights
-            if r.engine == "sglang":  # whole HF tensors, broadcast from rank 0 to the SGLang engines
-                from megarl.rollout.sglang_engine import SGLangBroadcaster, hf_bucket_plan
-
-                dtype = next(state.model[0].parameters()).dtype
-                vocab = cfg.model.make_vocab_size_divisible_by
-                plan = hf_bucket_plan(args, dtype, r.bucket_mb << 20, vocab)
-                self.sender = SGLangBroadcaster(args, layout, state.model, plan, vocab)
-            else:
-                from megarl.controller.split import transfer_plan
-                from megarl.hybrid.transfer import ShardSender
-
-                self.sender = ShardSender(transfer_plan(cfg, args), torch.distributed.get_rank(), state.model)
+        backend = rollout_backend(r.engine)
+        if cfg.trainer.placement == Placement.split:  # the rollout has its own ranks: this rank sends it weights
+            self.sender = backend.sender(cfg, args, layout, state.model)
             return info | {"verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
         regrouping = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
-        if r.engine == "sglang":
-            from megarl.rollout.sglang_engine import colocated_rollout
-
-            engine = colocated_rollout(cfg.model, r, args, regrouping, state.model, tokenizer=cfg.data.tokenizer)
-        else:
-            from megarl.rollout.native import NativeRollout
-
-            engine = NativeRollout(cfg.model, args, regrouping, state.model, bucket_bytes=r.bucket_mb << 20,
-                                   dtype=None if r.dtype == "auto" else r.dtype, record_routing=bool(args.num_experts))
+        engine = backend.colocated(cfg, args, regrouping, state.model)
         self.roles["rollout"] = Rollout(engine, self.phases)
         return info | {"micro_dp_group": list(regrouping.micro_dp_group(torch.distributed.get_rank())),
                        "gen_layout": str(regrouping.gen),
@@ -145,24 +129,12 @@ class RLWorker:
 
     # ------------------------------------------------------------------ split placement
     def connect_weights(self, address: str, port: int) -> None:
-        """Join the process group spanning these ranks and the rollout's (collective over both);
-        to SGLang's engines, rank 0 alone sends."""
-        if self.cfg.parallel.rollout.engine == "sglang":
-            from megarl.rollout.sglang_engine import WEIGHTS_GROUP, weights_process_group
-
-            if torch.distributed.get_rank() == 0:
-                self.weights_group = weights_process_group(address, port, 0, 1 + self.cfg.parallel.rollout.nproc,
-                                                           WEIGHTS_GROUP)
-            return
-        from megarl.hybrid.transfer import connect
-
-        self.sender.connect(connect(address, port, torch.distributed.get_rank(), self.sender.plan.world_size))
+        """Join the process group spanning these ranks and the rollout's (collective over both)."""
+        self.sender.connect(address, port)
 
     def publish_weights(self) -> int:
         """Send the actor's current weights to the rollout's ranks; the bytes this rank sent."""
-        if self.cfg.parallel.rollout.engine == "sglang":
-            return self.sender.send(getattr(self, "weights_group", None)).bytes_sent
-        return self.sender.sync().bytes_sent
+        return self.sender.send()
 
     # ------------------------------------------------------------------ checkpoints
     def _trained(self):

@@ -11,26 +11,6 @@ from __future__ import annotations
 from typing import Dict
 
 from megarl.controller.group import RoleProxy, WorkerGroup, wait_groups
-from megarl.hybrid.shards import ModelSpec
-from megarl.hybrid.transfer import TransferPlan, plan_transfer
-from megarl.parallel import Layout
-
-PLACEMENTS = ("colocated", "split")
-
-
-def rollout_layout(cfg) -> Layout:
-    """The rollout's own layout under split placement: parallel.rollout.tp over its nproc ranks, pp = 1."""
-    r = cfg.parallel.rollout
-    return Layout(tp=r.tp, pp=1, dp=max(1, r.nproc // r.tp))
-
-
-def transfer_plan(cfg, args) -> TransferPlan:
-    """The weight sync's plan (pure: the trainer's ranks and the rollout's compute the same)."""
-    train = Layout.from_config(cfg.parallel.actor, cfg.trainer.nnodes * cfg.trainer.nproc_per_node)
-    elems = max(1, (cfg.parallel.rollout.bucket_mb << 20) // 4 // 2)  # fp32 elements; two buckets in flight
-    return plan_transfer(ModelSpec.from_args(args, cfg.model.make_vocab_size_divisible_by), train,
-                         rollout_layout(cfg), elems)
-
 
 class SplitRollout:
     """The rollout role of split placement: generation on the rollout's group, weight syncs

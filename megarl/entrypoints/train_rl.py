@@ -22,23 +22,19 @@ from megarl.agent.loop import Agent, check_config as check_agent_config, total_b
 from megarl.algorithms.correction import check_rollout_correction
 from megarl.algorithms.presets import preset, resolve
 from megarl.checkpoint.load import check_pretrained, locate, resolve_model_config
-from megarl.checkpoint.train_state import OPTIMIZER_FORMATS
 from megarl.config import ConfigError, MegarlConfig, ParallelConfig, load_config, validate
-from megarl.config.schema import RolloutConfig
+from megarl.config.schema import REWARD_MODEL, Loop, Placement, RolloutConfig
 from megarl.data.datasets import load_records
 from megarl.data.tokenizer import load_tokenizer
 from megarl.hybrid import regroup
 from megarl.models.builder import check_layout
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
-from megarl.runtime.signals import Preempted, Preemption
+from megarl.runtime.signals import Preemption
 from megarl.tasks.registry import builtin_records
 from megarl.trainer.resume import check_resume
+from megarl.rollout.backends import rollout_backend, rollout_dtype
 from megarl.trainer.steps import PromptStream, Scorer
-
-LOOPS = ("sync", "one_step_off")
-ROLLOUT_DTYPES = ("auto", "float32", "bfloat16")  # parallel.rollout.dtype
-ROLLOUT_ENGINES = ("native", "sglang")  # parallel.rollout.engine
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +65,7 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     args = megatron_args_from_hf(cfg.model.hf_config)
     check_layout(args, layout, cfg.model)
     r = cfg.parallel.rollout
-    if cfg.trainer.placement != "split":  # colocated: the generation layout is regrouped from the actor's
+    if cfg.trainer.placement != Placement.split:  # colocated: the generation layout is regrouped from the actor's
         try:
             regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
         except ValueError as err:
@@ -93,16 +89,7 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         check_rollout_correction(algo.rollout_correction, algo.rollout_correction_threshold)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if r.engine not in ROLLOUT_ENGINES:
-        raise ConfigError(f"parallel.rollout.engine='{r.engine}' must be one of {ROLLOUT_ENGINES}")
-    if r.dtype not in ROLLOUT_DTYPES:
-        raise ConfigError(f"parallel.rollout.dtype='{r.dtype}' must be one of {ROLLOUT_DTYPES}")
-    if r.engine == "sglang" and r.dtype != "auto":
-        raise ConfigError(f"parallel.rollout.dtype={r.dtype} applies to the native engine; SGLang generates in the "
-                          f"actor's dtype (model.params_dtype): leave parallel.rollout.dtype=auto")
-    if cfg.trainer.checkpoint_format not in OPTIMIZER_FORMATS:
-        raise ConfigError(f"trainer.checkpoint_format='{cfg.trainer.checkpoint_format}' must be one of "
-                          f"{sorted(OPTIMIZER_FORMATS)}")
+    rollout_backend(r.engine).check(cfg)  # engine, dtype and the other choices are checked by validate()
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install 'megarl[tensorboard]'")
     rows = data.prompts_per_step * algo.samples_per_prompt
@@ -116,7 +103,7 @@ def prepare(cfg: MegarlConfig) -> Prepared:
                           f"(data.prompts_per_step x algorithm.samples_per_prompt) and be a multiple of the "
                           f"actor's dp={layout.dp}; null = the whole batch")
     if algo.routing_replay:
-        if r.engine == "sglang":
+        if not rollout_backend(r.engine).records_routing:
             raise ConfigError("algorithm.routing_replay=true needs the rollout's expert choices, which only the native "
                               "engine records; set parallel.rollout.engine=native or algorithm.routing_replay=false")
         if not args.num_experts:
@@ -131,7 +118,7 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's vocab_size is "
                           f"{args.vocab_size} (model.hf_config)")
-    if algo.reward_fn == "model":  # the reward model scores the policy's token ids
+    if algo.reward_fn == REWARD_MODEL:  # the reward model scores the policy's token ids
         rm_vocab = megatron_args_from_hf(cfg.reward_model.hf_config or cfg.model.hf_config).vocab_size
         if tokenizer.vocab_size > rm_vocab:
             raise ConfigError(f"the reward model's vocab_size is {rm_vocab} but the policy's tokenizer has "
@@ -183,7 +170,7 @@ def check_agent(cfg: MegarlConfig, args) -> bool:
     if preset(algo).greedy_baseline:
         raise ConfigError(f"algorithm.name={algo.name}: the greedy baseline is a single-turn response; with "
                           f"rollout.env use another estimator (e.g. grpo, rloo)")
-    if r.reward == "verifier" and algo.reward_fn == "model":
+    if r.reward == "verifier" and algo.reward_fn == REWARD_MODEL:
         raise ConfigError("rollout.reward=verifier scores the final turn with algorithm.reward_fn; the reward "
                           "model (reward_fn=model) reads whole sequences: use a verifier or rollout.reward=env")
     return True
@@ -191,14 +178,10 @@ def check_agent(cfg: MegarlConfig, args) -> bool:
 
 def check_placement(cfg: MegarlConfig, args) -> None:
     """trainer.placement, parallel.rollout.nproc, trainer.loop and trainer.max_staleness together."""
-    from megarl.controller.split import PLACEMENTS, rollout_layout, transfer_plan
+    from megarl.rollout.backends import rollout_layout, transfer_plan
 
     t, r, algo = cfg.trainer, cfg.parallel.rollout, cfg.algorithm
-    if t.placement not in PLACEMENTS:
-        raise ConfigError(f"trainer.placement='{t.placement}' must be one of {PLACEMENTS}")
-    if t.loop not in LOOPS:
-        raise ConfigError(f"trainer.loop='{t.loop}' must be one of {LOOPS}")
-    if t.placement == "colocated":
+    if t.placement == Placement.colocated:
         if t.max_staleness:
             raise ConfigError(f"trainer.max_staleness={t.max_staleness} streams batches from the rollout's own ranks: "
                               f"set trainer.placement=split (colocated ranks cannot generate while they train)")
@@ -216,13 +199,13 @@ def check_placement(cfg: MegarlConfig, args) -> None:
     if t.nnodes > 1:
         raise ConfigError("trainer.placement=split runs on one node for now (trainer.nnodes=1); use colocated "
                           "placement across nodes")
-    if t.max_staleness and t.loop != "one_step_off":
+    if t.max_staleness and t.loop != Loop.one_step_off:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} needs trainer.loop=one_step_off (the "
                           f"asynchronous loop)")
     if t.max_staleness > 1 and algo.rollout_correction == "none":
         raise ConfigError(f"trainer.max_staleness={t.max_staleness}: samples up to {t.max_staleness} versions old "
                           f"need importance weights; set algorithm.rollout_correction (e.g. token_tis)")
-    if t.loop == "one_step_off" and algo.reward_fn == "model":
+    if t.loop == Loop.one_step_off and algo.reward_fn == REWARD_MODEL:
         raise ConfigError("algorithm.reward_fn=model with trainer.placement=split and trainer.loop=one_step_off: the "
                           "reward model runs on the trainer's ranks, which are training while the next batch is "
                           "scored; use trainer.loop=sync or a reward function")
@@ -314,7 +297,7 @@ def check_pretrained_sources(cfg: MegarlConfig) -> None:
     """``model.path`` and the reward model's weights against their configs: files present and
     complete, every tensor's name, shape and dtype (a named ConversionError otherwise)."""
     rm = cfg.reward_model
-    if cfg.algorithm.reward_fn == "model" and not (rm.path or rm.checkpoint):
+    if cfg.algorithm.reward_fn == REWARD_MODEL and not (rm.path or rm.checkpoint):
         raise ConfigError("algorithm.reward_fn=model needs reward_model.path (an HF *ForSequenceClassification "
                           "directory) or reward_model.checkpoint (a Megatron dist checkpoint of a backbone with "
                           "a scalar head)")
@@ -322,18 +305,10 @@ def check_pretrained_sources(cfg: MegarlConfig) -> None:
         raise ConfigError("set one of reward_model.path and reward_model.checkpoint, not both")
     if cfg.model.path:
         check_pretrained(cfg.model.path, cfg.model, "model.path")
-    if cfg.algorithm.reward_fn == "model":
+    if cfg.algorithm.reward_fn == REWARD_MODEL:
         rm_cfg = dataclasses.replace(cfg.model, path=None, hf_config=rm.hf_config or cfg.model.hf_config)
         field = "reward_model.path" if rm.path else "reward_model.checkpoint"
         check_pretrained(rm.path or rm.checkpoint, rm_cfg, field, value_head=True)
-
-
-@dataclass
-class Roles:
-    actor: Any
-    rollout: Any
-    reference: Optional[Any] = None
-    critic: Optional[Any] = None
 
 
 def run(prepared: Prepared) -> List[dict]:
@@ -343,7 +318,7 @@ def run(prepared: Prepared) -> List[dict]:
     from megarl.trainer.logger import end_unfinished_mlflow_run
     from megarl.trainer.run_dir import lock_run_dir
 
-    check_engine_available(prepared.cfg)
+    rollout_backend(prepared.cfg.parallel.rollout.engine).check_available(prepared.cfg)
     with lock_run_dir(prepared.cfg.trainer.run_dir):
         try:
             return _run_locked(prepared)
@@ -355,64 +330,30 @@ def run(prepared: Prepared) -> List[dict]:
 def _run_locked(prepared: Prepared) -> List[dict]:
     from megarl.config import to_yaml
     from megarl.controller.cluster import RaySession
-    from megarl.controller.group import WorkerGroup, gpu_assignment
-    from megarl.controller.rl_worker import RLWorker
+    from megarl.controller.roles import build_roles, rollout_ranks, start_groups
     from megarl.trainer import loop, one_step_off
-    from megarl.trainer.checkpoint import Checkpoints
+    from megarl.trainer.checkpoint import CheckpointSchedule, Checkpoints
     from megarl.trainer.logger import RunLogger
 
     cfg = prepared.cfg
-    world = world_size(cfg)
-    split = cfg.trainer.placement == "split"
-    rollout_ranks = cfg.parallel.rollout.nproc if split else 0
     preemption = Preemption(cfg.trainer.signal_grace_s)  # SIGTERM: finish the step, checkpoint, exit 143
-    try:
-        session = RaySession(cfg.trainer, num_cpus=world + rollout_ranks)  # private on loopback, or trainer.ray_address
+    try:  # private on loopback, or trainer.ray_address
+        session = RaySession(cfg.trainer, num_cpus=world_size(cfg) + rollout_ranks(cfg))
     except BaseException:
         preemption.close()
         raise
     preemption.install()  # over the handler Ray's core worker set
-    group = rollout_group = None
     try:
-        import ray
-
-        gpus, why = gpu_assignment(ray.cluster_resources().get("GPU", 0), world + rollout_ranks,
-                                   cfg.parallel.rollout.engine)
-        print(f"megarl: {why}", file=sys.stderr, flush=True)
-        env = session.worker_env
-        if cfg.parallel.rollout.engine == "sglang":
-            from megarl.rollout.sglang_engine import worker_env
-
-            env = {**env, **worker_env()}
-        group = WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus, env=env,
-                            nnodes=cfg.trainer.nnodes, liveness=session.liveness)
-        if split:  # the rollout's own ranks, its own torch.distributed world
-            from megarl.controller.rollout_worker import RolloutWorker
-
-            rollout_group = WorkerGroup(RolloutWorker, rollout_ranks, cfg, cpus_per_worker=1, gpus_per_worker=gpus,
-                                        env=env, name="rollout", liveness=session.liveness)
+        groups = start_groups(cfg, session)
     except BaseException:
         preemption.close()
-        for g in (group, rollout_group):
-            if g is not None:
-                g.shutdown()
         prepared.scorer.close()
         session.close()
         raise
-    print(f"megarl: workers (rank: pid@node) {group.describe()}", file=sys.stderr, flush=True)
-    if split:
-        print(f"megarl: rollout workers (rank: pid@node) {rollout_group.describe()}", file=sys.stderr, flush=True)
+    group = groups[0]
     try:
-        proxies = group.roles()  # the roles the workers built for this algorithm, with their verbs
-        if split:
-            from megarl.controller.split import SplitRollout
-
-            rollout = SplitRollout(group, rollout_group, rollout_group.roles()["rollout"])
-        else:
-            rollout = proxies["rollout"]
-        roles = Roles(actor=proxies["actor"], rollout=rollout, reference=proxies.get("reference"),
-                      critic=proxies.get("critic"))
-        prepared.scorer.model = proxies.get("reward_model")
+        roles = build_roles(*groups)
+        prepared.scorer.model = roles.reward_model
         checkpoints = Checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
         found = checkpoints.latest() if cfg.trainer.resume else None
         done, run_id = 0, None
@@ -426,38 +367,17 @@ def _run_locked(prepared: Prepared) -> List[dict]:
             print(f"megarl: resuming after step {done} from {path}{relayout}", flush=True)
         log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, mlflow_run_id=run_id,
                         decode=prepared.tokenizer.decode)
-        in_flight = []  # async checkpoints whose tensors are still being written
-
-        def finish_checkpoints(blocking: bool) -> None:
-            if in_flight and checkpoints.finished(in_flight[0], lambda: all(group.call("finish_checkpoint", blocking))):
-                checkpoints.commit(in_flight.pop())
-
-        def after_step(step: int) -> None:
-            finish_checkpoints(blocking=False)
-            stop = preemption.requested
-            if (stop and cfg.trainer.save_on_signal) or (cfg.trainer.save_interval and (
-                    step % cfg.trainer.save_interval == 0 or step == cfg.trainer.train_steps)):
-                finish_checkpoints(blocking=True)  # one background write at a time
-                state = {"step": step, "stream": prepared.stream.state(), "reward_failures": prepared.scorer.failures,
-                         "mlflow_run_id": log.mlflow_run_id or ""}
-                tmp = checkpoints.begin(step, lambda tmp: group.call("save_checkpoint", str(tmp)), state, to_yaml(cfg))
-                if cfg.trainer.async_save:
-                    in_flight.append(tmp)
-                else:
-                    checkpoints.commit(tmp)
-            if stop:
-                finish_checkpoints(blocking=True)
-                saved = (f"checkpoint {checkpoints.newest()}" if cfg.trainer.save_on_signal else
-                         "no checkpoint (trainer.save_on_signal=false)")
-                raise Preempted(f"SIGTERM: stopped after step {step}, {saved}; rerun the command to resume")
-
-        train = one_step_off.train if cfg.trainer.loop == "one_step_off" else loop.train
+        schedule = CheckpointSchedule(
+            checkpoints, cfg.trainer, group, lambda step: {
+                "step": step, "stream": prepared.stream.state(), "reward_failures": prepared.scorer.failures,
+                "mlflow_run_id": log.mlflow_run_id or ""}, to_yaml(cfg), preemption)
+        train = one_step_off.train if cfg.trainer.loop == Loop.one_step_off else loop.train
         tok = prepared.tokenizer
         preemption.armed = True  # a SIGTERM from here on lets the step finish
         train(cfg, roles, prepared.stream, prepared.scorer, log, tok.eos_token_ids, tok.pad_token_id,
-              start_step=done + 1, after_step=after_step, agent=prepared.agent)
+              start_step=done + 1, after_step=schedule.after_step, agent=prepared.agent)
         preemption.armed = False
-        finish_checkpoints(blocking=True)
+        schedule.finish(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
         (log.run_dir / "final.json").write_text(json.dumps(final))
         png = log.close()
@@ -466,41 +386,9 @@ def _run_locked(prepared: Prepared) -> List[dict]:
     finally:
         preemption.close()
         prepared.scorer.close()  # the reward workers, even one stuck in a hanging function
-        group.shutdown()
-        if rollout_group is not None:
-            rollout_group.shutdown()
+        for g in groups:
+            g.shutdown()
         session.close()  # Ray, then any process of the run still alive
-
-
-def check_engine_available(cfg: MegarlConfig) -> None:
-    """SGLang needs CUDA and its extra: say so before any process starts (``--dry-run`` plans
-    without them)."""
-    if cfg.parallel.rollout.engine != "sglang":
-        return
-    import torch
-
-    # on a cluster the workers' nodes decide (gpu_assignment); a private Ray has this machine's GPUs
-    if not cfg.trainer.ray_address and not torch.cuda.is_available():
-        raise ConfigError("parallel.rollout.engine=sglang needs CUDA GPUs, and this machine has none; use "
-                          "parallel.rollout.engine=native here (--dry-run prints an SGLang run's plan anywhere)")
-    if importlib.util.find_spec("sglang") is None:
-        raise ConfigError("parallel.rollout.engine=sglang needs SGLang: pip install 'megarl[sglang]' (or use the "
-                          "Dockerfile's image)")
-
-
-def sglang_plan_lines(cfg: MegarlConfig, gen: Layout) -> List[str]:
-    """What an SGLang rollout would run: engines, the weight path, the memory order."""
-    r, off = cfg.parallel.rollout, cfg.trainer.offload
-    engines = f"{gen.dp} SGLang engine(s) (tp_size={gen.tp}, one per generation replica, started by its TP rank 0)"
-    if cfg.trainer.placement == "split":
-        return [f"sglang: {engines} on the rollout's ranks; each sync broadcasts whole HF tensors in "
-                f"{r.bucket_mb} MiB buckets from trainer rank 0 over an NCCL group with the engines "
-                f"(update_weights_from_distributed); needs CUDA and the sglang extra"]
-    offloaded = ", ".join(k for k in ("params", "grads", "optimizer") if getattr(off, k)) or "nothing"
-    return [f"sglang: {engines} on the training ranks; each step: generate → release SGLang's memory → train → "
-            f"resume its weights → sync (update_weights_from_tensor, CUDA-IPC handles per generation-TP rank, "
-            f"{r.bucket_mb} MiB buckets) → offload the trainer's state ({offloaded}) → resume SGLang's KV cache; "
-            f"needs CUDA and the sglang extra"]
 
 
 def plan(prepared: Prepared) -> str:
@@ -508,7 +396,7 @@ def plan(prepared: Prepared) -> str:
     cfg, layout = prepared.cfg, prepared.layout
     args = megatron_args_from_hf(cfg.model.hf_config)
     r = cfg.parallel.rollout
-    if cfg.trainer.placement == "split":
+    if cfg.trainer.placement == Placement.split:
         return split_plan(prepared, args)
     rg = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
     lines = [f"nodes {cfg.trainer.nnodes} x {cfg.trainer.nproc_per_node} ranks = world {layout.world_size}; "
@@ -516,8 +404,7 @@ def plan(prepared: Prepared) -> str:
              f"actor layout {layout}; rollout layout {rg.gen} ({r.engine}); micro-DP size {rg.micro_dp}",
              f"algorithm {cfg.algorithm.name}; {cfg.data.prompts_per_step} prompts x "
              f"{cfg.algorithm.samples_per_prompt} samples per step; loop {cfg.trainer.loop}"]
-    if r.engine == "sglang":
-        lines += sglang_plan_lines(cfg, rg.gen)
+    lines += rollout_backend(r.engine).plan_lines(cfg, rg.gen, cfg.trainer.placement)
     for rank in range(layout.world_size):
         c, g = layout.coords(rank), rg.gen_coords(rank)
         lines.append(f"rank {rank:4d} node {rank // cfg.trainer.nproc_per_node}: actor tp={c['tp']} pp={c['pp']} "
@@ -529,13 +416,14 @@ def plan(prepared: Prepared) -> str:
 def split_plan(prepared: Prepared, args) -> str:
     """The plan of split placement: the trainer's ranks, the rollout's, and what each rollout rank
     receives per sync (its generation shard) from which training ranks."""
-    from megarl.controller.split import transfer_plan
+    from megarl.rollout.backends import transfer_plan
 
     cfg, layout = prepared.cfg, prepared.layout
     r, t = cfg.parallel.rollout, cfg.trainer
     tp = transfer_plan(cfg, args)
-    itemsize = 2 if (r.dtype if r.dtype != "auto" else cfg.model.params_dtype) == "bfloat16" else 4
-    staleness = {"sync": "0", "one_step_off": str(t.max_staleness or 1)}[t.loop]
+    backend = rollout_backend(r.engine)
+    itemsize = 2 if (rollout_dtype(r) or cfg.model.params_dtype) == "bfloat16" else 4
+    staleness = {Loop.sync: "0", Loop.one_step_off: str(t.max_staleness or 1)}[t.loop]
     lines = [f"placement split: trainer {layout.world_size} ranks (actor layout {layout}); rollout {r.nproc} ranks "
              f"(layout {tp.gen}, {r.engine}); ray {t.ray_address or 'private, 127.0.0.1'}",
              f"algorithm {cfg.algorithm.name}; {cfg.data.prompts_per_step} prompts x {cfg.algorithm.samples_per_prompt} "
@@ -544,15 +432,11 @@ def split_plan(prepared: Prepared, args) -> str:
              + f" (staleness <= {staleness})",
              f"weight sync: {len(tp.buckets)} bucket(s) over the group spanning trainer ranks 0..{tp.offset - 1} and "
              f"rollout ranks {tp.offset}..{tp.world_size - 1}"
-             + (" (SGLang: update_weights_from_distributed)" if r.engine == "sglang" else "")]
-    if r.engine == "sglang":  # whole tensors by broadcast, not shards point to point
-        lines += sglang_plan_lines(cfg, tp.gen)
-        whole = tp.model.numel() * itemsize / 2**20
-        lines += [f"trainer rank    0: gathers each bucket's whole tensors over the actor's groups and broadcasts "
-                  f"{whole:.2f} MiB per sync",
-                  f"rollout ranks {tp.offset}..{tp.world_size - 1}: the SGLang engines receive the {whole:.2f} MiB "
-                  f"and load their own TP shards"]
-        return "\n".join(lines)
+             + backend.weight_path()]
+    lines += backend.plan_lines(cfg, tp.gen, t.placement)
+    whole = backend.split_plan_lines(cfg, tp, layout, itemsize)
+    if whole is not None:  # whole tensors by broadcast, not shards point to point
+        return "\n".join(lines + whole)
     for rank in range(layout.world_size):
         c = layout.coords(rank)
         lines.append(f"trainer rank {rank:4d}: actor tp={c['tp']} pp={c['pp']} dp={c['dp']} ep={c['ep']} | sends "

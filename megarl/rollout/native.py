@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,36 +54,35 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megarl.hybrid import ModelSpec, Regrouping, Resharder
+from megarl.hybrid import ModelSpec, Regrouping
 from megarl.hybrid.names import check_planned, planned_tensors
-from megarl.hybrid.transfer import ShardReceiver, TransferPlan
 from megarl.models import build_model
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.models import routing_replay
-from megarl.parallel import LayoutError, build_groups, build_placed_groups
+from megarl.parallel import LayoutError
 from megarl.rollout.sampling import generator_for, sample
-from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams
-from megarl.runtime import cpu_mode, progress, set_seed
+from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows
+from megarl.runtime import cpu_mode, progress
+from megarl.transports import WeightReceiver
+from megarl.transports.micro_dp import MicroDPReceiver
 
 
 class NativeRollout(RolloutEngine):
     """Generation with the actor's architecture in layout ``regrouping.gen``."""
 
-    def __init__(self, model_cfg, args: MegatronModelArgs, regrouping: Union[Regrouping, TransferPlan],
-                 train_chunks: Optional[List[torch.nn.Module]] = None, bucket_bytes: int = 256 << 20,
-                 max_batch_rows: int = 256, kv_cache: bool = True, dtype: Optional[str] = None,
-                 record_routing: bool = False, seed: int = 0):
-        """Colocated: ``regrouping`` places the generation layout on the training ranks, whose
-        ``train_chunks`` feed it in process. Split placement: a :class:`TransferPlan`; the rollout
-        is this world's own layout ``plan.gen`` and receives its weights from the trainer's ranks
-        (:meth:`connect` first). ``dtype``: the generation model's ``params_dtype`` (``float32``,
-        ``bfloat16``); None = the training model's (``model_cfg.params_dtype``).
-        ``record_routing``: an MoE model's responses carry the top-k experts of every token fed
-        through it (``Response.routing``, for routing replay)."""
+    def __init__(self, model_cfg, args: MegatronModelArgs, weights: WeightReceiver, max_batch_rows: int = 256,
+                 kv_cache: bool = True, dtype: Optional[str] = None, record_routing: bool = False):
+        """``weights`` (megarl.transports) places the generation layout ``weights.gen`` and fills its
+        weights: colocated, a :class:`~megarl.transports.micro_dp.MicroDPReceiver` on the training
+        ranks, in process (see :meth:`colocated`); split placement, a
+        :class:`~megarl.transports.p2p.P2PReceiver` in this world's own layout (:meth:`connect`
+        first). ``dtype``: the generation model's ``params_dtype`` (``float32``, ``bfloat16``);
+        None = the training model's (``model_cfg.params_dtype``). ``record_routing``: an MoE
+        model's responses carry the top-k experts of every token fed through it
+        (``Response.routing``, for routing replay)."""
         if dtype is not None:
             model_cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
-        split = isinstance(regrouping, TransferPlan)
-        gen = dataclasses.replace(regrouping.gen, sequence_parallel=False)  # decode steps are one token long
+        gen = dataclasses.replace(weights.gen, sequence_parallel=False)  # decode steps are one token long
         if gen.ep > 1 and model_cfg.moe_token_dispatcher != "alltoall":
             raise ValueError(f"rollout.ep={gen.ep} needs model.moe_token_dispatcher=alltoall (got "
                              f"'{model_cfg.moe_token_dispatcher}'): the replicas of an expert group feed "
@@ -91,14 +90,9 @@ class NativeRollout(RolloutEngine):
         self.args, self.vocab = args, args.vocab_size
         self.max_batch_rows = max_batch_rows
         self.kv_cache = kv_cache  # False: recompute the whole sequence every step (a baseline)
+        self.transport = weights
         try:
-            if split:  # the rollout's world is its own: its layout is Megatron's primary one here
-                self.groups = build_groups(gen)
-                # Megatron's parallel layers fork its CUDA RNG tracker while they are built on a GPU
-                set_seed(seed, self.groups)
-            else:
-                positions = sorted(range(len(regrouping.gen_rank)), key=lambda r: regrouping.gen_rank[r])
-                self.groups = build_placed_groups(gen, positions)
+            self.groups = weights.place(gen)
             # The local spec always: the decode passes boolean padding masks (left-padded prompts),
             # which Transformer Engine's fused attention ignores under the causal mask types.
             local = dataclasses.replace(model_cfg, transformer_impl="local")
@@ -118,12 +112,8 @@ class NativeRollout(RolloutEngine):
             self.routers = sorted(routing_replay.attach([self.model])[0], key=lambda h: h.moe_index)
             for handle in self.routers:
                 handle.record = True
-        if split:
-            self.resharder = ShardReceiver(regrouping, dist.get_rank(), tensors)
-        else:
-            self.resharder = Resharder.create(ModelSpec.from_args(args, model_cfg.make_vocab_size_divisible_by),
-                                              regrouping, train_chunks, bucket_bytes, outputs=tensors)
-        shard = regrouping.shards[dist.get_rank()] if split else self.resharder.plan.gen[dist.get_rank()]
+        self.resharder = weights.bind(ModelSpec.from_args(args, model_cfg.make_vocab_size_divisible_by), tensors)
+        shard = weights.shard(self.resharder, dist.get_rank())
         check_planned([self.model], shard, f"rollout rank {dist.get_rank()}")
         self.weights = list(self.resharder.outputs.values())
         self.released = False
@@ -140,9 +130,20 @@ class NativeRollout(RolloutEngine):
         self.policy_version = policy_version
         self.stale = False
 
-    def connect(self, group) -> None:
-        """Split placement: the process group spanning the trainer's ranks and this world's."""
-        self.resharder.connect(group)
+    @classmethod
+    def colocated(cls, model_cfg, args: MegatronModelArgs, regrouping: Regrouping,
+                  train_chunks: Optional[List[torch.nn.Module]] = None, bucket_bytes: int = 256 << 20,
+                  **kwargs) -> "NativeRollout":
+        """Colocated: ``regrouping`` places the generation layout on the training ranks, whose
+        ``train_chunks`` feed it in process in buckets of ``bucket_bytes``."""
+        return cls(model_cfg, args, MicroDPReceiver(regrouping, train_chunks, bucket_bytes), **kwargs)
+
+    def connect_weights(self, address: str, port: int) -> None:
+        """Split placement: join the process group spanning the trainer's ranks and this world's."""
+        self.transport.connect(address, port, self.resharder)
+
+    def sync_bytes(self):
+        return self.transport.sync_bytes(self.resharder)
 
     def release_memory(self) -> None:
         """Free the generation weights' storage (the tensors stay, empty) until resume_memory()."""
@@ -174,10 +175,8 @@ class NativeRollout(RolloutEngine):
         begin = time.perf_counter()
         seed = sampling.seed if sampling.seed is not None else self.calls
         self.calls += 1
-        rows = [(p, s) for p in range(len(prompts)) for s in range(sampling.n)]
-        dp, dp_rank = self.groups.layout.dp, self.groups.pg.dp.rank()
-        share = -(-len(rows) // dp)
-        mine = rows[dp_rank * share:(dp_rank + 1) * share]
+        dp = self.groups.layout.dp
+        mine, share = dp_rows(len(prompts), sampling.n, dp, self.groups.pg.dp.rank())
         out: List[Response] = []
         # in lock-step, every replica decodes as many micro-batches (some empty)
         span = max(share, 1) if self.lockstep else len(mine)

@@ -121,6 +121,15 @@ class RolloutEngine(abc.ABC):
         """Drop cached prefixes (stale after a weight update)."""
 
 
+def dp_rows(prompts: int, n: int, dp: int, dp_rank: int) -> Tuple[List[Tuple[int, int]], int]:
+    """The (prompt, sample) rows a generation data-parallel replica decodes: a contiguous share of
+    the prompt-major rows, ceil(rows / dp) each (the last replicas may get fewer, or none); and
+    that share."""
+    rows = [(p, s) for p in range(prompts) for s in range(n)]
+    share = -(-len(rows) // dp)
+    return rows[dp_rank * share:(dp_rank + 1) * share], share
+
+
 def stack_log_probs(responses: Sequence[Response]) -> torch.Tensor:
     """[rows, max_len] log-probs of responses, zero past each length."""
     width = max((r.length for r in responses), default=0)

@@ -157,3 +157,42 @@ class Checkpoints:
                 log.warning("checkpoint not usable, trying the previous one: %s", err)
                 print(f"megarl: checkpoint not usable, trying the previous one: {err}", flush=True)
         return None
+
+
+class CheckpointSchedule:
+    """When a run saves: every ``trainer.save_interval`` steps and at the last one, and after the
+    step a SIGTERM arrived in (``preemption``, megarl.runtime.signals.Preemption; then the run
+    stops with Preempted). With ``trainer.async_save`` the workers' tensors are still being
+    written when a save returns; a checkpoint is committed once every rank has finished, one
+    background write at a time. ``workers``: the trainer's worker group; ``driver_state(step)``:
+    the driver's part of a checkpoint."""
+
+    def __init__(self, checkpoints: Checkpoints, trainer_cfg, workers, driver_state, config_yaml: str, preemption):
+        self.checkpoints, self.t, self.workers = checkpoints, trainer_cfg, workers
+        self.driver_state, self.config_yaml, self.preemption = driver_state, config_yaml, preemption
+        self.in_flight: List[Path] = []  # async checkpoints whose tensors are still being written
+
+    def finish(self, blocking: bool) -> None:
+        if self.in_flight and self.checkpoints.finished(
+                self.in_flight[0], lambda: all(self.workers.call("finish_checkpoint", blocking))):
+            self.checkpoints.commit(self.in_flight.pop())
+
+    def after_step(self, step: int) -> None:
+        from megarl.runtime.signals import Preempted
+
+        t = self.t
+        self.finish(blocking=False)
+        stop = self.preemption.requested
+        if (stop and t.save_on_signal) or (t.save_interval and (step % t.save_interval == 0 or step == t.train_steps)):
+            self.finish(blocking=True)  # one background write at a time
+            tmp = self.checkpoints.begin(step, lambda tmp: self.workers.call("save_checkpoint", str(tmp)),
+                                         self.driver_state(step), self.config_yaml)
+            if t.async_save:
+                self.in_flight.append(tmp)
+            else:
+                self.checkpoints.commit(tmp)
+        if stop:
+            self.finish(blocking=True)
+            saved = (f"checkpoint {self.checkpoints.newest()}" if t.save_on_signal else
+                     "no checkpoint (trainer.save_on_signal=false)")
+            raise Preempted(f"SIGTERM: stopped after step {step}, {saved}; rerun the command to resume")

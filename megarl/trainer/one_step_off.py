@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from megarl.config.schema import Placement
 from megarl.trainer.producer import Producer
 from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, train_on
 
@@ -28,7 +29,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
 
     roles.rollout.update_weights(start_step - 1)
     producer = Producer(draw, roles.rollout, start_step, t.train_steps, bound=t.max_staleness or 1,
-                        threaded=t.placement == "split")
+                        threaded=t.placement == Placement.split)
     try:
         for step in range(start_step, t.train_steps + 1):
             with log.phase("wait_rollout"):  # what generation and scoring did not hide

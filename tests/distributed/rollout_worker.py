@@ -101,7 +101,7 @@ def max_diff(engine, responses, temperature) -> float:
 def bf16_rollout(record, model_cfg, args, rg, state, engine, sampling) -> None:
     """The same samples from a bf16 generation model fed by the fp32 actor: its weights and logits
     are bf16, the training shards stay fp32, and the mismatch to the trainer grows."""
-    rollout = NativeRollout(model_cfg, args, rg, state.model, bucket_bytes=1 << 16, max_batch_rows=3, dtype="bfloat16")
+    rollout = NativeRollout.colocated(model_cfg, args, rg, state.model, bucket_bytes=1 << 16, max_batch_rows=3, dtype="bfloat16")
     rollout.update_weights(policy_version=1)
     record["bf16_weight_dtypes"] = sorted({str(t.dtype) for t in rollout.weights})
     record["bf16_train_dtypes"] = sorted({str(p.dtype) for c in state.model for p in c.parameters()})
@@ -137,7 +137,7 @@ def run(work: Path, case: str) -> None:
     moe = bool(args.num_experts)
     if moe:  # the rollout records each token's experts; the trainer counts those it would route elsewhere
         engine.track_routing(replay=False)
-    rollout = NativeRollout(model_cfg, args, rg, state.model, bucket_bytes=1 << 16, max_batch_rows=3,
+    rollout = NativeRollout.colocated(model_cfg, args, rg, state.model, bucket_bytes=1 << 16, max_batch_rows=3,
                             record_routing=moe)
     rollout.update_weights(policy_version=1)
     record = {"case": case}

@@ -28,8 +28,10 @@ import torch.distributed as dist
 from megarl.engines.offload import PhaseOffload
 from megarl.hybrid import ModelSpec
 from megarl.rollout import SamplingParams
-from megarl.rollout.sglang_engine import (HFNames, SGLangBroadcaster, broadcast_from_root, colocated_rollout,
-                                          hf_bucket_plan, weights_process_group)
+from megarl.hybrid.hf_names import HFNames
+from megarl.rollout.sglang_engine import colocated_rollout
+from megarl.transports.nccl_broadcast import (SGLangBroadcaster, broadcast_from_root, hf_bucket_plan,
+                                              weights_process_group)
 from megarl.roles.rollout import Rollout
 
 BUCKET_BYTES = 48 << 10  # small: several buckets

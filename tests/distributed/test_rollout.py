@@ -191,4 +191,4 @@ def test_expert_parallel_generation_needs_the_alltoall_dispatcher():
     args = megatron_args_from_hf(path)
     rg = regroup(Layout(dp=2, ep=2, etp=1), 1, 1, 2, args.num_experts)
     with pytest.raises(ValueError, match="rollout.ep=2 needs model.moe_token_dispatcher=alltoall"):
-        NativeRollout(ModelConfig(hf_config=path, moe_token_dispatcher="allgather"), args, rg)
+        NativeRollout.colocated(ModelConfig(hf_config=path, moe_token_dispatcher="allgather"), args, rg)

@@ -21,8 +21,9 @@ from megarl.config import ModelConfig
 from megarl.config.schema import RolloutLayoutConfig
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.roles.rollout import Rollout
-from megarl.rollout.sglang_engine import colocated_rollout, hf_bucket_plan, request_params, write_hf_dir
+from megarl.rollout.sglang_engine import colocated_rollout, request_params, write_hf_dir
 from megarl.rollout.types import RolloutEngine, SamplingParams
+from megarl.transports.nccl_broadcast import hf_bucket_plan
 
 NAMES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3"]
 

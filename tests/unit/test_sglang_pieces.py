@@ -16,8 +16,9 @@ from megarl.hybrid import ModelSpec
 from megarl.hybrid.shards import Placement
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
-from megarl.rollout.sglang_engine import (HFNames, assemble, buckets, checkpoint_key, flatten, payloads_by_name,
-                                          require_sglang, unflatten)
+from megarl.hybrid.hf_names import HFNames, assemble, checkpoint_key
+from megarl.rollout.sglang_engine import require_sglang
+from megarl.transports.cuda_ipc import buckets, flatten, payloads_by_name, unflatten
 
 NAMES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3"]
 

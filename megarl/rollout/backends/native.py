@@ -1,0 +1,32 @@
+"""The native backend: the actor's own Megatron model in the generation layout with a KV cache
+(megarl.rollout.native), fed in process (micro-DP resharding) when colocated and point to point
+when split. Runs on CPU and GPU."""
+
+from __future__ import annotations
+
+from megarl.config.schema import Engine
+from megarl.rollout.backends import RolloutBackend, rollout_dtype, transfer_plan
+
+
+class NativeBackend(RolloutBackend):
+    name = Engine.native
+    records_routing = True
+
+    def colocated(self, cfg, args, regrouping, train_chunks):
+        from megarl.rollout.native import NativeRollout
+
+        r = cfg.parallel.rollout
+        return NativeRollout.colocated(cfg.model, args, regrouping, train_chunks, bucket_bytes=r.bucket_mb << 20,
+                                       dtype=rollout_dtype(r), record_routing=bool(args.num_experts))
+
+    def split(self, cfg, args, plan):
+        from megarl.rollout.native import NativeRollout
+        from megarl.transports.p2p import P2PReceiver
+
+        return NativeRollout(cfg.model, args, P2PReceiver(plan, seed=cfg.trainer.seed),
+                             dtype=rollout_dtype(cfg.parallel.rollout), record_routing=bool(args.num_experts))
+
+    def sender(self, cfg, args, layout, train_chunks):
+        from megarl.transports.p2p import P2PSender
+
+        return P2PSender(transfer_plan(cfg, args), train_chunks)

@@ -1,0 +1,64 @@
+"""Weight transports: how the actor's weights reach a rollout engine, one file per transport.
+
+Each transport is a sender (the trainer's side) and a receiver (the engine's side) over the
+interfaces below; a rollout backend (megarl/rollout/backends/) picks one per placement, and
+engines receive through it without knowing which:
+
+- :mod:`~megarl.transports.micro_dp`: colocated, in process (the 3D-HybridEngine's micro-DP resharding);
+- :mod:`~megarl.transports.p2p`: split placement, each rollout rank its shard point to point;
+- :mod:`~megarl.transports.cuda_ipc`: colocated hand-over of whole tensors to SGLang as CUDA-IPC handles;
+- :mod:`~megarl.transports.nccl_broadcast`: split placement, whole HF tensors broadcast to SGLang.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+
+class WeightSender(abc.ABC):
+    """A training rank's side of a sync to another worker group (split placement)."""
+
+    @abc.abstractmethod
+    def connect(self, address: str, port: int) -> None:
+        """Join the group spanning the senders and the receivers (collective over both)."""
+
+    @abc.abstractmethod
+    def send(self) -> int:
+        """Send one sync; the bytes this rank sent."""
+
+
+class WeightReceiver(abc.ABC):
+    """An engine rank's side: where its generation layout's ranks sit and what fills its weights.
+
+    An engine calls :meth:`place` for its process groups, then :meth:`bind` with the tensors to
+    fill (local name -> tensor); the returned executor's ``sync()`` fills them, its ``outputs``,
+    ``versions`` (what moved last: cleared, everything moves) and ``last`` (SyncStats) say how."""
+
+    @property
+    @abc.abstractmethod
+    def gen(self):
+        """The generation layout (megarl.parallel.Layout)."""
+
+    @abc.abstractmethod
+    def place(self, gen):
+        """The generation layout's process groups on this world's ranks (``gen`` may differ from
+        :attr:`gen` in settings that do not move ranks, e.g. sequence parallelism)."""
+
+    @abc.abstractmethod
+    def bind(self, model, outputs: Optional[Dict[str, torch.Tensor]] = None):
+        """The executor filling ``outputs`` for ``model`` (megarl.hybrid.ModelSpec)."""
+
+    @abc.abstractmethod
+    def shard(self, executor, rank: int) -> List:
+        """The planned local tensors of ``rank``'s generation shard (what the model must hold)."""
+
+    def connect(self, address: str, port: int, executor) -> None:
+        """Join the group spanning the senders and this world (split placement); in process: nothing."""
+
+    def sync_bytes(self, executor) -> Optional[Tuple[int, int]]:
+        """(bytes received in the last sync, bytes of this rank's shard); None where the transport
+        does not move shards (in process, or whole tensors)."""
+        return None
