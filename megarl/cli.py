@@ -92,11 +92,9 @@ def _layout(args: List[str]) -> int:
     files, overrides = _split([a for a in args if a not in sizes])
     cfg = load_config(files, overrides)
     world = world or cfg.trainer.nproc_per_node
-    layout = Layout.from_config(cfg.parallel.actor, world)
-    print(f"actor layout {layout} over {world} ranks (Megatron order tp-cp-ep-dp-pp)")
-    for rank in range(world):
-        coords = layout.coords(rank)
-        print(f"rank {rank:4d}: " + " ".join(f"{k}={v}" for k, v in coords.items()))
+    from megarl.controller.plan import layout_lines
+
+    print("\n".join(layout_lines(Layout.from_config(cfg.parallel.actor, world))))
     return 0
 
 

@@ -22,7 +22,8 @@ import torch
 
 from megarl.config import load_config
 from megarl.controller.rl_worker import RLWorker
-from megarl.entrypoints.train_rl import Roles, prepare
+from megarl.controller.roles import Roles
+from megarl.entrypoints.train_rl import prepare
 from megarl.protocol import declared_verbs
 from megarl.trainer.logger import RunLogger
 from megarl.trainer.loop import train

@@ -19,7 +19,8 @@ import torch
 from megarl.checkpoint.dist_ckpt import checkpoint_layer_keys, load_model, sharded_state_dict, verify_dist_checkpoint
 from megarl.checkpoint.hf_io import INDEX, HFCheckpoint
 from megarl.checkpoint.integrity import manifest_root, verify_manifest
-from megarl.config import load_config
+from megarl.config import ConfigError, load_config
+from megarl.config.schema import REWARD_MODEL
 from megarl.models import build_model
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.models.hf_mapping import (
@@ -305,3 +306,21 @@ def _check_mcore(directory: Path, model_cfg, args, value_head: bool, field: str)
         if meta.properties.dtype not in LOADABLE_DTYPES:
             raise ConversionError(f"{field}={directory}: '{sh.key}' is {meta.properties.dtype}, megarl loads "
                                   f"float32, bfloat16 or float16")
+
+
+def check_pretrained_sources(cfg) -> None:
+    """``model.path`` and the reward model's weights against their configs: files present and
+    complete, every tensor's name, shape and dtype (a named ConversionError otherwise)."""
+    rm = cfg.reward_model
+    if cfg.algorithm.reward_fn == REWARD_MODEL and not (rm.path or rm.checkpoint):
+        raise ConfigError("algorithm.reward_fn=model needs reward_model.path (an HF *ForSequenceClassification "
+                          "directory) or reward_model.checkpoint (a Megatron dist checkpoint of a backbone with "
+                          "a scalar head)")
+    if rm.path and rm.checkpoint:
+        raise ConfigError("set one of reward_model.path and reward_model.checkpoint, not both")
+    if cfg.model.path:
+        check_pretrained(cfg.model.path, cfg.model, "model.path")
+    if cfg.algorithm.reward_fn == REWARD_MODEL:
+        rm_cfg = dataclasses.replace(cfg.model, path=None, hf_config=rm.hf_config or cfg.model.hf_config)
+        field = "reward_model.path" if rm.path else "reward_model.checkpoint"
+        check_pretrained(rm.path or rm.checkpoint, rm_cfg, field, value_head=True)

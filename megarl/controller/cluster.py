@@ -84,3 +84,12 @@ class RaySession:
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
+
+
+def check_cluster(trainer) -> None:
+    """``trainer.nnodes`` against ``trainer.ray_address``."""
+    from megarl.config import ConfigError
+
+    if trainer.nnodes > 1 and not trainer.ray_address:
+        raise ConfigError(f"trainer.nnodes={trainer.nnodes} needs trainer.ray_address (a Ray cluster; "
+                          f"launch/slurm/train.sbatch starts one); a private Ray spans one machine")

@@ -73,3 +73,15 @@ def build_roles(group, rollout_group=None) -> Roles:
         rollout = proxies["rollout"]
     return Roles(actor=proxies["actor"], rollout=rollout, reference=proxies.get("reference"),
                  critic=proxies.get("critic"), reward_model=proxies.get("reward_model"))
+
+
+def check_role_layouts(parallel, layout) -> None:
+    """The trained roles share the trainer's ranks and the actor's layout (one Megatron layout per
+    process): ``parallel.critic`` and ``parallel.reference`` unset or equal to ``parallel.actor``."""
+    from megarl.config import ConfigError, ParallelConfig
+
+    for role in ("critic", "reference"):
+        if getattr(parallel, role) not in (ParallelConfig(), parallel.actor):
+            raise ConfigError(f"parallel.{role} differs from parallel.actor: the {role} runs on the trainer's ranks in "
+                              f"the actor's layout {layout} (one Megatron layout per process); leave parallel.{role} "
+                              f"unset or equal to parallel.actor")

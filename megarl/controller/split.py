@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Dict
 
+from megarl.config import ConfigError
+from megarl.config.schema import REWARD_MODEL, Loop, Placement
 from megarl.controller.group import RoleProxy, WorkerGroup, wait_groups
+from megarl.rollout.backends import rollout_layout, transfer_plan
 
 class SplitRollout:
     """The rollout role of split placement: generation on the rollout's group, weight syncs
@@ -45,3 +48,40 @@ class SplitRollout:
             metrics["sync/bytes_over_shard_max"] = max(abs(got - shard) for got, shard in pairs)
         metrics["sync/bytes_sent_max"] = max(sent)
         return metrics
+
+
+def check_placement(cfg, args) -> None:
+    """trainer.placement, parallel.rollout.nproc, trainer.loop and trainer.max_staleness together."""
+    t, r, algo = cfg.trainer, cfg.parallel.rollout, cfg.algorithm
+    if t.placement == Placement.colocated:
+        if t.max_staleness:
+            raise ConfigError(f"trainer.max_staleness={t.max_staleness} streams batches from the rollout's own ranks: "
+                              f"set trainer.placement=split (colocated ranks cannot generate while they train)")
+        return
+    if r.nproc < 1:
+        raise ConfigError("trainer.placement=split needs parallel.rollout.nproc >= 1 (the rollout's own ranks)")
+    if r.nproc % r.tp:
+        raise ConfigError(f"parallel.rollout.nproc={r.nproc} must be a multiple of parallel.rollout.tp={r.tp}")
+    if r.pp != 1 or r.ep != 1:
+        raise ConfigError(f"trainer.placement=split generates with parallel.rollout.pp=1 and ep=1 "
+                          f"(got pp={r.pp}, ep={r.ep})")
+    if any(vars(t.offload).values()):
+        raise ConfigError("trainer.offload is for colocated placement (the rollout borrows the trainer's devices); "
+                          "with trainer.placement=split the rollout has its own: set trainer.offload.* to false")
+    if t.nnodes > 1:
+        raise ConfigError("trainer.placement=split runs on one node for now (trainer.nnodes=1); use colocated "
+                          "placement across nodes")
+    if t.max_staleness and t.loop != Loop.one_step_off:
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} needs trainer.loop=one_step_off (the "
+                          f"asynchronous loop)")
+    if t.max_staleness > 1 and algo.rollout_correction == "none":
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness}: samples up to {t.max_staleness} versions old "
+                          f"need importance weights; set algorithm.rollout_correction (e.g. token_tis)")
+    if t.loop == Loop.one_step_off and algo.reward_fn == REWARD_MODEL:
+        raise ConfigError("algorithm.reward_fn=model with trainer.placement=split and trainer.loop=one_step_off: the "
+                          "reward model runs on the trainer's ranks, which are training while the next batch is "
+                          "scored; use trainer.loop=sync or a reward function")
+    try:
+        transfer_plan(cfg, args)
+    except ValueError as err:
+        raise ConfigError(f"parallel.rollout (split placement, layout {rollout_layout(cfg)}): {err}") from None

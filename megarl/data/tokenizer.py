@@ -101,3 +101,17 @@ class HFTokenizer:
 def load_tokenizer(path: Optional[str], chat_template: bool = True):
     """``data.tokenizer``: null = the built-in digit tokenizer, else an HF tokenizer directory."""
     return DigitTokenizer() if not path else HFTokenizer(path, chat_template)
+
+
+def check_vocab(tokens: int, model_vocab: int, reward_model_vocab: Optional[int] = None) -> None:
+    """The tokenizer's ``tokens`` against the model's vocabulary and, with a reward model (which
+    reads the policy's token ids), against the reward model's."""
+    from megarl.config import ConfigError
+
+    if tokens > model_vocab:
+        raise ConfigError(f"the tokenizer has {tokens} tokens, the model's vocab_size is "
+                          f"{model_vocab} (model.hf_config)")
+    if reward_model_vocab is not None and tokens > reward_model_vocab:
+        raise ConfigError(f"the reward model's vocab_size is {reward_model_vocab} but the policy's tokenizer has "
+                          f"{tokens} tokens: the reward model reads the policy's token ids, so "
+                          f"it needs the policy's tokenizer (reward_model.path / reward_model.hf_config)")

@@ -108,3 +108,20 @@ def clear(handles: Sequence[RouterHandle]) -> None:
     """Drop the targets (a pass's micro-batches); a record stays until the next forward."""
     for handle in handles:
         handle.target = None
+
+
+def check_config(records_routing: bool, num_experts: int, recompute_granularity) -> None:
+    """``algorithm.routing_replay=true``: the rollout backend records routing (``records_routing``),
+    the model has experts, and no full recompute re-routes in the backward pass."""
+    from megarl.config import ConfigError
+
+    if not records_routing:
+        raise ConfigError("algorithm.routing_replay=true needs the rollout's expert choices, which only the native "
+                          "engine records; set parallel.rollout.engine=native or algorithm.routing_replay=false")
+    if not num_experts:
+        raise ConfigError("algorithm.routing_replay=true needs an MoE model; model.hf_config describes a dense "
+                          "one (no experts); set algorithm.routing_replay=false")
+    if recompute_granularity == "full":
+        # full recompute re-routes in the backward pass, out of step with the micro-batch being replayed
+        raise ConfigError("algorithm.routing_replay=true does not support model.recompute_granularity='full'; "
+                          "use selective or no recompute")

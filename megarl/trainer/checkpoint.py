@@ -196,3 +196,18 @@ class CheckpointSchedule:
             saved = (f"checkpoint {self.checkpoints.newest()}" if t.save_on_signal else
                      "no checkpoint (trainer.save_on_signal=false)")
             raise Preempted(f"SIGTERM: stopped after step {step}, {saved}; rerun the command to resume")
+
+
+def resume(checkpoints: Checkpoints, group, stream, scorer) -> Tuple[int, Optional[str]]:
+    """Load the newest usable checkpoint, if any, into the workers (``group``), the prompt stream
+    and the reward-failure count: (the last step done, the run's MLflow id), or (0, None)."""
+    found = checkpoints.latest()
+    if not found:
+        return 0, None
+    path, driver = found
+    same_layout = all(group.call("load_checkpoint", str(path)))
+    stream.load_state(driver["stream"])
+    scorer.failures = driver["reward_failures"]
+    relayout = "" if same_layout else " into another layout (weights, optimizer and schedule exact; RNG reseeded)"
+    print(f"megarl: resuming after step {driver['step']} from {path}{relayout}", flush=True)
+    return driver["step"], driver.get("mlflow_run_id") or None

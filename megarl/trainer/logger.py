@@ -231,3 +231,13 @@ def _tensorboard_writer(log_dir: Path, start_step: int):
     # Appends to a resumed run's files; events past its checkpoint, lost like metrics.jsonl's
     # lines, are purged.
     return SummaryWriter(str(log_dir), purge_step=start_step + 1)
+
+
+def check_logging(logging_cfg) -> None:
+    """What ``logging.*`` needs installed."""
+    import importlib.util
+
+    from megarl.config import ConfigError
+
+    if logging_cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install 'megarl[tensorboard]'")

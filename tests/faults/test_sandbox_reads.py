@@ -20,7 +20,8 @@ from megarl.agent import envs, tools
 from megarl.agent.tools import SandboxLimits, ToolResult, confinement_error, run_python
 from megarl.config import ConfigError, MegarlConfig, load_config
 from megarl.config.schema import RolloutConfig
-from megarl.entrypoints.train_rl import check_agent, prepare
+from megarl.agent.validate import check_agent
+from megarl.entrypoints.train_rl import prepare
 
 REPO = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(timeout_s=20, memory_mb=256)

@@ -11,7 +11,8 @@ import pytest
 from megarl.config import ConfigError, load_config
 from megarl.data.datasets import load_records
 from megarl.data.tokenizer import DigitTokenizer, HFTokenizer, load_tokenizer
-from megarl.entrypoints.train_rl import check_prompt_tokens, prepare
+from megarl.entrypoints.train_rl import prepare
+from megarl.trainer.steps import check_prompt_tokens
 from megarl.trainer.steps import PromptStream
 from tests.fixtures.hf_models import (
     ENDOFTEXT_ID, EOS_IDS, IM_END_ID, IM_START_ID, PAD_ID, VOCAB_SIZE, make_hf_model, make_tokenizer,

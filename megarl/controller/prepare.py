@@ -1,0 +1,142 @@
+"""``megarl train``'s run before any process starts: the config resolved (absolute paths, the
+defaults that follow ``model.path``), every check of a whole run's config, each next to the
+part it is about, and the prompts loaded and checked. Everything a user can get wrong fails
+here, with exit 2: layouts, the rollout layout against the actor's, batch sizes against data
+parallelism, datasets and their keys, the reward function, the tokenizer against the model."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from megarl.agent.envs import env_factory
+from megarl.agent.loop import Agent
+from megarl.agent.validate import check_agent
+from megarl.algorithms.correction import check_rollout_correction
+from megarl.algorithms.presets import resolve
+from megarl.checkpoint.load import check_pretrained_sources, locate, resolve_model_config
+from megarl.config import ConfigError, MegarlConfig, validate
+from megarl.config.schema import REWARD_MODEL, Placement
+from megarl.controller.cluster import check_cluster
+from megarl.controller.roles import check_role_layouts
+from megarl.controller.split import check_placement
+from megarl.data.datasets import load_records
+from megarl.data.tokenizer import check_vocab, load_tokenizer
+from megarl.hybrid import regroup
+from megarl.models import routing_replay
+from megarl.models.builder import check_layout
+from megarl.models.hf_config import megatron_args_from_hf
+from megarl.parallel import Layout
+from megarl.rollout.backends import rollout_backend
+from megarl.tasks.registry import builtin_records
+from megarl.trainer.logger import check_logging
+from megarl.trainer.resume import check_resume
+from megarl.trainer.steps import PromptStream, Scorer, check_batch_split, check_prompt_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    cfg: MegarlConfig
+    layout: Layout
+    stream: PromptStream
+    scorer: Scorer
+    tokenizer: Any
+    agent: Optional[Agent] = None  # multi-turn episodes (rollout.env), else None
+
+
+def world_size(cfg: MegarlConfig) -> int:
+    return cfg.trainer.nnodes * cfg.trainer.nproc_per_node
+
+
+def prepare(cfg: MegarlConfig) -> Prepared:
+    """Validate the whole configuration and load the data (no process started)."""
+    validate(cfg)  # a config built in code; load_config checks those it composes
+    cfg = resolve_paths(cfg)
+    check_cluster(cfg.trainer)
+    layout = Layout.from_config(cfg.parallel.actor, world_size(cfg))
+    args = megatron_args_from_hf(cfg.model.hf_config)
+    check_layout(args, layout, cfg.model)
+    r = cfg.parallel.rollout
+    if cfg.trainer.placement != Placement.split:  # colocated: the generation layout is regrouped from the actor's
+        try:
+            regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
+        except ValueError as err:
+            raise ConfigError(f"parallel.rollout: {err}") from None
+    check_role_layouts(cfg.parallel, layout)
+    check_placement(cfg, args)
+    try:  # the algorithm's preset fills its defaults; every algorithm field is checked there
+        cfg.algorithm = resolve(cfg.algorithm)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    algo, data = cfg.algorithm, cfg.data
+    changed = check_resume(cfg)  # a resume under another config: refused by name, or listed
+    if changed:
+        log.warning(changed)
+        print(f"megarl: warning: {changed}", file=sys.stderr, flush=True)
+    try:
+        check_rollout_correction(algo.rollout_correction, algo.rollout_correction_threshold)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    backend = rollout_backend(r.engine)
+    backend.check(cfg)  # engine, dtype and the other choices are checked by validate()
+    check_logging(cfg.logging)
+    check_batch_split(data, algo, layout.dp)
+    if algo.routing_replay:
+        routing_replay.check_config(backend.records_routing, args.num_experts, cfg.model.recompute_granularity)
+    check_pretrained_sources(cfg)
+    tokenizer = load_tokenizer(data.tokenizer, data.chat_template)
+    rm_vocab = None
+    if algo.reward_fn == REWARD_MODEL:  # the reward model scores the policy's token ids
+        rm_vocab = megatron_args_from_hf(cfg.reward_model.hf_config or cfg.model.hf_config).vocab_size
+    check_vocab(tokenizer.vocab_size, args.vocab_size, rm_vocab)
+    if data.train_files:
+        records = load_records(data.train_files, data.prompt_key, data.answer_key, data.bad_rows)
+    else:
+        records = builtin_records(data.task, data.builtin_size, data.num_digits, cfg.trainer.seed)
+    agent = None
+    if check_agent(cfg, args):
+        try:
+            agent = Agent(cfg.rollout, env_factory(cfg.rollout.env, cfg.rollout.max_tool_seconds,
+                                                  sandbox=cfg.rollout.sandbox), tokenizer)
+        except ValueError as err:  # a chat template that cannot place observations
+            raise ConfigError(f"rollout.env with tokenizer {data.tokenizer}: {err}") from None
+    response_room = agent.budget(algo.max_new_tokens) if agent else algo.max_new_tokens
+    room = args.max_position_embeddings - response_room
+    stream = PromptStream(records, tokenizer, cfg.trainer.seed, room)
+    check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
+    return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent)
+
+
+def resolve_paths(cfg: MegarlConfig) -> MegarlConfig:
+    """A copy of ``cfg`` with every path absolute (the config snapshot saved with checkpoints works
+    from any directory: ``megarl export-hf`` reads it) and the defaults that follow ``model.path``
+    and ``reward_model.path`` filled in: the model config and the tokenizer."""
+    cfg = copy.deepcopy(cfg)
+    m, data, rm = cfg.model, cfg.data, cfg.reward_model
+
+    def absolute(path: Optional[str]) -> Optional[str]:
+        return str(Path(path).expanduser().absolute()) if path else path
+
+    m.path, m.hf_config, rm.path, rm.hf_config, rm.checkpoint, data.tokenizer = map(
+        absolute, (m.path, m.hf_config, rm.path, rm.hf_config, rm.checkpoint, data.tokenizer))
+    data.train_files = [absolute(f) for f in data.train_files]
+    cfg.trainer.run_dir = absolute(cfg.trainer.run_dir)
+    if m.path:
+        # a bare dist checkpoint (Megatron-LM's: no hf/ subdir) needs model.hf_config
+        source = locate(m.path, "model.path", need_config=not m.hf_config)
+        m.hf_config = m.hf_config or str(source.config)
+        if not data.tokenizer and source.tokenizer:
+            data.tokenizer = str(source.tokenizer)
+        elif not data.tokenizer:
+            print(f"megarl: warning: model.path={m.path} has no tokenizer files; data.tokenizer=null uses the "
+                  f"built-in digit tokenizer", file=sys.stderr, flush=True)
+    m.hf_config = absolute(resolve_model_config(m).hf_config)
+    if rm.path and not rm.hf_config:
+        rm.hf_config = str(locate(rm.path, "reward_model.path").config)
+    return cfg
