@@ -204,6 +204,9 @@ def run(work: Path, case: str) -> None:
         sglang_worker.split(record, args, groups.layout, state, full)
         sglang_worker.colocated(record, model_cfg, RolloutLayoutConfig(tp=gen_tp, ep=gen_ep, bucket_mb=1), args, rg,
                                 state, full)
+        if gen_pp == 1:
+            sglang_worker.contract(record, model_cfg, RolloutLayoutConfig(tp=gen_tp, ep=gen_ep, bucket_mb=1), args,
+                                   rg, state, full, PROMPTS[:2], lambda responses, t: max_diff(engine, responses, t))
 
     rollout.release_memory()
     try:

@@ -13,6 +13,7 @@ as SGLang's workers do (async broadcasts of the planned tensors, posted up front
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -193,3 +194,66 @@ def split(record, args, layout, state, full) -> None:
     record["broadcast_names_equal"] = names_ok[0]
     model_bytes = sum(t.numel() * 4 for t in hf_export(args, full).values())
     record["broadcast_model_bytes"] = model_bytes
+
+
+def contract(record, model_cfg, rollout_cfg, args, rg, state, full, prompts, logp_diff) -> None:
+    """The rollout-backend contract: every backend of ``ROLLOUT_BACKENDS`` that runs here (native;
+    SGLang through the recording stand-in), built through the registry for colocated placement,
+    driven by the Rollout role through two loop steps (sync, generate, release; resume, sync,
+    generate, release). Every backend must: answer n samples per prompt in (prompt, sample)
+    order with the policy version of the last sync; have the trainer's parameters off the device
+    while it generates and back afterwards; hold exactly the trainer's weights after a sync (native:
+    the trainer's log-probs of its responses, ``logp_diff``, equal its own; SGLang, whose stand-in
+    generates no real tokens: each tensor it loaded equals the HF export of the single-process
+    model)."""
+    from megarl.config.schema import LayoutsConfig, MegarlConfig
+    from megarl.rollout.backends import ROLLOUT_BACKENDS, rollout_backend
+
+    log: list = []
+    params = [p for chunk in state.model for p in chunk.parameters()]
+    offloaded = lambda: all(p.untyped_storage().nbytes() == 0 for p in params)  # noqa: E731
+    install_fake_sglang(log, offloaded)
+    cfg = MegarlConfig(model=model_cfg, parallel=LayoutsConfig(rollout=rollout_cfg))
+    sampling = SamplingParams(n=2, max_new_tokens=2, seed=3)
+    out = {}
+    for name in ROLLOUT_BACKENDS:
+        backend = rollout_backend(name)
+        # SGLang's adapter needs CUDA: its stand-in gets one GPU per worker, as in colocated() above
+        gpu = contextlib.ExitStack()
+        if backend.needs_gpus:
+            for patch in (mock.patch("torch.cuda.is_available", return_value=True),
+                          mock.patch("torch.cuda.current_device", return_value=0),
+                          mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": str(dist.get_rank())})):
+                gpu.enter_context(patch)
+        with gpu:
+            engine = backend.colocated(cfg, args, rg, state.model)
+        seen = []
+        original = engine.generate
+
+        def generate(prompts_, sampling_, _original=original):  # the trainer's state during generation
+            seen.append(offloaded())
+            return _original(prompts_, sampling_)
+
+        engine.generate = generate
+        role = Rollout(engine, PhaseOffload([state], params=True, grads=False, optimizer=False))
+        role.update_weights(0)
+        role.generate(prompts, sampling)
+        role.release_memory()
+        role.resume_memory()
+        role.update_weights(1)
+        responses = role.generate(prompts, sampling)
+        role.release_memory()
+        entry = {"order": [[r.prompt_index, r.sample_index] for r in responses],
+                 "versions": sorted({r.policy_version for r in responses}),
+                 "offloaded_while_generating": seen, "trainer_back": not offloaded()}
+        if name == "native":
+            entry["logp_diff"] = logp_diff(responses, sampling.temperature)
+            entry["weights_exact"] = entry["logp_diff"] <= 1e-5
+        elif engine.engine is not None:  # the SGLang stand-in's engine lives on TP rank 0 of each replica
+            expected = hf_export(args, full)
+            entry["weights_exact"] = sorted(engine.engine.loaded) == sorted(expected) and all(
+                all(torch.equal(v, expected[n]) for v in values) for n, values in engine.engine.loaded.items())
+        else:
+            entry["weights_exact"] = None  # not this rank's to hold
+        out[str(name)] = entry
+    record["contract"] = out

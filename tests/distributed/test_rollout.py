@@ -9,7 +9,11 @@ activations, and its log-prob mismatch to the fp32 trainer is far above fp32's.
 Every planned generation layout runs: MoE at t_g=2 (no sequence parallelism in the decode), MoE at
 e_g=2 (replicas decode in lock-step; one replica's rows stop at once while the other's run on,
 and at d_g=4 one replica has no rows at all), dense and MoE at p_g=2 (stage-to-stage decode).
-Each MoE rollout records its routing: the fp32 trainer routes every token fed to the same experts."""
+Each MoE rollout records its routing: the fp32 trainer routes every token fed to the same experts.
+
+The rollout-backend contract (test_rollout_backend_contract): every backend of the registry that
+runs here, native and SGLang through its recording stand-in, built by the registry and driven by
+the Rollout role through the same two loop steps, in the SGLang cases' layouts."""
 
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ CASES = {  # world size -> model@t,p,d,e>t_g,e_g[,p_g][+bf16]
         "qwen3-moe@1,1,4,2>1,2"],
 }
 SGLANG = [c.partition("+")[0] for cases in CASES.values() for c in cases if c.endswith("+sglang")]
+# the backend contract runs in the SGLang cases with one generation pipeline stage (sglang_worker.contract)
+CONTRACT = [c for c in SGLANG if len(c.split(">")[1].split(",")) == 2]
 ALL = [c.partition("+")[0] for cases in CASES.values() for c in cases]  # "+bf16": an extra check
 
 
@@ -192,3 +198,19 @@ def test_expert_parallel_generation_needs_the_alltoall_dispatcher():
     rg = regroup(Layout(dp=2, ep=2, etp=1), 1, 1, 2, args.num_experts)
     with pytest.raises(ValueError, match="rollout.ep=2 needs model.moe_token_dispatcher=alltoall"):
         NativeRollout.colocated(ModelConfig(hf_config=path, moe_token_dispatcher="allgather"), args, rg)
+
+
+@pytest.mark.parametrize("case", CONTRACT)
+@pytest.mark.parametrize("backend", ["native", "sglang"])
+def test_rollout_backend_contract(results, case, backend):
+    """Every backend in megarl.rollout.backends.ROLLOUT_BACKENDS that runs here (a new one joins
+    the list above), built through the registry and driven by the Rollout role through two loop
+    steps: n samples per prompt in order with the last sync's version; the trainer's parameters off
+    the device while it generates and back afterwards; exactly the trainer's weights after a sync."""
+    from megarl.rollout.backends import ROLLOUT_BACKENDS
+
+    assert sorted(map(str, ROLLOUT_BACKENDS)) == ["native", "sglang"]  # add the new backend to this test
+    c = results[case]["contract"][backend]
+    assert c["order"] == [[0, 0], [0, 1], [1, 0], [1, 1]] and c["versions"] == [1]
+    assert c["offloaded_while_generating"] == [True, True] and c["trainer_back"]
+    assert c["weights_exact"] is True
