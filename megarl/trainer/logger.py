@@ -20,6 +20,7 @@ import torch
 from megarl.checkpoint.disk import append_text, replace_text
 from megarl.runtime.signals import Preempted
 from megarl.config import to_yaml
+from megarl.config.schema import REWARD_MODEL
 from megarl.models.flops import forward_flops
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.protocol import Batch
@@ -97,7 +98,7 @@ class RunLogger:
         self.world_size = cfg.trainer.nnodes * cfg.trainer.nproc_per_node
         self.flops = forward_flops(megatron_args_from_hf(cfg.model.hf_config))
         self.reward_model_flops = None
-        if cfg.algorithm.reward_fn == "model":
+        if cfg.algorithm.reward_fn == REWARD_MODEL:
             rm_config = cfg.reward_model.hf_config or cfg.model.hf_config
             self.reward_model_flops = forward_flops(megatron_args_from_hf(rm_config))
         self.bar = None

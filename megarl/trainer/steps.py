@@ -17,6 +17,7 @@ from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATO
 from megarl.agent.loop import Agent
 from megarl.algorithms.presets import preset, resolve
 from megarl.config import ConfigError
+from megarl.config.schema import REWARD_MODEL
 from megarl.data.datasets import PromptRecord
 from megarl.metrics import Metric, merge
 from megarl.protocol import Batch, Columns
@@ -84,7 +85,7 @@ class Scorer:
         if algo.reward_workers < 1:
             raise ValueError(f"algorithm.reward_workers={algo.reward_workers} must be >= 1")
         self.model = None
-        self.fn_path = None if algo.reward_fn == "model" else reward_fn_path(algo.reward_fn)
+        self.fn_path = None if algo.reward_fn == REWARD_MODEL else reward_fn_path(algo.reward_fn)
         self.tokenizer, self.algo = tokenizer, algo
         self.pool: Optional[RewardPool] = None
         self.failures = 0  # failed and timed-out samples over the run (checkpointed)
