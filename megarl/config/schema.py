@@ -23,7 +23,7 @@ class Choice(StrEnum):
 
 
 class Engine(Choice):
-    """``parallel.rollout.engine``: the rollout backend (megarl/rollout/backends.py)."""
+    """``parallel.rollout.engine``: the rollout backend (the registry in megarl/rollout/backends/)."""
 
     native = "native"
     sglang = "sglang"
