@@ -101,7 +101,7 @@ def main(work: str) -> None:
         model = build_model(cfg.model, worker.groups, training=False)
         value_head.attach_value_head(model)
         b = batch_of(out["greedy"])
-        values = model[0](b["tokens"].cuda(), b["position_ids"].cuda(), None)
+        values = model[0](b.tokens.cuda(), b.position_ids.cuda(), None)
         assert gpu_shaped.is_cuda(values)
 
     attempt("fault/value_head_on_cpu", critic_forward)

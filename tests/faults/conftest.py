@@ -7,6 +7,9 @@ driver, forks from their parent. Ray's agents overwrite their environment block 
 process title, so pytest is also made a child subreaper: an orphan of the case is re-parented
 here and shows as a descendant. After each case the fixture waits up to ``SURVIVOR_WAIT_S`` for
 tagged processes and descendants to end, then kills those left and fails the case, naming them.
+Descendants alive before the module began are not its own: a pytest-xdist worker runs other
+test files before this one, and what they left running (a reward pool's workers, say) belongs to
+them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def process_tag():
     the rest of the suite go to init as usual, instead of waiting here as zombies)."""
     value, previous = uuid.uuid4().hex, os.environ.get(TAG)
     os.environ[TAG] = value
+    _before.clear()
+    _before.update(identity(pid) for pid in descendants(os.getpid()))
     _subreaper(True)
     yield value
     _reap_zombie_children()
@@ -54,9 +59,12 @@ def describe(pid: int) -> str:
         return f"{pid} (gone)"
 
 
+_before: set = set()  # identities (pid, start time) of descendants alive when the module began
+
+
 def survivors(tag: str) -> set:
     _reap_zombie_children()
-    return set(tagged_pids(tag, TAG)) | set(descendants(os.getpid()))
+    return set(tagged_pids(tag, TAG)) | {pid for pid in descendants(os.getpid()) if identity(pid) not in _before}
 
 
 def _reap_zombie_children() -> None:
