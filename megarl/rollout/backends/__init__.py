@@ -10,6 +10,7 @@ test (tests/distributed/test_rollout.py) runs it through the shared cases.
 
 from __future__ import annotations
 
+import abc
 import importlib
 from typing import Dict, List, Optional
 
@@ -19,7 +20,7 @@ from megarl.hybrid.transfer import TransferPlan, plan_transfer
 from megarl.parallel import Layout
 
 
-class RolloutBackend:
+class RolloutBackend(abc.ABC):
     """One rollout backend. Every method takes the sub-configs it needs; the defaults are the
     native engine's answers where a backend has nothing to add."""
 
@@ -53,17 +54,17 @@ class RolloutBackend:
         point, as the transfer plan lists them."""
         return None
 
+    @abc.abstractmethod
     def colocated(self, cfg, args, regrouping, train_chunks):
         """The engine on the training ranks, fed in process from ``train_chunks``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def split(self, cfg, args, plan):
         """The engine on the rollout's own ranks (split placement; ``plan``: the transfer plan)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def sender(self, cfg, args, layout, train_chunks):
         """The training ranks' side of split placement's sync (a megarl.transports.WeightSender)."""
-        raise NotImplementedError
 
 
 # the backend of each engine name, imported when first used ("module:Class")
