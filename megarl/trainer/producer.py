@@ -14,9 +14,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from megarl.trainer.steps import Sampled
+
+READY_POLL_S = 1.0  # how often a trainer waiting for a batch checks that the drawing thread lives
 
 
 class Timer:
@@ -39,14 +41,20 @@ class Timer:
 
 
 class LockedRollout:
-    """The rollout role with each ``generate`` call under the producer's lock."""
+    """The rollout role with each ``generate`` call under the producer's lock. A call that fails
+    records its error on the producer before the lock is released, so that a weight sync waiting
+    for the lock sees the failure instead of starting a collective with broken ranks."""
 
-    def __init__(self, rollout, lock: threading.Lock):
-        self.rollout, self.lock = rollout, lock
+    def __init__(self, producer: "Producer"):
+        self.producer = producer
 
     def generate(self, prompts, sampling):
-        with self.lock:
-            return self.rollout.generate(prompts, sampling)
+        with self.producer.lock:
+            try:
+                return self.producer.rollout.generate(prompts, sampling)
+            except BaseException as err:
+                self.producer.failed = err
+                raise
 
 
 class Producer:
@@ -63,6 +71,7 @@ class Producer:
         self.changed = threading.Condition()
         self.ready: "queue.Queue[Tuple[int, object, Dict[str, float]]]" = queue.Queue()
         self.stopped = False
+        self.failed: Optional[BaseException] = None  # the drawing thread's error: no sync after it
         self.next_step = start
         if threaded:
             self.thread = threading.Thread(target=self._run, name="megarl-rollout-producer", daemon=True)
@@ -74,8 +83,9 @@ class Producer:
     def _draw_one(self) -> None:
         step, timer = self.next_step, Timer()
         try:
-            self.ready.put((step, self.draw(step, LockedRollout(self.rollout, self.lock), timer.phase), timer.seconds))
+            self.ready.put((step, self.draw(step, LockedRollout(self), timer.phase), timer.seconds))
         except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
+            self.failed = self.failed or err
             self.ready.put((step, err, {}))
             raise
         self.next_step += 1
@@ -93,7 +103,7 @@ class Producer:
 
     def take(self, step: int) -> Tuple[Sampled, Dict[str, float]]:
         """Batch ``step`` and the seconds of its draw per phase (generate, reward)."""
-        got, sampled, seconds = self.ready.get()
+        got, sampled, seconds = self._next_ready(step)
         if isinstance(sampled, BaseException):
             raise sampled
         assert got == step, (got, step)
@@ -101,9 +111,28 @@ class Producer:
             self._draw_one()  # in line: the next batch from the weights before this step's update
         return sampled, seconds
 
+    def _next_ready(self, step: int):
+        """The next drawn batch; the drawing thread always hands one over (a batch or its error),
+        and each of its waits on the ranks has the run's hang deadline, so this waits only while
+        that thread is alive."""
+        while True:
+            try:
+                return self.ready.get(timeout=READY_POLL_S)
+            except queue.Empty:
+                if self.thread is None or not self.thread.is_alive():
+                    if not self.ready.empty():
+                        continue
+                    raise RuntimeError(f"the rollout's drawing thread ended without handing over the batch of "
+                                       f"step {step}") from self.failed
+
     def sync(self, update: Callable[[], Dict[str, float]], version: int) -> Dict[str, float]:
-        """Run a weight sync (``update()``) between generate calls; the rollout then holds ``version``."""
+        """Run a weight sync (``update()``) between generate calls; the rollout then holds
+        ``version``. After a failed draw (a rollout rank named dead or hung while generating) no
+        sync starts: the draw's error is raised here, at once, instead of a collective with the
+        broken ranks that would wait out the hang deadline a second time."""
         with self.lock:
+            if self.failed is not None:
+                raise self.failed
             metrics = update()
         with self.changed:
             self.version = version
