@@ -19,7 +19,10 @@ What it does (see ``shared/MEGATRON_ON_CPU.md`` for how each spot was found):
 * the alltoall MoE dispatcher's split sizes become NumPy arrays, as they do after its
   device-to-host copy on GPUs;
 * :func:`fix_missing_transformer_engine` guards the two spots that assume Transformer Engine
-  (also used on GPUs without the ``gpu`` extra).
+  (also used on GPUs without the ``gpu`` extra);
+* :func:`light_megatron_import` imports ``megatron.core`` with its ``jit_fuser`` a no-op instead
+  of ``torch.compile``, whose first use imports TorchDynamo and Inductor (2-3 s per process) for
+  fused kernels that megarl turns off on CPU (:mod:`megarl.megatron_import` calls it).
 
 The function mode intercepts every torch call in Python (measured in issue 17: +9% on the ops
 of a batch-64 decode step, +37% at batch 1). Hot loops known to name no CUDA device (the native
@@ -173,6 +176,32 @@ def fix_missing_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
     if not isinstance(multi_latent_attention.TELinear, type):  # None or a MagicMock placeholder
         multi_latent_attention.HAVE_TE = False
+
+
+def _passthrough_compile(model=None, **kwargs):
+    """``torch.compile``'s two call forms, compiling nothing."""
+    return (lambda fn: fn) if model is None else model
+
+
+@contextlib.contextmanager
+def light_megatron_import():
+    """The body (the import of ``megatron.core``) sees ``torch.compile`` as a no-op, and megatron's
+    ``jit_fuser`` stays one afterwards, when CUDA is absent; with CUDA, nothing changes. The fused
+    kernels it decorates are off on CPU (``megarl.models.builder``: ``bias_activation_fusion`` and
+    ``masked_softmax_fusion`` follow Transformer Engine, ``apply_rope_fusion`` is off), so eager
+    and compiled would run the same nothing. ``torch.compile`` is swapped only for the import's
+    duration, under the import lock."""
+    if torch.cuda.is_available():
+        yield
+        return
+    real, torch.compile = torch.compile, _passthrough_compile
+    try:
+        yield
+    finally:
+        torch.compile = real
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
 
 
 def enable() -> bool:

@@ -101,3 +101,34 @@ SCRIPT = textwrap.dedent('''
 def test_cpu_mode_redirects_cuda_to_cpu():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "CPU MODE OK" in proc.stdout, proc.stderr[-3000:]
+
+
+LIGHT_IMPORT = textwrap.dedent('''
+    import sys
+    import megarl  # installs the finder for megatron.core
+    import torch
+    real = torch.compile
+    import megatron.core
+    from megatron.core import jit
+    from megatron.core.fusions import fused_bias_swiglu
+    assert "torch._dynamo" not in sys.modules and "torch._inductor.compile_fx" not in sys.modules, "dynamo imported"
+    assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser
+    assert torch.compile is real  # swapped for the import only
+    x = torch.randn(4, 6)
+    assert torch.equal(fused_bias_swiglu.bias_swiglu_impl(x, None), torch.nn.functional.silu(x[:, :3]) * x[:, 3:])
+    assert megarl.megatron_import._FINDER not in sys.meta_path  # gone after its one use
+
+    # with CUDA present the import is megatron's own
+    from megarl.runtime import cpu_mode
+    torch.cuda.is_available = lambda: True
+    with cpu_mode.light_megatron_import():
+        assert torch.compile is real
+    print("LIGHT IMPORT OK")
+''')
+
+
+def test_megatron_core_imports_without_dynamo_on_cpu():
+    """megarl's finder imports megatron.core with jit_fuser a no-op when CUDA is absent (2-3 s less
+    per process: no TorchDynamo or Inductor); the fused kernels it decorates run eagerly."""
+    proc = subprocess.run([sys.executable, "-c", LIGHT_IMPORT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "LIGHT IMPORT OK" in proc.stdout, proc.stderr[-3000:]
