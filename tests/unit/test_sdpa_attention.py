@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import megarl  # noqa: F401 - before megatron: its lighter import on CPU (megarl/megatron_import.py)
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
