@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from megarl.agent.env import Environment, StepResult
 from megarl.agent.tool_calls import TOOL_CALL_FORMATS, ToolCall, ToolCallError, parse_tool_calls
 from megarl.agent.tools import CALCULATOR, SandboxLimits, Tool, ToolError, confinement_error, python_tool
+from megarl.config.schema import Sandbox
 from megarl.data.datasets import PromptRecord
 from megarl.registry import Registry, load_object
 
@@ -234,29 +235,29 @@ ENVIRONMENTS.register("calculator")(lambda limits: lambda: ToolEnv({"calculator"
 ENVIRONMENTS.register("python")(lambda limits: lambda: ToolEnv({"python": python_tool(limits)}))
 
 
-SANDBOX_MODES = ("confined", "unconfined")
+SANDBOX_MODES = tuple(Sandbox)
 """``rollout.sandbox``: whether the ``python`` environment's code must run confined (its own
 user, network and mount namespaces; see :func:`megarl.agent.tools.run_python`)."""
 
 
-def _check_sandbox_mode(sandbox: str) -> None:
+def _check_sandbox_mode(sandbox: Sandbox) -> None:
     if sandbox not in SANDBOX_MODES:
         raise ValueError(f"rollout.sandbox={sandbox!r} must be one of {', '.join(SANDBOX_MODES)}")
 
 
-def check_sandbox(spec: str, sandbox: str) -> None:
+def check_sandbox(spec: str, sandbox: Sandbox) -> None:
     """Refuse a bad ``rollout.sandbox``, and ``rollout.env=python`` on a machine that cannot
     confine the tool's code (one probing call, :func:`confinement_error`) unless
     ``rollout.sandbox=unconfined``, which then runs with a warning. Call it before workers start."""
     _check_sandbox_mode(sandbox)
     if spec != "python":
-        if sandbox != "confined":
+        if sandbox != Sandbox.confined:
             log.warning("rollout.sandbox=%s is ignored: it applies to rollout.env=python only", sandbox)
         return
     why = confinement_error()
     if why is None:
         return
-    if sandbox == "confined":
+    if sandbox == Sandbox.confined:
         raise ValueError(f"rollout.env=python: this machine cannot confine the tool's code ({why}); it needs "
                          f"unprivileged user and mount namespaces (e.g. sysctl user.max_user_namespaces > 0, "
                          f"kernel.apparmor_restrict_unprivileged_userns=0, no seccomp profile refusing unshare). "
@@ -269,7 +270,7 @@ def check_sandbox(spec: str, sandbox: str) -> None:
 
 
 def env_factory(spec: str, http_timeout_s: float = 30.0, sandbox_limits: Optional[SandboxLimits] = None,
-                sandbox: str = "confined") -> EnvFactory:
+                sandbox: Sandbox = Sandbox.confined) -> EnvFactory:
     """What ``rollout.env=spec`` names, as a factory the loop calls once per episode (episodes run
     concurrently and must not share state): a built-in name (``calculator``, ``python``, which runs
     under ``sandbox_limits``, confined unless ``sandbox`` (``rollout.sandbox``) is
@@ -287,7 +288,7 @@ def env_factory(spec: str, http_timeout_s: float = 30.0, sandbox_limits: Optiona
         raise ValueError(f"rollout.env='{spec}': only http:// and https:// URLs are supported")
     if ":" not in spec:
         try:
-            limits = replace(sandbox_limits or SandboxLimits(), confined=sandbox == "confined")
+            limits = replace(sandbox_limits or SandboxLimits(), confined=sandbox == Sandbox.confined)
             return ENVIRONMENTS.get(spec)(limits)
         except KeyError as err:
             raise ValueError(f"rollout.env: {err.args[0]}; or an http(s):// URL, or package.module:Name") from None

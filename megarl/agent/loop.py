@@ -24,13 +24,14 @@ import torch
 
 from megarl.agent.chat import ChatCodec
 from megarl.agent.env import Environment, StepResult
+from megarl.config.schema import EpisodeReward
 from megarl.data.datasets import PromptRecord
 from megarl.metrics import Metric, Reduce
 from megarl.rollout.types import Response, SamplingParams
 
 log = logging.getLogger(__name__)
 
-REWARDS = ("env", "verifier")  # rollout.reward
+REWARDS = tuple(EpisodeReward)  # rollout.reward
 # How long the batcher waits for episodes still in their tools to join a call: far below one
 # generation call's time, so a slow tool costs the others at most this much.
 GATHER_S = 0.02
@@ -44,7 +45,7 @@ def total_budget(cfg, max_new_tokens: int) -> int:
 def check_config(cfg, max_new_tokens: int) -> None:
     """The ``rollout:`` section's values (ValueError naming the key)."""
     if cfg.reward not in REWARDS:
-        raise ValueError(f"rollout.reward='{cfg.reward}' must be one of {REWARDS}")
+        raise ValueError(f"rollout.reward='{cfg.reward}' must be one of {EpisodeReward.allowed()}")
     if cfg.max_turns < 1 or cfg.max_tool_seconds <= 0:
         raise ValueError(f"rollout.max_turns={cfg.max_turns} must be >= 1 and rollout.max_tool_seconds="
                          f"{cfg.max_tool_seconds} > 0")

@@ -9,7 +9,7 @@ from megarl.agent.envs import check_sandbox, env_factory
 from megarl.agent.loop import check_config as check_agent_config, total_budget
 from megarl.algorithms.presets import preset
 from megarl.config import ConfigError
-from megarl.config.schema import REWARD_MODEL, RolloutConfig
+from megarl.config.schema import REWARD_MODEL, EpisodeReward, RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def check_agent(cfg, args) -> bool:
     if preset(algo).greedy_baseline:
         raise ConfigError(f"algorithm.name={algo.name}: the greedy baseline is a single-turn response; with "
                           f"rollout.env use another estimator (e.g. grpo, rloo)")
-    if r.reward == "verifier" and algo.reward_fn == REWARD_MODEL:
+    if r.reward == EpisodeReward.verifier and algo.reward_fn == REWARD_MODEL:
         raise ConfigError("rollout.reward=verifier scores the final turn with algorithm.reward_fn; the reward "
                           "model (reward_fn=model) reads whole sequences: use a verifier or rollout.reward=env")
     return True

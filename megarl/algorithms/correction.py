@@ -17,15 +17,16 @@ from torch import Tensor
 
 from megarl.algorithms.kl import clamp_log_ratio
 from megarl.algorithms.masked import masked_mean, select_valid
+from megarl.config.schema import RolloutCorrection
 from megarl.metrics import Metric, Reduce
 
-ROLLOUT_CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
+ROLLOUT_CORRECTIONS = tuple(RolloutCorrection)  # algorithm.rollout_correction
 """``none``; ``token_*``: w_t = pi_old(y_t) / pi_rollout(y_t) per token; ``seq_*``: one weight per
 response, w = prod_t w_t = exp(sum_t log w_t), on all its tokens. ``*_tis`` truncates (min(w, C));
 ``*_mis`` masks (w where w <= C, else 0: the token or the whole response leaves the loss)."""
 
 
-def check_rollout_correction(mode: str, threshold: float) -> None:
+def check_rollout_correction(mode: RolloutCorrection, threshold: float) -> None:
     """Raise ``ValueError`` naming the ``algorithm.*`` field that is wrong."""
     if mode not in ROLLOUT_CORRECTIONS:
         raise ValueError(f"algorithm.rollout_correction='{mode}' must be one of {', '.join(ROLLOUT_CORRECTIONS)}")
@@ -35,7 +36,7 @@ def check_rollout_correction(mode: str, threshold: float) -> None:
 
 
 @torch.no_grad()
-def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str,
+def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: RolloutCorrection,
                                threshold: float) -> Tuple[Optional[Tensor], Dict[str, Metric]]:
     """(weights ``[batch, T]``, metrics) from the trainer's old log-probs and the rollout's, both
     ``[batch, T]``; weights are None for ``none``, detached constants otherwise, 0 off the mask.
@@ -59,7 +60,7 @@ def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Ten
     # float32, e^x - 1 - x cancels to 0 for the mismatches of a fp32 rollout (|x| ~ 1e-7)
     x = log_ratio.double()
     metrics = {"kl": Metric(masked_mean(torch.expm1(x) - x, mask).to(old.dtype))}
-    if mode == "none":
+    if mode == RolloutCorrection.none:
         return None, metrics
     if mode.startswith("seq_"):
         log_ratio = clamp_log_ratio(log_ratio.sum(-1, keepdim=True)).expand_as(old)  # [batch, T]

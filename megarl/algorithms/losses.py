@@ -20,6 +20,7 @@ from torch import Tensor
 
 from megarl.algorithms.kl import KL_ESTIMATORS, clamp_log_ratio, k3
 from megarl.algorithms.masked import masked_mean, select_valid
+from megarl.config.schema import AggMode
 from megarl.registry import Registry
 
 Count = Union[int, float, Tensor]
@@ -27,7 +28,7 @@ Metrics = Dict[str, Tensor]  # 0-d, detached, local to this micro-batch: no host
 PolicyLoss = Callable[..., Tuple[Tensor, Metrics]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = tuple(AggMode)  # algorithm.agg_mode
 
 
 def loss_denominators(mask: Tensor) -> Tuple[Tensor, Tensor]:
@@ -66,12 +67,12 @@ def aggregate(
     masked = select_valid(loss_mat, mask)  # [batch, T]
     mask = mask.to(loss_mat.dtype)
     local_tokens, local_seqs = loss_denominators(mask)
-    if mode == "token-mean":
+    if mode == AggMode.token_mean:
         tokens = local_tokens.clamp_min(1) if global_tokens is None else global_tokens
         return masked.sum() / tokens
-    if mode == "seq-mean-token-sum":
+    if mode == AggMode.seq_mean_token_sum:
         per_seq = masked.sum(-1)  # [batch]
-    elif mode == "seq-mean-token-mean":
+    elif mode == AggMode.seq_mean_token_mean:
         per_seq = masked.sum(-1) / mask.sum(-1).clamp_min(1)
     else:
         if max_len is None:
@@ -108,7 +109,7 @@ def ppo_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    agg_mode: str = "token-mean",
+    agg_mode: AggMode = AggMode.token_mean,
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,
     max_len: Optional[int] = None,
@@ -157,7 +158,7 @@ def gspo_loss(
     advantages: Tensor,
     mask: Tensor,
     *,
-    agg_mode: str = "seq-mean-token-mean",
+    agg_mode: AggMode = AggMode.seq_mean_token_mean,
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,
     max_len: Optional[int] = None,
@@ -212,7 +213,7 @@ def kl_loss(
     ref_logp: Tensor,
     mask: Tensor,
     estimator_name: str = "k3",
-    agg_mode: str = "token-mean",
+    agg_mode: AggMode = AggMode.token_mean,
     *,
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,
@@ -233,7 +234,7 @@ def value_loss(
     returns: Tensor,
     mask: Tensor,
     clip_range: float,
-    agg_mode: str = "token-mean",
+    agg_mode: AggMode = AggMode.token_mean,
     *,
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,

@@ -40,6 +40,8 @@ def _choice_of(schema: type, key: str) -> Optional[Type[Choice]]:
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             return None
         cls = _field_types(cls).get(part)
+    if typing.get_origin(cls) is typing.Union:  # Optional[Choice]: null is allowed too
+        cls = next((a for a in typing.get_args(cls) if a is not type(None)), None)
     return cls if isinstance(cls, type) and issubclass(cls, Choice) else None
 
 
@@ -89,7 +91,7 @@ def _out_of_bounds(cfg, prefix: str) -> Iterator[str]:
             yield from _out_of_bounds(value, key + ".")
             continue
         choice = _choice_of(type(cfg), f.name)
-        if choice is not None and value not in tuple(choice):
+        if choice is not None and value is not None and value not in tuple(choice):
             yield _bad_choice(key, value, choice)
             continue
         bounds = f.metadata.get("bounds")
@@ -140,5 +142,8 @@ def load_config(
 
 
 def to_yaml(cfg) -> str:
-    """The config as YAML text (round-trips through :func:`load_config`)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML text (round-trips through :func:`load_config`); choices are written as
+    the values users type (``token-mean``), not their enum names."""
+    plain = dataclasses.asdict(cfg, dict_factory=lambda pairs: {k: v.value if isinstance(v, Choice) else v
+                                                                 for k, v in pairs})
+    return OmegaConf.to_yaml(OmegaConf.create(plain))

@@ -62,6 +62,86 @@ class CheckpointFormat(Choice):
         return str(sorted(m.value for m in cls))
 
 
+class ParamsDtype(Choice):
+    """``model.params_dtype``: the parameters' dtype."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class TransformerImpl(Choice):
+    """``model.transformer_impl``: Megatron's layer implementation."""
+
+    auto = "auto"
+    transformer_engine = "transformer_engine"
+    local = "local"
+
+
+class Recompute(Choice):
+    """``model.recompute_granularity``: activation recompute (null: none)."""
+
+    selective = "selective"
+    full = "full"
+
+
+class TokenDispatcher(Choice):
+    """``model.moe_token_dispatcher``: how MoE tokens reach their experts."""
+
+    alltoall = "alltoall"
+    allgather = "allgather"
+
+
+class LrDecay(Choice):
+    """``optimizer.lr_decay_style``: the learning rate after warmup."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class BadRows(Choice):
+    """``data.bad_rows``: what a malformed dataset row does."""
+
+    fail = "fail"
+    skip = "skip"
+
+
+class AggMode(Choice):
+    """``algorithm.agg_mode``: how token losses are aggregated (megarl/algorithms/losses.py)."""
+
+    token_mean = "token-mean"
+    seq_mean_token_sum = "seq-mean-token-sum"
+    seq_mean_token_mean = "seq-mean-token-mean"
+    seq_mean_token_sum_norm = "seq-mean-token-sum-norm"
+
+
+class RolloutCorrection(Choice):
+    """``algorithm.rollout_correction``: importance weights of the rollout's samples
+    (megarl/algorithms/correction.py)."""
+
+    none = "none"
+    token_tis = "token_tis"
+    token_mis = "token_mis"
+    seq_tis = "seq_tis"
+    seq_mis = "seq_mis"
+
+
+class EpisodeReward(Choice):
+    """``rollout.reward``: what scores a multi-turn episode."""
+
+    env = "env"
+    verifier = "verifier"
+
+
+class Sandbox(Choice):
+    """``rollout.sandbox``: how the ``python`` environment's code is confined."""
+
+    confined = "confined"
+    unconfined = "unconfined"
+
+
 def bounded(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None,
             le: Optional[float] = None, lt: Optional[float] = None) -> Any:
     """A field whose value (unless null) must satisfy these bounds (>=, >, <=, <); the loader's
@@ -87,14 +167,14 @@ class ModelConfig:
     (random init)."""
     make_vocab_size_divisible_by: int = bounded(128, ge=1)
     """Pad the vocabulary up to a multiple of this (tokens); the padded size must divide by every tp used."""
-    params_dtype: str = "auto"
+    params_dtype: ParamsDtype = ParamsDtype.auto
     """``float32``, ``bfloat16``, ``float16`` or ``auto`` (bf16 with CUDA, fp32 on CPU); pretrained
     weights of another dtype are converted on load (bf16 -> fp32 exactly)."""
-    transformer_impl: str = "auto"
+    transformer_impl: TransformerImpl = TransformerImpl.auto
     """``transformer_engine``, ``local`` or ``auto`` (TE when it and CUDA are present, else local + SDPA)."""
-    recompute_granularity: Optional[str] = None
+    recompute_granularity: Optional[Recompute] = None
     """Activation recompute: null, ``selective`` or ``full``."""
-    moe_token_dispatcher: str = "alltoall"
+    moe_token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall
     """MoE token dispatcher: ``alltoall`` or ``allgather``."""
     moe_aux_loss_coeff: Optional[float] = bounded(None, ge=0)
     """Load-balancing loss weight; null takes the HF config's ``router_aux_loss_coef`` (0 when absent)."""
@@ -185,7 +265,7 @@ class OptimizerConfig:
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     lr_warmup_steps: int = bounded(0, ge=0)
     """Linear warmup, in optimizer steps."""
-    lr_decay_style: str = "constant"
+    lr_decay_style: LrDecay = LrDecay.constant
     """``constant``, ``linear`` or ``cosine``."""
 
 
@@ -199,7 +279,7 @@ class DataConfig:
     """Record field holding the prompt (a string or a list of chat messages)."""
     answer_key: str = "answer"
     """Record field holding the reference answer (else the record's ``reward_model`` -> ``ground_truth``, verl's layout)."""
-    bad_rows: str = "fail"
+    bad_rows: BadRows = BadRows.fail
     """A malformed row: ``fail`` (stop, naming file and row) or ``skip`` (log and go on)."""
     tokenizer: Optional[str] = None
     """HF tokenizer directory; null = ``model.path``'s tokenizer when it has one, else the built-in
@@ -286,7 +366,7 @@ class AlgorithmConfig:
     """PPO clip range below 1."""
     clip_high: float = bounded(0.2, ge=0)
     """PPO clip range above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
-    agg_mode: str = "token-mean"
+    agg_mode: AggMode = AggMode.token_mean
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
     norm_by_std: bool = True
     """GRPO: divide by the group's std (false = Dr. GRPO)."""
@@ -314,7 +394,7 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     """Passes over the step's batch; rows are reshuffled before each (seeded by trainer.seed and
     the step, the same on every rank)."""
-    rollout_correction: str = "none"
+    rollout_correction: RolloutCorrection = RolloutCorrection.none
     """Importance weights pi_old / pi_rollout of the rollout engine's samples in the policy loss:
     ``none``, ``token_tis`` / ``seq_tis`` (per token / per response, truncated at the threshold:
     Yao et al. 2025 TIS) or ``token_mis`` / ``seq_mis`` (weights above the threshold masked to 0:
@@ -472,11 +552,11 @@ class RolloutConfig:
     does not fit ends the episode. Prompts get the model's positions minus this. null =
     max_turns x algorithm.max_new_tokens. The overlong penalty (algorithm.overlong_buffer) counts
     against this budget."""
-    reward: str = "env"
+    reward: EpisodeReward = EpisodeReward.env
     """``env``: an episode's reward is the sum of its environment's step rewards; ``verifier``:
     ``algorithm.reward_fn`` scores the final turn's text (the existing verifiers on the final
     answer)."""
-    sandbox: str = "confined"
+    sandbox: Sandbox = Sandbox.confined
     """``confined``: the ``python`` environment's code runs in its own user, network and mount
     namespaces, seeing only its directory and a read-only Python runtime (the kernel must allow
     unprivileged user namespaces, or the run refuses to start). ``unconfined``: without the mount

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import List
 
-from megarl.config.schema import Loop, Placement
+from megarl.config.schema import Loop, ParamsDtype, Placement
 from megarl.hybrid import regroup
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
@@ -49,7 +49,7 @@ def split_plan(cfg, layout, args) -> str:
     r, t = cfg.parallel.rollout, cfg.trainer
     tp = transfer_plan(cfg, args)
     backend = rollout_backend(r.engine)
-    itemsize = 2 if (rollout_dtype(r) or cfg.model.params_dtype) == "bfloat16" else 4
+    itemsize = 2 if (rollout_dtype(r) or cfg.model.params_dtype) == ParamsDtype.bfloat16 else 4
     staleness = {Loop.sync: "0", Loop.one_step_off: str(t.max_staleness or 1)}[t.loop]
     lines = [f"placement split: trainer {layout.world_size} ranks (actor layout {layout}); rollout {r.nproc} ranks "
              f"(layout {tp.gen}, {r.engine}); ray {t.ray_address or 'private, 127.0.0.1'}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict
 
 from megarl.config import ConfigError
-from megarl.config.schema import REWARD_MODEL, Loop, Placement
+from megarl.config.schema import REWARD_MODEL, Loop, Placement, RolloutCorrection
 from megarl.controller.group import RoleProxy, WorkerGroup, wait_groups
 from megarl.rollout.backends import rollout_layout, transfer_plan
 
@@ -74,7 +74,7 @@ def check_placement(cfg, args) -> None:
     if t.max_staleness and t.loop != Loop.one_step_off:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness} needs trainer.loop=one_step_off (the "
                           f"asynchronous loop)")
-    if t.max_staleness > 1 and algo.rollout_correction == "none":
+    if t.max_staleness > 1 and algo.rollout_correction == RolloutCorrection.none:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness}: samples up to {t.max_staleness} versions old "
                           f"need importance weights; set algorithm.rollout_correction (e.g. token_tis)")
     if t.loop == Loop.one_step_off and algo.reward_fn == REWARD_MODEL:

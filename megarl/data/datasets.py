@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence, Union
 
+from megarl.config.schema import BadRows
+
 log = logging.getLogger(__name__)
 
 
@@ -68,11 +70,11 @@ def _check(row: Any, prompt_key: str, answer_key: str) -> PromptRecord:
 
 
 def load_records(files: Sequence[str], prompt_key: str = "prompt", answer_key: str = "answer",
-                 bad_rows: str = "fail") -> List[PromptRecord]:
+                 bad_rows: BadRows = BadRows.fail) -> List[PromptRecord]:
     """Every valid record of ``files``; ``bad_rows`` is ``fail`` (raise at the first) or ``skip``
     (log each, go on)."""
-    if bad_rows not in ("fail", "skip"):
-        raise DataError(f"data.bad_rows='{bad_rows}' must be 'fail' or 'skip'")
+    if bad_rows not in tuple(BadRows):
+        raise DataError(f"data.bad_rows='{bad_rows}' must be one of {BadRows.allowed()}")
     out: List[PromptRecord] = []
     for name in files:
         path = Path(name)
@@ -84,7 +86,7 @@ def load_records(files: Sequence[str], prompt_key: str = "prompt", answer_key: s
                 record = _check(row, prompt_key, answer_key)
             except DataError as err:
                 where = f"{path}:{row_number}"
-                if bad_rows == "fail":
+                if bad_rows == BadRows.fail:
                     raise DataError(f"{where} {err} (set data.bad_rows=skip to skip such rows)") from None
                 log.warning("skipping %s: %s", where, err)
                 skipped += 1

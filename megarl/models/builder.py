@@ -13,6 +13,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from megarl.config.schema import ParamsDtype, Recompute, TransformerImpl
 from megarl.models.hf_config import MegatronModelArgs, megatron_args_from_hf, padded_vocab_size
 from megarl.models.norm import RMSNorm
 from megarl.models.sdpa_attention import SDPACoreAttention
@@ -33,23 +34,23 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def resolve_impl(choice: str) -> bool:
+def resolve_impl(choice: TransformerImpl) -> bool:
     """Whether to use Transformer Engine for ``model.transformer_impl``."""
-    if choice == "auto":
+    if choice == TransformerImpl.auto:
         return transformer_engine_available()
-    if choice == "transformer_engine":
+    if choice == TransformerImpl.transformer_engine:
         if not transformer_engine_available():
             raise ImportError("model.transformer_impl=transformer_engine needs CUDA and Transformer "
                               "Engine: pip install 'megarl[gpu]' on a GPU machine, or use 'local'")
         return True
-    if choice == "local":
+    if choice == TransformerImpl.local:
         return False
-    raise ValueError(f"model.transformer_impl='{choice}' must be 'auto', 'transformer_engine' or 'local'")
+    raise ValueError(f"model.transformer_impl='{choice}' must be one of {TransformerImpl.allowed()}")
 
 
-def resolve_dtype(choice: str) -> torch.dtype:
+def resolve_dtype(choice: ParamsDtype) -> torch.dtype:
     """``model.params_dtype``: ``auto`` is bf16 with CUDA and fp32 on CPU."""
-    if choice == "auto":
+    if choice == ParamsDtype.auto:
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if choice not in _DTYPES:
         raise ValueError(f"model.params_dtype='{choice}' must be one of {sorted(_DTYPES)} or 'auto'")
@@ -127,8 +128,8 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
         persist_layer_norm=use_te,
         apply_rope_fusion=False,
         recompute_granularity=model_cfg.recompute_granularity,
-        recompute_method="uniform" if model_cfg.recompute_granularity == "full" else None,
-        recompute_num_layers=1 if model_cfg.recompute_granularity == "full" else None,
+        recompute_method="uniform" if model_cfg.recompute_granularity == Recompute.full else None,
+        recompute_num_layers=1 if model_cfg.recompute_granularity == Recompute.full else None,
     )
 
 

@@ -17,6 +17,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megarl.config.schema import Recompute
+
 
 def moe_layer_index(config) -> Dict[int, int]:
     """Global layer number (1-based, as ``Router.layer_number``) -> MoE layer index (0-based),
@@ -121,7 +123,7 @@ def check_config(records_routing: bool, num_experts: int, recompute_granularity)
     if not num_experts:
         raise ConfigError("algorithm.routing_replay=true needs an MoE model; model.hf_config describes a dense "
                           "one (no experts); set algorithm.routing_replay=false")
-    if recompute_granularity == "full":
+    if recompute_granularity == Recompute.full:
         # full recompute re-routes in the backward pass, out of step with the micro-batch being replayed
         raise ConfigError("algorithm.routing_replay=true does not support model.recompute_granularity='full'; "
                           "use selective or no recompute")

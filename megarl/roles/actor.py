@@ -18,6 +18,7 @@ from megarl.algorithms.correction import rollout_correction_weights
 from megarl.algorithms.kl import LOG_RATIO_BOUND, clamp_log_ratio
 from megarl.algorithms.losses import POLICY_LOSSES, entropy_bonus, kl_loss, loss_denominators
 from megarl.algorithms.masked import masked_mean
+from megarl.config.schema import AggMode, RolloutCorrection
 from megarl.engines.batching import Tensors
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
 from megarl.metrics import Metric, Reduce
@@ -30,7 +31,7 @@ class ActorLossConfig:
 
     policy_loss: str = "ppo"
     """A POLICY_LOSSES name: ``ppo`` or ``gspo``."""
-    agg_mode: str = "token-mean"
+    agg_mode: AggMode = AggMode.token_mean
     """Loss aggregation over the global batch (see megarl.algorithms.losses.aggregate)."""
     clip_low: float = 0.2
     """Lower clip range of the ratio."""
@@ -48,7 +49,7 @@ class ActorLossConfig:
     """Generation budget, needed by ``seq-mean-token-sum-norm``."""
     temperature: float = 1.0
     """Sampling temperature the log-probs are computed at."""
-    rollout_correction: str = "none"
+    rollout_correction: RolloutCorrection = RolloutCorrection.none
     """Importance weights pi_old / pi_rollout in the policy loss (megarl.algorithms.correction)."""
     rollout_correction_threshold: float = 2.0
     """Their bound C (> 1): truncation (TIS) or masking (MIS) above it."""
@@ -69,14 +70,14 @@ class Actor:
         cfg, mask = self.cfg, t["loss_mask"]
         tokens, seqs = loss_denominators(mask)
         # Sums here; Megatron divides by the count summed over micro-batches and DP ranks.
-        count = tokens if cfg.agg_mode == "token-mean" else seqs
+        count = tokens if cfg.agg_mode == AggMode.token_mean else seqs
         norm = dict(global_tokens=1, global_seqs=1, max_len=cfg.max_len)
         weights, correction = None, {}
         if "rollout_log_probs" in t:  # the train-inference mismatch, logged at any mode
             weights, correction = rollout_correction_weights(
                 t["old_log_probs"], t["rollout_log_probs"], mask, cfg.rollout_correction,
                 cfg.rollout_correction_threshold)
-        elif cfg.rollout_correction != "none":
+        elif cfg.rollout_correction != RolloutCorrection.none:
             raise ValueError(f"rollout_correction='{cfg.rollout_correction}' needs the batch's rollout_log_probs")
         loss, means = POLICY_LOSSES.get(cfg.policy_loss)(
             logp, t["old_log_probs"], t["advantages"], mask, agg_mode=cfg.agg_mode,
@@ -121,7 +122,7 @@ class Actor:
     def update(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching,
                mini: Optional[MiniBatches] = None) -> Dict[str, float]:
         """Optimizer steps over ``batch`` (this DP rank's rows), one per mini-batch and epoch."""
-        if how.packed and self.cfg.rollout_correction.startswith("seq_"):  # the loss sees rows as [1, T]
+        if how.packed and self.cfg.rollout_correction in (RolloutCorrection.seq_tis, RolloutCorrection.seq_mis):  # the loss sees rows as [1, T]
             raise ValueError(f"rollout_correction='{self.cfg.rollout_correction}' weighs whole responses and "
                              f"needs padded micro-batches (MicroBatching.packed=False)")
         return self.engine.update(batch, lengths, self._loss, how, self.cfg.temperature, mini)

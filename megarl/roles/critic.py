@@ -13,6 +13,7 @@ from typing import Dict, Optional
 import torch
 
 from megarl.algorithms.losses import loss_denominators, value_loss
+from megarl.config.schema import AggMode
 from megarl.engines.batching import Tensors
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
 from megarl.metrics import Metric
@@ -25,7 +26,7 @@ class CriticLossConfig:
 
     clip_range: float = 0.2
     """Value clipping around the old values (absolute, in reward units)."""
-    agg_mode: str = "token-mean"
+    agg_mode: AggMode = AggMode.token_mean
     """Loss aggregation over the global batch."""
     max_len: Optional[int] = None
     """Generation budget, needed by ``seq-mean-token-sum-norm``."""
@@ -47,7 +48,7 @@ class Critic:
     def _loss(self, values: torch.Tensor, _unused, t: Tensors):
         mask = t["loss_mask"]
         tokens, seqs = loss_denominators(mask)
-        count = tokens if self.cfg.agg_mode == "token-mean" else seqs
+        count = tokens if self.cfg.agg_mode == AggMode.token_mean else seqs
         loss, metrics = value_loss(values, t["old_values"], t["returns"], mask, self.cfg.clip_range,
                                    self.cfg.agg_mode, global_tokens=1, global_seqs=1, max_len=self.cfg.max_len)
         return loss, count, {k: Metric(v * count) for k, v in metrics.items()}  # the engine averages

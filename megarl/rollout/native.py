@@ -54,6 +54,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from megarl.config.schema import TokenDispatcher, TransformerImpl
 from megarl.hybrid import ModelSpec, Regrouping
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.models import build_model
@@ -83,7 +84,7 @@ class NativeRollout(RolloutEngine):
         if dtype is not None:
             model_cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
         gen = dataclasses.replace(weights.gen, sequence_parallel=False)  # decode steps are one token long
-        if gen.ep > 1 and model_cfg.moe_token_dispatcher != "alltoall":
+        if gen.ep > 1 and model_cfg.moe_token_dispatcher != TokenDispatcher.alltoall:
             raise ValueError(f"rollout.ep={gen.ep} needs model.moe_token_dispatcher=alltoall (got "
                              f"'{model_cfg.moe_token_dispatcher}'): the replicas of an expert group feed "
                              f"different numbers of tokens, which only the alltoall dispatcher takes")
@@ -95,7 +96,7 @@ class NativeRollout(RolloutEngine):
             self.groups = weights.place(gen)
             # The local spec always: the decode passes boolean padding masks (left-padded prompts),
             # which Transformer Engine's fused attention ignores under the causal mask types.
-            local = dataclasses.replace(model_cfg, transformer_impl="local")
+            local = dataclasses.replace(model_cfg, transformer_impl=TransformerImpl.local)
             self.model = build_model(local, self.groups, args, initialize=False, training=False)[0].eval()
         except LayoutError as err:
             raise ValueError(f"rollout layout {gen}: {err}") from None

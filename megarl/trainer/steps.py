@@ -17,7 +17,7 @@ from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATO
 from megarl.agent.loop import Agent
 from megarl.algorithms.presets import preset, resolve
 from megarl.config import ConfigError
-from megarl.config.schema import REWARD_MODEL
+from megarl.config.schema import REWARD_MODEL, BadRows, EpisodeReward
 from megarl.data.datasets import PromptRecord
 from megarl.metrics import Metric, merge
 from megarl.protocol import Batch, Columns
@@ -186,7 +186,7 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
             if agent is None:
                 raw = scorer(records, responses, ids)
             else:
-                raw = episodes.rewards if agent.cfg.reward == "env" else scorer(records, episodes.final_turns, ids)
+                raw = episodes.rewards if agent.cfg.reward == EpisodeReward.env else scorer(records, episodes.final_turns, ids)
         lengths = torch.tensor([r.length for r in responses])
         shaped = raw + overlong_penalty(lengths, longest, algo.overlong_buffer, algo.overlong_penalty)
         group = torch.tensor([r.prompt_index for r in responses])
@@ -321,7 +321,7 @@ def train_on(batch: Batch, roles, algo, log) -> Tuple[Batch, Dict[str, float]]:
     return batch, metrics
 
 
-def check_prompt_tokens(stream: PromptStream, vocab_size: int, bad_rows: Optional[str] = None) -> None:
+def check_prompt_tokens(stream: PromptStream, vocab_size: int, bad_rows: Optional[BadRows] = None) -> None:
     """Every prompt renders (chat template), fits the model's positions and uses only token ids the
     model has; so do the EOS and pad ids. A bad row fails here, naming its ``file:row``, before any
     worker starts, or with ``bad_rows="skip"`` (data.bad_rows; None: the built-in task's records,
@@ -332,10 +332,10 @@ def check_prompt_tokens(stream: PromptStream, vocab_size: int, bad_rows: Optiona
         problem = _prompt_problem(stream, record, vocab_size)
         if problem is None:
             kept.append(record)
-        elif bad_rows == "skip":
+        elif bad_rows == BadRows.skip:
             log.warning("skipping %s: %s", record.source, problem)
         else:
-            hint = " (set data.bad_rows=skip to skip such rows)" if bad_rows == "fail" else ""
+            hint = " (set data.bad_rows=skip to skip such rows)" if bad_rows == BadRows.fail else ""
             raise ConfigError(f"{record.source}: {problem}{hint}")
     if len(kept) < len(stream.records):
         log.warning("skipped %d of %d prompts (data.bad_rows=skip)", len(stream.records) - len(kept),
