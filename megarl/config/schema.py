@@ -292,6 +292,12 @@ class DataConfig:
     """Prompts per RL step; times algorithm.samples_per_prompt must divide by the actor's dp."""
     micro_batch_tokens: int = bounded(1024, ge=1)
     """Token budget of one micro-batch in log-prob and update passes."""
+    pack_sequences: bool = False
+    """Sequence packing: each micro-batch's real tokens end to end in one row (THD, positions
+    restarting per sequence) instead of rows padded to the longest, in every role's log-prob and
+    update passes and in ``megarl train-lm``: no compute on padding when lengths vary. The losses
+    still aggregate per sequence (``algorithm.agg_mode``); results equal the padded run's to fp32
+    rounding."""
     task: str = "reverse_digits"
     """The built-in task (data.train_files empty; also what ``megarl train-lm`` trains on):
     ``reverse_digits`` (``d1..dn=`` → the digits reversed) or ``calculator`` (``a*b=`` → the product,

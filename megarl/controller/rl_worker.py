@@ -110,7 +110,7 @@ class RLWorker:
                                    off.params, off.grads, off.optimizer)
         if args.num_experts:  # moe/routing_mismatch_frac is logged with and without replay
             self.roles["actor"].engine.track_routing(replay=algo.routing_replay)
-        self.how = MicroBatching(max_tokens=cfg.data.micro_batch_tokens)
+        self.how = MicroBatching(max_tokens=cfg.data.micro_batch_tokens, packed=cfg.data.pack_sequences)
         g = self.groups
         info = {"rank": torch.distributed.get_rank(), "dp": layout.dp, "dp_rank": g.dp_rank,
                 # one rank per DP index answers: TP rank 0 of the last stage, CP rank 0 (CP ranks

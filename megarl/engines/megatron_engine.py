@@ -49,7 +49,8 @@ from megarl.runtime import progress
 from megarl.runtime.devices import compute_device
 
 # (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metrics); for a
-# value head: (values [n, s], None, tensors). Each metric's value is 0-dim and reduced over
+# value head: (values [n, s], None, tensors). Rows are the micro-batch's own, packed or not (a
+# packed micro-batch is unpacked for the loss), so per-sequence aggregation works either way. Each metric's value is 0-dim and reduced over
 # micro-batches, steps and DP ranks as it says: a MEAN is a count-weighted sum, summed and divided by
 # the total count; MAX / MIN are extrema; SUM is summed.
 LossFn = Callable[[torch.Tensor, torch.Tensor, Tensors], Tuple[torch.Tensor, torch.Tensor, Dict[str, Metric]]]
@@ -64,7 +65,7 @@ class MicroBatching:
     max_tokens: Optional[int] = None
     """Token budget per micro-batch; set = dynamic mode (micro_batch_size ignored)."""
     packed: bool = False
-    """Concatenate real tokens (THD) instead of padding rows."""
+    """Concatenate real tokens (THD) instead of padding rows (``data.pack_sequences``)."""
 
 
 @dataclass
@@ -339,7 +340,12 @@ class MegatronEngine:
 
         def loss_func(mb, output):
             first, second = self._head(mb, output, temperature)
-            loss_sum, count, metrics = loss_fn(first, second, mb.tensors)
+            tensors = mb.tensors
+            if mb.packed_seq_params is not None:  # the loss sees the micro-batch's rows, as padded ones
+                width = int(mb.lengths.max())
+                first, second = (None if t is None else batching.unpack(t, mb, width) for t in (first, second))
+                tensors = {k: v[mb.rows, :width] for k, v in batch.items()}
+            loss_sum, count, metrics = loss_fn(first, second, tensors)
             report = torch.stack([loss_sum.detach().float(), count.float()]
                                  + [m.value.detach().float() for m in metrics.values()])
             return loss_sum, count.to(torch.int), {"report": report, "names": list(metrics),

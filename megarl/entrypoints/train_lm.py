@@ -104,7 +104,7 @@ def _train(cfg: MegarlConfig) -> int:
     set_seed(cfg.trainer.seed, groups)
     state = build_train_state(cfg.model, cfg.optimizer, groups, cfg.trainer.train_steps)
     engine = supervised.engine(state, cfg.trainer.max_bad_steps)
-    how = MicroBatching(micro_batch_size=cfg.data.micro_batch_size)
+    how = MicroBatching(micro_batch_size=cfg.data.micro_batch_size, packed=cfg.data.pack_sequences)
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
         backend = "nccl/GPU" if torch.cuda.is_available() else "gloo/CPU"

@@ -122,7 +122,4 @@ class Actor:
     def update(self, batch: Tensors, lengths: torch.Tensor, how: MicroBatching,
                mini: Optional[MiniBatches] = None) -> Dict[str, float]:
         """Optimizer steps over ``batch`` (this DP rank's rows), one per mini-batch and epoch."""
-        if how.packed and self.cfg.rollout_correction in (RolloutCorrection.seq_tis, RolloutCorrection.seq_mis):  # the loss sees rows as [1, T]
-            raise ValueError(f"rollout_correction='{self.cfg.rollout_correction}' weighs whole responses and "
-                             f"needs padded micro-batches (MicroBatching.packed=False)")
         return self.engine.update(batch, lengths, self._loss, how, self.cfg.temperature, mini)

@@ -215,6 +215,15 @@ def compare(args) -> None:
                 for key in ("loss", "grad_norm"):
                     want = ref_losses["engine"][mode][key]
                     entry[f"engine_{key}_{mode}"] = abs(losses["engine"][mode][key] - want) / abs(want)
+            # the same layout's packed run against its padded one (the loss sees rows either way)
+            padded, packed = (torch.load(run_dir / f"engine_outputs_{mode}.pt") for mode in ("padded", "packed"))
+            entry["packed_vs_padded_log_probs"] = max(
+                ((packed[key].double() - padded[key].double()).abs() * real).max().item() for key in ("log_probs", "entropy"))
+            entry["packed_vs_padded_loss"] = max(
+                abs(losses["engine"]["packed"][key] - losses["engine"]["padded"][key]) / abs(losses["engine"]["padded"][key])
+                for key in ("loss", "grad_norm"))
+            weights = {mode: _full_tensors(model_cfg, groups, run_dir / f"engine_weights_{mode}") for mode in ENGINE_MODES}
+            entry["packed_vs_padded_weights"] = max(_rel(weights["packed"][k], weights["padded"][k]) for k in weights["padded"])
             for kind in ["grads", "weights"] + [f"engine_weights_{mode}" for mode in ENGINE_MODES]:
                 got = _full_tensors(model_cfg, groups, run_dir / kind)
                 assert got.keys() == ref[kind].keys(), f"{run_dir}/{kind}: tensor names differ"

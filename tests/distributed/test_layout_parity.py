@@ -5,7 +5,8 @@ single-process value, per tensor; the worst tensor is reported).
 
 Through the RL engine (actor PPO loss, seq-mean-token-mean, entropy bonus), padded and packed:
 log-probs and entropies (max abs diff on real tokens, zeros past them), loss, grad norm and the
-weights after one update, against the single process, <= 1e-5. Layouts include context
+weights after one update, against the single process, <= 1e-5; and at every layout the packed
+run against the padded one (data.pack_sequences: the loss aggregates per sequence either way), <= 1e-5. Layouts include context
 parallelism (cp=2, tp2·cp2). Activation recompute (selective, full) at one process matches the
 run without it to 1e-6 and really recomputes (twice the core-attention calls).
 
@@ -41,6 +42,9 @@ EXPECTED = {"dense": COMMON, "moe": COMMON | {"t1p1d2e2"},
             "moe_aux": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1v2", "t1p1d1e1c2", "t2p1d1e1c2"}}
 ENGINE_METRICS = [f"engine_{what}_{mode}" for mode in ("padded", "packed")
                   for what in ("log_probs", "entropy", "loss", "grad_norm", "weights")]
+# each layout's packed engine run against its padded one: log-probs and entropies (max abs diff),
+# loss and grad norm, weights after the update (relative)
+PACKED_METRICS = ["packed_vs_padded_log_probs", "packed_vs_padded_loss", "packed_vs_padded_weights"]
 
 
 def tolerance(key: str) -> float:
@@ -65,7 +69,8 @@ def test_every_layout_ran(report, model):
 
 
 @pytest.mark.parametrize("model", ["dense", "moe", "moe_aux"])
-@pytest.mark.parametrize("metric", ["loss", "grads", "step_losses", "grad_norms", "weights"] + ENGINE_METRICS)
+@pytest.mark.parametrize("metric", ["loss", "grads", "step_losses", "grad_norms", "weights"] + ENGINE_METRICS
+                         + PACKED_METRICS)
 def test_layout_matches_single_process(report, model, metric):
     worst = {key: entry[metric] for key, entry in report.items() if key.startswith(model + "/")}
     bad = {key: value for key, value in worst.items() if not value <= tolerance(key)}

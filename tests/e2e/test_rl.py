@@ -63,12 +63,33 @@ def test_grpo_run_artifacts(grpo):
     assert all(r["memory/worker_peak_rss_gb"] > 0 and r["memory/driver_peak_rss_gb"] > 0 for r in rows)
 
 
-def test_ppo_with_critic(tmp_path):
-    rows = history(tmp_path, "algorithm.name=ppo", "trainer.train_steps=4", "algorithm.samples_per_prompt=2",
-                   "algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true")
+PPO = ("algorithm.name=ppo", "trainer.train_steps=4", "algorithm.samples_per_prompt=2", "algorithm.kl_coef=0.01",
+       "algorithm.kl_in_reward=true", "algorithm.agg_mode=seq-mean-token-mean")
+
+
+@pytest.fixture(scope="module")
+def ppo(tmp_path_factory):
+    return history(tmp_path_factory.mktemp("ppo"), *PPO)
+
+
+def test_ppo_with_critic(ppo):
+    rows = ppo
     assert rows[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert rows[0]["rollout/logp_max_abs_diff"] <= 1e-5
     assert all("critic/loss" in r and r["critic/grad_norm"] > 0 for r in rows)
+
+
+def test_packed_sequences_train_as_padded_ones(tmp_path, ppo):
+    """data.pack_sequences=true: every role's passes (actor, critic, reference) run on packed
+    micro-batches and the losses still aggregate per sequence (seq-mean-token-mean here): the first
+    step's losses and gradient norms equal the padded run's to fp32 rounding, and the rollout's
+    log-probs equal the packed trainer's."""
+    rows = history(tmp_path, *PPO, "data.pack_sequences=true", "trainer.train_steps=1")
+    first, padded = rows[0], ppo[0]
+    assert first["reward/mean"] == padded["reward/mean"]  # the same samples: nothing trained yet
+    assert first["rollout/logp_max_abs_diff"] <= 1e-5
+    for key in ("actor/loss", "actor/grad_norm", "critic/loss", "critic/grad_norm", "actor/entropy"):
+        assert first[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-7), key
 
 
 def test_gspo_trains_with_mini_batches(tmp_path, grpo):
