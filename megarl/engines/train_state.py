@@ -59,11 +59,12 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
             clip_grad=optim_cfg.clip_grad, use_distributed_optimizer=distributed,
             bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype),
         model, use_gloo_process_groups=False, pg_collection=groups.pg)
+    # choices reach Megatron as plain strings: its scheduler's state is checkpointed (weights_only loads)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim_cfg.lr_warmup_steps else optim_cfg.lr, max_lr=optim_cfg.lr,
         min_lr=optim_cfg.min_lr, lr_warmup_steps=optim_cfg.lr_warmup_steps,
         lr_decay_steps=max(total_steps, optim_cfg.lr_warmup_steps + 1),
-        lr_decay_style=optim_cfg.lr_decay_style, start_wd=optim_cfg.weight_decay,
+        lr_decay_style=str(optim_cfg.lr_decay_style), start_wd=optim_cfg.weight_decay,
         end_wd=optim_cfg.weight_decay, wd_incr_steps=max(total_steps, 1), wd_incr_style="constant")
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss

@@ -93,7 +93,7 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
     if not args.mla:
         kwargs.pop("rotary_base")  # a GPTModel argument outside MLA
     if args.num_experts:
-        kwargs["moe_token_dispatcher_type"] = model_cfg.moe_token_dispatcher
+        kwargs["moe_token_dispatcher_type"] = str(model_cfg.moe_token_dispatcher)
         if model_cfg.moe_aux_loss_coeff is not None:
             kwargs["moe_aux_loss_coeff"] = model_cfg.moe_aux_loss_coeff
         kwargs["moe_grouped_gemm"] = use_te
@@ -127,7 +127,7 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
         masked_softmax_fusion=use_te,
         persist_layer_norm=use_te,
         apply_rope_fusion=False,
-        recompute_granularity=model_cfg.recompute_granularity,
+        recompute_granularity=None if model_cfg.recompute_granularity is None else str(model_cfg.recompute_granularity),
         recompute_method="uniform" if model_cfg.recompute_granularity == Recompute.full else None,
         recompute_num_layers=1 if model_cfg.recompute_granularity == Recompute.full else None,
     )
