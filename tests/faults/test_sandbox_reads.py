@@ -189,5 +189,5 @@ def test_a_run_refuses_before_workers_start(monkeypatch):
     monkeypatch.setattr(envs, "confinement_error", lambda: NO_NAMESPACES)
     with pytest.raises(ConfigError, match=r"rollout\.sandbox=unconfined runs it anyway"):
         prepare(load_config(["configs/grpo_demo.yaml"], ["rollout.env=python"]))
-    with pytest.raises(ConfigError, match=r"rollout\.sandbox='open' must be one of confined, unconfined"):
+    with pytest.raises(ConfigError, match=r"rollout\.sandbox='open' must be one of \('confined', 'unconfined'\)"):
         prepare(load_config(["configs/grpo_demo.yaml"], ["rollout.env=python", "rollout.sandbox=open"]))
