@@ -19,7 +19,7 @@ import time
 
 from megarl.runtime.processes import RUN_TAG, run_processes, tagged_pids
 from tests.distributed.launch import ROOT
-from tests.faults.driver import stderr, wait_exit
+from tests.faults.driver import DIAGNOSE_ENV, stderr, wait_exit
 
 ARGS = ["configs/grpo_demo.yaml", "trainer.train_steps=50", "logging.progress_bar=false", "data.prompts_per_step=4",
         "algorithm.samples_per_prompt=4", "logging.mlflow=false"]
@@ -30,6 +30,7 @@ HANG_S = 30  # trainer.hang_timeout_s of the frozen-rank cases (a rank's setup u
 
 def start(run_dir, *extra):
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}  # Ray's default: token auth on
+    env.update(DIAGNOSE_ENV)  # a driver that outlives its deadline shows where it was
     env["PYTHONWARNINGS"] = "ignore"
     log = open(run_dir.parent / f"{run_dir.name}.stderr", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", *ARGS, *extra, f"trainer.run_dir={run_dir}"],
