@@ -3,6 +3,7 @@ group, stdout and stderr in one log file)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -27,10 +28,8 @@ def wait_exit(proc, limit_s: float) -> float:
         proc.wait(timeout=limit_s)
     except subprocess.TimeoutExpired:
         os.kill(proc.pid, signal.SIGABRT)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # not gone in 5 s: the SIGKILL below ends it
             proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise AssertionError(f"the driver did not exit within {limit_s}s:\n{stderr(proc)[-6000:]}")
