@@ -19,6 +19,7 @@ import torch
 
 from megarl.checkpoint.disk import append_text, replace_text
 from megarl.runtime.signals import Preempted
+from megarl.trainer.mlflow_store import new_store
 from megarl.config import to_yaml
 from megarl.config.schema import REWARD_MODEL
 from megarl.models.flops import forward_flops
@@ -82,6 +83,7 @@ class RunLogger:
             if cfg.logging.mlflow_tracking_uri:  # the server's store decides where artifacts go
                 mlflow.set_tracking_uri(cfg.logging.mlflow_tracking_uri)
             else:  # everything in the run directory, artifacts too (MLflow's default is ./mlruns)
+                new_store(self.run_dir / "mlflow.db")
                 mlflow.set_tracking_uri(f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}")
                 if mlflow.get_experiment_by_name(cfg.logging.experiment) is None:
                     mlflow.create_experiment(cfg.logging.experiment,
