@@ -33,8 +33,12 @@ class RaySession:
             changes.update(_LOCAL_ONLY)
         self._saved: Dict[str, Optional[str]] = {k: os.environ.get(k) for k in changes}
         os.environ.update(changes)  # Ray's processes inherit these from the driver
-        # workers on other nodes get the tag through their runtime_env; gloo talks over loopback
-        self.worker_env = {RUN_TAG: self.run_id, **({"GLOO_SOCKET_IFNAME": "lo"} if self.private else {})}
+        # workers on other nodes get the tag through their runtime_env; gloo talks over loopback;
+        # the GPU-shaped harness of a driver run under it reaches its workers on any cluster
+        from megarl.runtime import gpu_shaped
+
+        self.worker_env = {RUN_TAG: self.run_id, **({"GLOO_SOCKET_IFNAME": "lo"} if self.private else {}),
+                           **({gpu_shaped.ENV: "1"} if gpu_shaped.requested() else {})}
         self.watchdog = start_watchdog(self.run_id)
         import ray
         from ray._private import ray_constants

@@ -10,6 +10,7 @@ import pytest
 from megarl.agent.env import Environment, StepResult
 from megarl.config import ConfigError, load_config
 from megarl.entrypoints.train_rl import prepare, run
+from tests import ray_cluster
 
 DEMO = "configs/grpo_demo.yaml"
 ENV = "tests.e2e.test_agent:ThreeTurnEnv"
@@ -31,7 +32,8 @@ class ThreeTurnEnv(Environment):
 def test_multi_turn_log_prob_parity_and_masks(tmp_path):
     cfg = load_config([DEMO], [f"trainer.run_dir={tmp_path}", "logging.progress_bar=false", "logging.mlflow=false",
                                "trainer.train_steps=2", "data.prompts_per_step=4", "algorithm.samples_per_prompt=4",
-                               f"rollout.env={ENV}", "rollout.max_turns=3", "rollout.max_total_tokens=20"])
+                               f"rollout.env={ENV}", "rollout.max_turns=3", "rollout.max_total_tokens=20",
+                               *ray_cluster.overrides()])
     rows = run(prepare(cfg))
     first = rows[0]
     assert first["rollout/logp_max_abs_diff"] <= 1e-5  # multi-turn rollout log-probs == trainer's

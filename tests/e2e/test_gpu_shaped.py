@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.hf_models import chat_examples, make_hf_model, make_tokenizer
+from tests.ray_cluster import joined
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "configs/grpo_demo.yaml")
@@ -33,7 +34,7 @@ def megarl(*args: str, cwd: Path, timeout: int = 600, gpu_shaped: bool = True) -
     env.pop("MEGARL_GPU_SHAPED", None)
     if gpu_shaped:
         env["MEGARL_GPU_SHAPED"] = "1"
-    return subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -42,7 +43,10 @@ def train(run_dir: Path, *overrides: str, config: str = DEMO, gpu_shaped: bool =
                   *overrides, cwd=ROOT, gpu_shaped=gpu_shaped)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "DeviceMismatch" not in proc.stderr
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # the workers ran under the harness exactly when asked: only there do they see a CUDA device
+    assert all(("memory/worker_peak_gpu_gb" in r) == gpu_shaped for r in rows), rows[0].keys()
+    return rows
 
 
 # With CUDA, ``model.params_dtype=auto`` is bf16 (8 mantissa bits, a relative step of 3.9e-3): the

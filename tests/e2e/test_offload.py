@@ -10,6 +10,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.entrypoints.train_rl import prepare, run
+from tests import ray_cluster
 
 ARGS = ["algorithm.name=ppo", "algorithm.kl_coef=0.01", "algorithm.samples_per_prompt=2", "data.prompts_per_step=8",
         "trainer.train_steps=3", "trainer.save_interval=2", "logging.progress_bar=false", "logging.mlflow=false"]
@@ -18,7 +19,8 @@ PHASES = ("memory/host_peak_gb/generate", "memory/host_peak_gb/train")
 
 
 def train(run_dir, *overrides):
-    run(prepare(load_config(["configs/grpo_demo.yaml"], [f"trainer.run_dir={run_dir}", *ARGS, *overrides])))
+    run(prepare(load_config(["configs/grpo_demo.yaml"], [f"trainer.run_dir={run_dir}", *ARGS, *overrides,
+                                                                   *ray_cluster.overrides()])))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return rows, json.loads((run_dir / "final.json").read_text())["actor_weights_checksum"]
 

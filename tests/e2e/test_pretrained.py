@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from tests.fixtures.hf_models import EOS_IDS, IM_START_ID, chat_examples, make_hf_model, make_tokenizer
+from tests.ray_cluster import joined
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
@@ -38,7 +39,7 @@ def tensors(directory: Path) -> dict:
 
 def megarl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from tests import ray_cluster
 from tests.distributed.launch import ROOT
 
 ARGS = ["configs/grpo_demo.yaml", "trainer.train_steps=8", "trainer.save_interval=2", "logging.progress_bar=false",
@@ -27,7 +28,7 @@ def test_async_checkpoints_resume_into_another_layout(tmp_path):
     once complete; the run resumes at tp=1 (dp=2) with the same weights (float64 sums of squares
     agree to 1e-12) and trains on, the rollout in step with the trainer."""
     run_dir = tmp_path / "run"
-    base = [sys.executable, "-m", "megarl.cli", "train", *ARGS, f"trainer.run_dir={run_dir}"]
+    base = [sys.executable, "-m", "megarl.cli", "train", *ARGS, f"trainer.run_dir={run_dir}", *ray_cluster.overrides()]
     first = subprocess.run(base + ["trainer.train_steps=4", "trainer.async_save=true"], cwd=ROOT, env=env(),
                            capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]

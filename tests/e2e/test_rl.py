@@ -17,12 +17,14 @@ from megarl.config import ConfigError, load_config
 from megarl.data.datasets import DataError
 from megarl.entrypoints.train_rl import prepare, run
 from megarl.parallel import LayoutError
+from tests import ray_cluster
 
 DEMO = "configs/grpo_demo.yaml"
 
 
 def history(tmp_path, *overrides):
-    cfg = load_config([DEMO], [f"trainer.run_dir={tmp_path}", "logging.progress_bar=false", *overrides])
+    cfg = load_config([DEMO], [f"trainer.run_dir={tmp_path}", "logging.progress_bar=false", *overrides,
+                               *ray_cluster.overrides()])
     return run(prepare(cfg))
 
 

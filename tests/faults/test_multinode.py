@@ -13,24 +13,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 
 import pytest
 
-from megarl.runtime.processes import RUN_TAG, descendants, identity, kill_tagged, tagged_pids
+from megarl.runtime.processes import RUN_TAG, descendants, tagged_pids
 from tests.distributed.launch import ROOT
+from tests.ray_cluster import Cluster
 from tests.faults.driver import stderr, wait_exit
 
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-CLUSTER_TAG = "MEGARL_TEST_CLUSTER"
 NNODES, NPROC = 2, 2  # 4 ranks: actor tp=2 within a node, dp=2 across the nodes
 ARGS = ["configs/grpo_demo.yaml", f"trainer.nnodes={NNODES}", f"trainer.nproc_per_node={NPROC}",
         "logging.progress_bar=false", "logging.mlflow=false", "data.prompts_per_step=4",
@@ -41,64 +35,9 @@ LEFT_S = 10.0  # then nothing of the run may be alive after this
 
 
 # ------------------------------------------------------------------------------- the cluster
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _raylets(tag: str) -> list:
-    return sorted(p for p in tagged_pids(tag, CLUSTER_TAG) if open(f"/proc/{p}/comm").read().strip() == "raylet")
-
-
-def _node_id(raylet_pid: int) -> str:
-    args = open(f"/proc/{raylet_pid}/cmdline", "rb").read().decode().split("\0")
-    return next(a.split("=", 1)[1] for a in args if a.startswith("--node_id="))
-
-
-class Cluster:
-    """Two Ray nodes on this machine (head + worker), each with NPROC CPUs, token auth on."""
-
-    def __init__(self, tmp_path):
-        self.tag, self.port = uuid.uuid4().hex, _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        # a token of the test's own: no dependence on ~/.ray; every node and the driver share it
-        self.env = {**os.environ, CLUSTER_TAG: self.tag, "RAY_AUTH_MODE": "token",
-                    "RAY_AUTH_TOKEN": secrets.token_hex(32), "PYTHONWARNINGS": "ignore"}
-        self.known: set = set()  # identities of the cluster's processes, agents included
-        self.tmp = tmp_path
-        self.raylets, self.node_ids = [], []
-        common = ["--node-ip-address=127.0.0.1", f"--num-cpus={NPROC}", "--disable-usage-stats"]
-        # a short temp dir of its own: Ray's socket paths must fit AF_UNIX's 107 bytes
-        self.ray_tmp = tempfile.mkdtemp(prefix="mn", dir="/tmp")
-        self._ray("start", "--head", f"--port={self.port}", "--include-dashboard=false",
-                  f"--temp-dir={self.ray_tmp}", *common)
-        self._ray("start", f"--address={self.address}", *common)
-
-    def _ray(self, *args) -> None:
-        before = set(_raylets(self.tag))
-        out = subprocess.run([RAY, *args], env=self.env, cwd=self.tmp, capture_output=True, text=True, timeout=180)
-        assert out.returncode == 0, f"ray {' '.join(args)}: {out.stdout[-2000:]}{out.stderr[-2000:]}"
-        (new,) = set(_raylets(self.tag)) - before
-        self.raylets.append(new)
-        self.node_ids.append(_node_id(new))
-        self.note()
-
-    def note(self) -> None:
-        """Remember the cluster's processes now: the agents drop the tag (they rewrite their
-        environment with their title) and are known by ancestry only while their raylet lives."""
-        for pid in tagged_pids(self.tag, CLUSTER_TAG):
-            self.known |= {identity(p) for p in [pid, *descendants(pid)]} - {None}
-
-    def stop(self) -> None:
-        self.note()
-        kill_tagged(self.tag, CLUSTER_TAG, also=self.known)
-        shutil.rmtree(self.ray_tmp, ignore_errors=True)
-
-
 @pytest.fixture
 def cluster(tmp_path):
-    c = Cluster(tmp_path)
+    c = Cluster(tmp_path, [NPROC] * NNODES)  # head + worker, token auth on
     try:
         yield c
     finally:
