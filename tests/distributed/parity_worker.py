@@ -170,12 +170,24 @@ def run(args) -> None:
             groups.destroy()
 
 
-def _full_tensors(model_cfg, groups, path, value_head: bool = False):
-    chunks = build_model(model_cfg, groups)
-    if value_head:
-        from megarl.models.value_head import attach_value_head
+# one model per config to read checkpoints into (building one costs more than a load); cleared
+# with the groups it was built under
+_readers: dict = {}
 
-        attach_value_head(chunks)
+
+def _full_tensors(model_cfg, groups, path, value_head: bool = False):
+    key = (repr(model_cfg), value_head)
+    if key not in _readers:
+        chunks = build_model(model_cfg, groups)
+        if value_head:
+            from megarl.models.value_head import attach_value_head
+
+            attach_value_head(chunks)
+        _readers[key] = chunks
+    chunks = _readers[key]
+    with torch.no_grad():  # a tensor the load missed reads as NaN, not as the previous checkpoint's
+        for param in chunks[0].parameters():
+            param.fill_(float("nan"))
     load_model(chunks, path)
     return {k: v.detach().clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
 
@@ -233,6 +245,7 @@ def compare(args) -> None:
                 entry[kind + "_nonzero"] = sum(int(v.abs().sum() > 0) for v in got.values())
             report[f"{model_name}/{run_dir.name}"] = entry
         groups.destroy()
+        _readers.clear()
     Path(args.report).write_text(json.dumps(report, indent=2))
 
 
