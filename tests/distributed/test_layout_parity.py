@@ -47,7 +47,12 @@ ENGINE_METRICS = [f"engine_{what}_{mode}" for mode in ("padded", "packed")
 PACKED_METRICS = ["packed_vs_padded_log_probs", "packed_vs_padded_loss", "packed_vs_padded_weights"]
 
 
-def tolerance(key: str) -> float:
+def tolerance(key: str, metric: str) -> float:
+    """Against the single process: 1e-6 for its own run with recompute, 1e-5 for other layouts.
+    Packed against padded (the same layout, recompute or not): 1e-5, packing's own bound (on AVX-512
+    kernels the recompute layouts' packed run is 1.6e-6 off their padded one, as without recompute)."""
+    if metric in PACKED_METRICS:
+        return TOL
     return RECOMPUTE_TOL if key.endswith(("rselective", "rfull")) else TOL
 
 
@@ -73,7 +78,7 @@ def test_every_layout_ran(report, model):
                          + PACKED_METRICS)
 def test_layout_matches_single_process(report, model, metric):
     worst = {key: entry[metric] for key, entry in report.items() if key.startswith(model + "/")}
-    bad = {key: value for key, value in worst.items() if not value <= tolerance(key)}
+    bad = {key: value for key, value in worst.items() if not value <= tolerance(key, metric)}
     assert not bad, f"{metric} differs from the single-process run by more than the tolerance: {bad}"
 
 

@@ -126,9 +126,12 @@ def test_replay_routes_every_token_like_the_rollout(runs):
     assert m[False]["moe/routing_mismatch_frac"] > 0  # bf16 generation routed some tokens elsewhere
     assert m[False]["moe/routing_live_mismatch_frac"] == m[False]["moe/routing_mismatch_frac"]
     assert m[True]["moe/routing_mismatch_frac"] == 0.0
-    # The same rollout (same seed, same bf16 weights). The trainer's own choice still differs, less
-    # often: replayed earlier layers bring the hidden states closer to the rollout's.
-    assert 0 < m[True]["moe/routing_live_mismatch_frac"] <= m[False]["moe/routing_mismatch_frac"]
+    # The same rollout (same seed, same bf16 weights). The trainer's own choice still differs: the
+    # replay forces the rollout's routes without hiding that. Whether it differs less often than
+    # without the replay is not asserted: about 8 of the ~1100 choices flip either way, and which
+    # side has one more depends on the CPU's kernels (fewer with replay on AMD without AVX-512;
+    # 0.0080 against 0.0071 on Intel AVX-512). The replay's effect is measured on the log-probs below.
+    assert m[True]["moe/routing_live_mismatch_frac"] > 0
 
 
 def test_replay_brings_the_trainer_log_probs_closer_to_the_rollout(runs):
