@@ -18,8 +18,9 @@ KV cache and CUDA graphs only once the trainer has offloaded its states (``resum
 that the trainer's states and SGLang's KV cache are never resident together.
 
 The parts that need no GPU (devices, versions, request parameters, the HF directory) are plain
-functions, tested on CPU. Pinned: SGLang 0.5.6.post2 (the
-Dockerfile's base image); setup.py's extra asks for sglang>=0.5.0.
+functions, tested on CPU. Pinned: SGLang 0.5.6.post2 (:data:`SGLANG_PIN`, the Dockerfile's base
+image); setup.py's extra asks for sglang>=0.5.0. Every SGLang call megarl makes is checked against
+that release's source by :mod:`megarl.rollout.sglang_conformance` (no import, no GPU).
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def request_params(rows: Sequence[Tuple[int, int]], sampling: SamplingParams) ->
     keys = [(sampling.stream_key(sampling.seed or 0, p), s) for p, s in rows]
     return [base | {"sampling_seed": (seed * 1_000_003 + p * 7_919 + s) % (1 << 31)} for (seed, p), s in keys]
 
+
+SGLANG_PIN = "0.5.6.post2"  # the release megarl is written and checked against (the Dockerfile's image)
 
 # SGLang's memory-saver tags (sglang/srt/constants.py): released together, resumed in two steps
 WEIGHTS, GENERATION = ("weights",), ("kv_cache", "cuda_graph")
