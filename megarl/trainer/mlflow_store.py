@@ -11,6 +11,7 @@ the working directory, now). Where the cache cannot be written, MLflow creates t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sqlite3
@@ -50,18 +51,18 @@ def new_store(db: Path) -> None:
     except OSError:  # a read-only home or a full cache disk: MLflow creates the store itself
         return
     tmp = db.with_name(f".{db.name}.tmp")
-    try:
-        shutil.copyfile(source, tmp)
-        con = sqlite3.connect(tmp)
+    # a full disk: nothing is left, and MLflow meets the full disk itself, as without the copy
+    with contextlib.suppress(OSError, sqlite3.Error):
         try:
-            with con:
-                now_ms = int(time.time() * 1000)
-                con.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
-                            "WHERE experiment_id = 0", (str(Path.cwd() / "mlruns" / "0"), now_ms, now_ms))
+            shutil.copyfile(source, tmp)
+            con = sqlite3.connect(tmp)
+            try:
+                with con:
+                    now_ms = int(time.time() * 1000)
+                    con.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                                "WHERE experiment_id = 0", (str(Path.cwd() / "mlruns" / "0"), now_ms, now_ms))
+            finally:
+                con.close()
+            os.replace(tmp, db)
         finally:
-            con.close()
-        os.replace(tmp, db)
-    except (OSError, sqlite3.Error):  # a full disk: MLflow meets it itself, as without the copy
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)

@@ -76,3 +76,19 @@ def test_an_unwritable_cache_leaves_nothing(tmp_path, monkeypatch):
     run_dir.mkdir()
     mlflow_store.new_store(run_dir / "mlflow.db")
     assert list(run_dir.iterdir()) == []
+
+
+def test_a_copy_that_fails_leaves_nothing(cache, tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    def full(src, dst):
+        with open(dst, "wb") as f:
+            f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", full)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    mlflow_store.new_store(run_dir / "mlflow.db")
+    assert list(run_dir.iterdir()) == []  # neither the store nor the half-written temp file
