@@ -145,6 +145,7 @@ class VLLMRollout(RolloutEngine):
         self.shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.llm = None
         self.pids: List[int] = []
+        self.watch: Optional[EngineWatch] = None
         if self.tp_rank == 0:
             cuda = torch.cuda.is_available()
             hf_dir = write_hf_dir(args.hf_config, dtype, tokenizer, prefix="megarl-vllm-")
@@ -158,6 +159,7 @@ class VLLMRollout(RolloutEngine):
                     worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
                     enable_sleep_mode=cuda, **({"gpu_memory_utilization": rollout_cfg.mem_fraction_static} if cuda else {}))
             self.pids = engine_pids(self.llm)
+            self.watch = EngineWatch(self.llm, self.pids)
         self.released: set = set()
         self.stale = True
         self.last = RolloutStats()
@@ -166,16 +168,20 @@ class VLLMRollout(RolloutEngine):
 
     def _call(self, fn, *args, **kwargs):
         """``fn`` on the engine; a dead engine process is named (exit 3), with its pid."""
+        if self.watch is not None and self.watch.dead is not None:
+            raise WorkerDied(f"rollout rank {self.rank}: vllm engine died (pid {self.watch.dead})")
         try:
             return fn(*args, **kwargs)
         except Exception as err:
-            dead = dead_engine(self.llm, self.pids, err)
+            dead = (self.watch.dead if self.watch is not None else None) or dead_engine(self.pids, err)
             if dead is not None:
                 raise WorkerDied(f"rollout rank {self.rank}: vllm engine died (pid {dead})") from err
             raise
 
     def shutdown(self) -> None:
         """Stop this rank's engine (its processes)."""
+        if self.watch is not None:
+            self.watch.stop()
         if self.llm is not None:
             with contextlib.suppress(Exception):  # a dead engine has nothing left to stop
                 self.llm.llm_engine.engine_core.shutdown()
@@ -304,15 +310,59 @@ def engine_pids(llm) -> List[int]:
     return [p.pid for p in getattr(manager, "processes", [])]
 
 
-def dead_engine(llm, pids: Sequence[int], err: BaseException) -> Optional[int]:
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+class EngineWatch:
+    """Watches the engine's core processes. vLLM's synchronous client waits for the engine's
+    outputs and utility replies without a deadline, and a core process that dies mid-call leaves
+    that wait blocked (vLLM's own monitor shuts the output thread down without waking it). When
+    a core process exits, this thread records its pid and fails what is waiting with vLLM's
+    ``EngineDeadError``, so the rank names the dead engine instead of hanging."""
+
+    def __init__(self, llm, pids: Sequence[int], period_s: float = 0.5):
+        import threading
+
+        self.llm, self.pids, self.period_s = llm, list(pids), period_s
+        self.dead: Optional[int] = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="megarl-vllm-engine-watch", daemon=True)
+        if self.pids:
+            self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            dead = next((pid for pid in self.pids if gone(pid)), None)
+            if dead is not None:
+                self.dead = dead
+                self._wake()
+                return
+
+    def _wake(self) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        client = self.llm.llm_engine.engine_core
+        queue = getattr(client, "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(EngineDeadError())
+        for future in list(getattr(client, "utility_results", {}).values()):
+            if not future.done():
+                future.set_exception(EngineDeadError())
+
+
+def dead_engine(pids: Sequence[int], err: BaseException) -> Optional[int]:
     """The pid of a dead engine process behind ``err``, else None."""
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return pid
-        if state in ("Z", "X"):
+        if gone(pid):
             return pid
     if type(err).__name__ == "EngineDeadError":
         return pids[0] if pids else os.getpid()

@@ -270,3 +270,31 @@ def test_the_watchdog_kills_what_a_sigkilled_driver_leaves():
     driver.wait()
     assert watchdog.wait(timeout=10) == 0
     assert orphan.wait(timeout=1) == -signal.SIGKILL
+
+
+def test_a_killed_vllm_engine_stops_the_run_named(tmp_path):
+    """parallel.rollout.engine=vllm: the vLLM engine core process of rank 0 (a child of the rank)
+    killed mid-run: the run names the rollout rank and the engine's pid, exits 3, and nothing of
+    it is left."""
+    from megarl.runtime.processes import descendants
+
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "parallel.rollout.engine=vllm", "model.hf_config=configs/models/tiny-digits-hd32.json")
+    try:
+        wait_for_first_step(proc, run_dir)
+        ranks = worker_pids(proc)
+        tag = run_tag(ranks[0][0])
+        engines = [pid for pid in descendants(ranks[0][0])
+                   if "EngineCore" in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")]
+        assert len(engines) == 1, (engines, descendants(ranks[0][0]))
+        os.kill(engines[0], signal.SIGKILL)
+        took = wait_exit(proc, DETECT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = stderr(proc)
+    print(f"driver exited {took:.1f}s after the engine was killed")
+    assert proc.returncode == 3, err[-3000:]
+    assert f"rollout rank 0: vllm engine died (pid {engines[0]})" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    wait_gone(tag, 5.0)
