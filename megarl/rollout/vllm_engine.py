@@ -235,12 +235,13 @@ class VLLMRollout(RolloutEngine):
         return self.executor.last
 
     def hf_tensors(self) -> NamedTensors:
-        """This replica's generation shard, whole, under HF names in the engine's dtype (collective
-        over the generation TP group)."""
+        """This replica's generation shard, whole, under HF names in the engine's dtype, on the host
+        (collective over the generation TP group)."""
         shard = self.transport.shard(self.executor, self.rank)
         named = joined_hf_tensors(shard, self.executor.outputs, self.model, self.names, self.groups.pg.tp,
                                   lambda r: self.transport.shard(self.executor, r))
-        return [(name, t.to(self.dtype)) for name, t in named]
+        # the carrier is a host file: on GPUs each tensor crosses to the host here (CUDA-IPC is not built)
+        return [(name, t.to(device="cpu", dtype=self.dtype)) for name, t in named]
 
     def update_weights(self, policy_version: int) -> None:
         if "weights" in self.released:

@@ -21,8 +21,10 @@ FAULTS = {"fault/batch_not_moved": "embedding: expected all tensors to be on the
 def results(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("MEGARL_GPU_SHAPED", "1")
     out = torchrun(2, "tests/distributed/gpu_shaped_worker.py", str(tmp_path_factory.mktemp("gpu_shaped")))
-    return {r["case"]: r["error"] for r in (json.loads(line[7:]) for line in out.splitlines()
-                                            if line.startswith("RESULT "))}
+    records = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    found = {r["case"]: r["error"] for r in records}
+    found["vllm_details"] = next(r for r in records if r["case"] == "vllm")
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,19 @@ def monkeypatch_module():
 
 def test_verbs_run_on_the_device_as_written(results):
     fixed = {k: v for k, v in results.items() if k.startswith("fixed/")}
-    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head"}
+    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head", "fixed/vllm"}
     assert all(v is None for v in fixed.values()), fixed
+
+
+def test_vllm_gpu_path_on_the_device(results):
+    """The vllm backend's GPU path (its engine a recording stand-in: vLLM's CPU build cannot be a
+    CUDA engine): from the CUDA-shaped generation shard to the host file the engine reads, exactly
+    the native rollout's weights by HF name; the engine gets its GPU keywords, sleeps while the
+    trainer holds the device, wakes the weights before the sync and the KV cache after."""
+    r = results["vllm_details"]
+    assert r["error"] is None and r["responses"] == 6
+    assert r["gpu_keywords"] == [True, 0.5] and r["weights_exact"] is True
+    assert r["calls"] == ["reset_prefix_cache", "sleep1", "wake:weights", "reset_prefix_cache", "wake:kv_cache"]
 
 
 @pytest.mark.parametrize("case", sorted(FAULTS))
