@@ -216,7 +216,9 @@ def contract(record, model_cfg, rollout_cfg, args, rg, state, full, prompts, log
     cfg = MegarlConfig(model=model_cfg, parallel=LayoutsConfig(rollout=rollout_cfg))
     sampling = SamplingParams(n=2, max_new_tokens=2, seed=3)
     out = {}
-    for name in ROLLOUT_BACKENDS:
+    # vLLM's contract runs in a session of its own (test_vllm_contract.py): its CPU attention takes
+    # no head_dim under 32, and these cases' models have 16
+    for name in [n for n in ROLLOUT_BACKENDS if n != "vllm"]:
         backend = rollout_backend(name)
         # SGLang's adapter needs CUDA: its stand-in gets one GPU per worker, as in colocated() above
         gpu = contextlib.ExitStack()

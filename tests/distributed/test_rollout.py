@@ -209,7 +209,8 @@ def test_rollout_backend_contract(results, case, backend):
     the device while it generates and back afterwards; exactly the trainer's weights after a sync."""
     from megarl.rollout.backends import ROLLOUT_BACKENDS
 
-    assert sorted(map(str, ROLLOUT_BACKENDS)) == ["native", "sglang"]  # add the new backend to this test
+    # add a new backend to this test; vLLM's contract is tests/distributed/test_vllm_contract.py
+    assert sorted(map(str, ROLLOUT_BACKENDS)) == ["native", "sglang", "vllm"]
     c = results[case]["contract"][backend]
     assert c["order"] == [[0, 0], [0, 1], [1, 0], [1, 1]] and c["versions"] == [1]
     assert c["offloaded_while_generating"] == [True, True] and c["trainer_back"]
