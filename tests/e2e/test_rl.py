@@ -190,7 +190,7 @@ def test_one_step_off_staleness(tmp_path):
     (["algorithm.rollout_correction=tis"], ConfigError, "algorithm.rollout_correction='tis' must be one of"),
     (["algorithm.rollout_correction_threshold=0.5"], ConfigError, "algorithm.rollout_correction_threshold=0.5"),
     (["parallel.rollout.dtype=fp8"], ConfigError, "parallel.rollout.dtype='fp8' must be one of"),
-    (["parallel.rollout.engine=vllm"], ConfigError, "parallel.rollout.engine='vllm' must be one of"),
+    (["parallel.rollout.engine=tensorrt"], ConfigError, "parallel.rollout.engine='tensorrt' must be one of"),
     (["parallel.rollout.engine=sglang", "parallel.rollout.dtype=bfloat16"], ConfigError,
      "SGLang generates in the actor's dtype"),
     (["algorithm.reward_fn=nope"], ValueError, "algorithm.reward_fn: unknown reward function 'nope'"),
