@@ -15,6 +15,7 @@ import threading
 from typing import Dict, Optional
 
 from megarl.runtime.processes import RUN_TAG, kill_tagged, new_run_id, run_processes, start_watchdog
+from megarl.runtime.signals import InterruptNotice
 
 # Ray resolves a node IP given as 127.0.0.1 to the machine's external address, unless cluster
 # support is off (the switch Ray keeps for single-machine use on macOS/Windows; read at import).
@@ -39,7 +40,11 @@ class RaySession:
 
         self.worker_env = {RUN_TAG: self.run_id, **({"GLOO_SOCKET_IFNAME": "lo"} if self.private else {}),
                            **({gpu_shaped.ENV: "1"} if gpu_shaped.requested() else {})}
-        self.watchdog = start_watchdog(self.run_id)
+        self.liveness = None
+        # Ctrl-C reaches the watchdog even when this process cannot take it (see InterruptNotice)
+        self.interrupts = InterruptNotice()
+        self.watchdog = start_watchdog(self.run_id, self.interrupts.read_fd)
+        self.interrupts.arm()
         import ray
         from ray._private import ray_constants
 
@@ -66,6 +71,11 @@ class RaySession:
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
+            interrupts = getattr(self, "interrupts", None)
+            if interrupts is not None:  # before the watchdog that it reports to is stopped
+                previous = interrupts.close(previous)
+            if getattr(self, "liveness", None) is not None:
+                self.liveness.close()  # the hang check's poll thread makes no Ray call after this
             # Ray's agents and forked writers may outlive ray.shutdown by minutes; on a cluster
             # only this node's processes of the run are visible here (the workers' forks die
             # with them: see WorkerGroup). The agents are known by ancestry, before their parent

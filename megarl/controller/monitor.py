@@ -2,9 +2,17 @@
 described in :mod:`megarl.runtime.progress`).
 
 :class:`Monitor` is a small Ray actor (no CPU slot) that keeps each rank's latest heartbeat;
-:class:`Liveness` is the driver's side: while :func:`megarl.controller.group.wait_groups` waits on
-ranks, it reads the monitor once per heartbeat period and names the first rank that has made no
-progress for ``hang_timeout_s``.
+:class:`Liveness` is the driver's side: a thread of its own reads the monitor once per heartbeat
+period, and while :func:`megarl.controller.group.wait_groups` waits on ranks it names, from the
+latest snapshot, the first rank that has made no progress for ``hang_timeout_s``.
+
+The driver's main thread makes no Ray call for the hang check. It must stay where Ctrl-C reaches
+it: Python runs a signal handler on the main thread only, between bytecodes, so a main thread inside
+a native call that does not return never raises KeyboardInterrupt. Ray's waits (``ray.wait``,
+``ray.get``) look for signals while they wait; a submission (``actor.method.remote()``) does not,
+and a driver was once found 20 s after Ctrl-C still inside the monitor's ``submit_actor_task``,
+called from the wait's poll. Here a stuck poll stops only the hang check (no snapshot is fresh, so
+no rank is named); the wait, and Ctrl-C, go on.
 """
 
 from __future__ import annotations
@@ -48,56 +56,86 @@ def heartbeat_sender(monitor, key: Key):
 
 
 class Liveness:
-    """The hang check of one run: ``hang_timeout_s`` and the monitor actor on the driver's node."""
+    """The hang check of one run: ``hang_timeout_s`` and the monitor actor on the driver's node,
+    read by a daemon thread (``megarl-liveness``); :meth:`close` stops it before Ray shuts down."""
 
-    def __init__(self, hang_timeout_s: float):
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+    def __init__(self, hang_timeout_s: float, monitor=None):
+        """``monitor``: the actor's handle (tests pass a stand-in); None: started here, on this node."""
         self.timeout_s = hang_timeout_s
         self.period_s = progress.heartbeat_period_s(hang_timeout_s)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.monitor = ray.remote(Monitor).options(num_cpus=0, name=None, scheduling_strategy=here).remote()
-        self._lock = threading.Lock()  # the one-step-off loop's drawing thread waits on its ranks too
-        self._asked = None  # a snapshot in flight
-        self._asked_at = 0.0
+        if monitor is None:
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            monitor = ray.remote(Monitor).options(num_cpus=0, name=None, scheduling_strategy=here).remote()
+        self.monitor = monitor
+        self._lock = threading.Lock()  # the snapshot, read by the main thread and the one-step-off loop's drawing thread
         self._seen: Dict[Key, Dict[str, Any]] = {}
-        self._seen_at = 0.0
+        self._seen_at = 0.0  # when it arrived (monotonic); 0: none yet
+        self._error: Optional[BaseException] = None  # why the poll ended (a dead monitor): the waits raise it
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="megarl-liveness", daemon=True)
+        self._poller.start()
 
     def heartbeat(self, key: Key):
         """What a worker calls to start its heartbeat thread, reporting as ``key``."""
         sender, period = heartbeat_sender(self.monitor, key), self.period_s
         return lambda: progress.start_heartbeat(sender, period)
 
-    def _refresh(self) -> None:
-        with self._lock:
-            self._refresh_locked()
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the poll (idempotent). Called before ``ray.shutdown``: a Ray call after it ends the
+        process. A poll stuck in Ray is left behind after ``timeout_s`` (a daemon thread)."""
+        self._stop.set()
+        poller = getattr(self, "_poller", None)
+        if poller is not None and poller is not threading.current_thread():
+            poller.join(timeout_s)
 
-    def _refresh_locked(self) -> None:
+    def _poll(self) -> None:
+        """The thread: a snapshot every ``period_s``, until :meth:`close` or the monitor fails."""
+        while not self._stop.is_set():
+            try:
+                seen = self._snapshot()
+            except Exception as err:  # noqa: BLE001 - the monitor died: the next wait on the ranks raises it
+                with self._lock:
+                    self._error = err
+                return
+            if seen is None:  # closed meanwhile
+                return
+            with self._lock:
+                self._seen, self._seen_at = seen, time.monotonic()
+            self._stop.wait(self.period_s)
+
+    def _snapshot(self) -> Optional[Dict[Key, Dict[str, Any]]]:
+        """One snapshot from the monitor, however long a loaded node takes to answer (a late one
+        names no rank: see :meth:`stalled`); None if closed first."""
         import ray
 
-        now = time.monotonic()
-        if self._asked is None and now - self._asked_at >= self.period_s:
-            self._asked, self._asked_at = self.monitor.snapshot.remote(), now
-        if self._asked is not None:
-            ready, _ = ray.wait([self._asked], timeout=0)
+        ref = self.monitor.snapshot.remote()
+        while not self._stop.is_set():
+            ready, _ = ray.wait([ref], timeout=0.2)  # short: close() waits for it
             if ready:
-                self._seen, self._seen_at, self._asked = ray.get(self._asked), time.monotonic(), None
+                return ray.get(ref)
+        return None
 
     def stalled(self, waiting: Sequence[Key], since: float) -> Optional[Tuple[Key, float, Optional[str], Optional[float]]]:
         """The rank among ``waiting`` (pending in a wait that began at ``since``, monotonic) that
         has made no progress for ``hang_timeout_s``, preferring one whose heartbeat stopped: (key,
         seconds without progress, its phase, seconds since its heartbeat or None if it never beat);
-        None when every rank is within its deadline."""
-        self._refresh()
+        None when every rank is within its deadline. Reads the poll's latest snapshot: no Ray call,
+        nothing that blocks (this runs on the driver's main thread, where Ctrl-C must land)."""
+        with self._lock:
+            error, seen, seen_at = self._error, self._seen, self._seen_at
+        if error is not None:
+            raise error
         now = time.monotonic()
         waited = now - since
-        if waited < self.timeout_s or now - self._seen_at > SNAPSHOT_WAIT_S + self.period_s:
+        if waited < self.timeout_s or now - seen_at > SNAPSHOT_WAIT_S + self.period_s:
             return None  # within the deadline, or the monitor is late: its view is too old to blame a rank
-        late = now - self._seen_at  # how old the snapshot is
+        late = now - seen_at  # how old the snapshot is
         worst = None
         for key in waiting:
-            info = self._seen.get(key)
+            info = seen.get(key)
             beat_age = None if info is None else info["beat_age_s"] + late
             stalled = waited if info is None else min(waited, info["stalled_s"] + late)
             if stalled < (max(self.timeout_s, START_S) if info is None else self.timeout_s):

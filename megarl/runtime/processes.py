@@ -9,6 +9,7 @@ driver ends, even by SIGKILL, when nothing in the driver can run.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import List
+from typing import List, Optional
 
 RUN_TAG = "MEGARL_RUN_ID"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -94,10 +95,8 @@ def kill_tagged(value: str, name: str = RUN_TAG, grace_s: float = 0.0, also=()) 
             break
         time.sleep(0.2)
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return pids
 
 
@@ -133,25 +132,55 @@ def forks_die_with_this_process() -> None:
 _fork_hook_installed = False
 
 
-def start_watchdog(run_id: str) -> subprocess.Popen:
+# A Ctrl-C that the driver has not taken this long after it arrived (see
+# megarl.runtime.signals.InterruptNotice) finds its main thread stuck in a native call. A driver
+# that can take one does so within about a second (its waits on the ranks return to Python at least
+# once a second) and has exited 2-5 s later.
+WEDGED_S = 10.0
+
+
+def start_watchdog(run_id: str, notify_fd: Optional[int] = None, wedged_s: float = WEDGED_S) -> subprocess.Popen:
     """A process that waits for this one to end (however it ends), then kills the run's
     leftovers. It runs in its own session without the run's tag, so neither a Ctrl-C nor the
-    cleanup kills it."""
+    cleanup kills it. ``notify_fd``: the read end of this process's
+    :class:`~megarl.runtime.signals.InterruptNotice`: a Ctrl-C that this process has not taken
+    within ``wedged_s`` stops the run's processes, then this one."""
     env = {k: v for k, v in os.environ.items() if k != RUN_TAG}
-    return subprocess.Popen([sys.executable, "-m", "megarl.runtime.processes", str(os.getpid()), run_id],
-                            env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+    args = [str(os.getpid()), run_id] + ([str(notify_fd), str(wedged_s)] if notify_fd is not None else [])
+    return subprocess.Popen([sys.executable, "-m", "megarl.runtime.processes", *args], env=env,
+                            start_new_session=True, stdin=subprocess.DEVNULL,
+                            pass_fds=(notify_fd,) if notify_fd is not None else ())
 
 
-def _watch(pid: int, run_id: str) -> None:
-    """Until ``pid`` ends, note the run's processes every second (Ray's agents are untagged);
-    then kill what is left of them and of the tagged processes."""
+def _watch(pid: int, run_id: str, notify_fd: Optional[int] = None, wedged_s: float = WEDGED_S) -> None:
+    """Until ``pid`` ends, note the run's processes every second (Ray's agents are untagged), and
+    read ``notify_fd`` (signal numbers, and :data:`~megarl.runtime.signals.TAKEN` when the driver
+    took a SIGINT); then kill what is left of them and of the tagged processes."""
+    from megarl.runtime.signals import TAKEN
+
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         fd = None
     known = set()
-    while fd is not None and not select.select([fd], [], [], 1.0)[0]:  # readable once it has exited
+    interrupted_at = None  # an untaken Ctrl-C's arrival
+    while fd is not None:
+        ready = select.select([fd] if notify_fd is None else [fd, notify_fd], [], [], 1.0)[0]
+        if fd in ready:  # readable once it has exited
+            break
+        if notify_fd is not None and notify_fd in ready:
+            data = os.read(notify_fd, 512)
+            if not data:  # the driver closed it: its main thread is in its orderly cleanup
+                notify_fd = interrupted_at = None
+            for byte in data:
+                if byte == signal.SIGINT and interrupted_at is None:
+                    interrupted_at = time.monotonic()
+                elif byte == TAKEN:
+                    interrupted_at = None
         known |= run_processes(run_id)
+        if interrupted_at is not None and time.monotonic() - interrupted_at >= wedged_s:
+            _stop_wedged(pid, fd, run_id, known, wedged_s)
+            interrupted_at = notify_fd = None
     # the driver's own cleanup (or Ray's) may still be finishing: give it a moment
     killed = kill_tagged(run_id, grace_s=3.0, also=known)
     if killed:
@@ -159,5 +188,18 @@ def _watch(pid: int, run_id: str) -> None:
               flush=True)
 
 
+def _stop_wedged(pid: int, pidfd: int, run_id: str, known: set, wedged_s: float) -> None:
+    """The driver has not taken a Ctrl-C: stop the run's processes (a driver stuck waiting on one of
+    them is freed, takes the Ctrl-C and exits 130 itself); a driver still there after half as long
+    again is killed."""
+    print(f"megarl: Ctrl-C not taken by the driver (pid {pid}) within {wedged_s:g} s: its main thread is "
+          f"stuck in a native call; stopping the run's processes", file=sys.stderr, flush=True)
+    kill_tagged(run_id, also=known)
+    if not select.select([pidfd], [], [], wedged_s / 2)[0]:
+        print(f"megarl: the driver (pid {pid}) is still stuck: killed", file=sys.stderr, flush=True)
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+            os.kill(pid, signal.SIGKILL)
+
+
 if __name__ == "__main__":
-    _watch(int(sys.argv[1]), sys.argv[2])
+    _watch(int(sys.argv[1]), sys.argv[2], *([int(sys.argv[3]), float(sys.argv[4])] if len(sys.argv) > 3 else []))

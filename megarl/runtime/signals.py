@@ -9,10 +9,15 @@ teardown takes), an alarm raises :class:`Preempted` wherever the driver is: it w
 in one-second polls, so that lands within a second, and an unfinished checkpoint stays a ``.tmp``
 that resume never picks. A second SIGTERM (more than 2 s later) raises at once. Before the loop starts (and after it
 ends) there is no step to finish, and a SIGTERM raises at once too.
+
+Ctrl-C: :class:`InterruptNotice` tells the run's watchdog process of every SIGINT, and whether the
+driver took it, so that a driver that cannot take it is stopped from outside.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import threading
@@ -82,3 +87,67 @@ class Preemption:
             for signum, handler in self._previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
             self._installed = False
+
+
+# What the driver's SIGINT handler writes to the watchdog when it runs; a SIGINT itself arrives as
+# its number (2), written by Python's C-level handler. Signal numbers stay below 65.
+TAKEN = 0xFF
+
+
+class InterruptNotice:
+    """A pipe from the driver to its watchdog (:func:`megarl.runtime.processes.start_watchdog`)
+    that tells it of Ctrl-C even when the driver's main thread is stuck in a native call.
+
+    Python's C-level signal handler runs on arrival, whatever the main thread does, and writes the
+    signal's number to the wakeup fd (``signal.set_wakeup_fd``); the Python-level handler, which
+    raises KeyboardInterrupt, runs only when the main thread is back between bytecodes, and writes
+    :data:`TAKEN`. A SIGINT not taken within the watchdog's deadline means a main thread that will
+    not return (a call into Ray that never comes back, holding the GIL or not): the watchdog then
+    stops the run's processes, and the driver. Main thread only (elsewhere it does nothing), and
+    only over Python's own SIGINT handler (SIG_IGN, as in a background job, stays ignored). Its
+    handler raises KeyboardInterrupt as Python's does; ``asyncio.run`` (the agent loop's), which
+    sets its own only over Python's, then ends with the KeyboardInterrupt raised in its loop."""
+
+    def __init__(self):
+        self.read_fd: Optional[int] = None  # the watchdog's end, until :meth:`arm`
+        self._write_fd: Optional[int] = None
+        self._saved = None  # (SIGINT handler, wakeup fd) to put back
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self.read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._write_fd, False)  # set_wakeup_fd's requirement: a full pipe never blocks a handler
+
+    def arm(self) -> None:
+        """Once the watchdog holds the read end: report from now on."""
+        if self._write_fd is None:
+            return
+        os.close(self.read_fd)
+        self.read_fd = None
+        handler = signal.getsignal(signal.SIGINT)
+        wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._saved = (handler, wakeup)
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._write_fd is not None:
+            with contextlib.suppress(OSError):  # the watchdog gone: nothing to tell
+                os.write(self._write_fd, bytes([TAKEN]))
+        signal.default_int_handler(signum, frame)  # raises KeyboardInterrupt
+
+    def close(self, current):
+        """Stop reporting (idempotent). ``current``: the SIGINT handler in place; returns the one to
+        put back (the handler from before :meth:`arm` when ``current`` is this one's). Main thread
+        only: elsewhere the wakeup fd cannot be put back, so its pipe is left open."""
+        if threading.current_thread() is not threading.main_thread():
+            return current
+        if self._saved is not None:
+            handler, wakeup = self._saved
+            self._saved = None
+            signal.set_wakeup_fd(wakeup)
+            if current == self._on_sigint:
+                current = handler
+        for fd in (self.read_fd, self._write_fd):
+            if fd is not None:
+                os.close(fd)
+        self.read_fd = self._write_fd = None
+        return current
