@@ -39,6 +39,8 @@ class SyncStats:
     tensors_moved: int = 0
     tensors_skipped: int = 0
     seconds: float = 0.0
+    engine_bytes: int = 0  # handed on to an external engine (vLLM) after the reshard
+    changed: Optional[torch.Tensor] = None  # bool per model tensor: what this sync moved (None: unknown)
 
 
 class P2PTransport:
@@ -236,6 +238,7 @@ class Resharder:
             self.versions[spec] = tensor._version
         stats.tensors_moved = int(changed.sum())
         stats.tensors_skipped = len(changed) - stats.tensors_moved
+        stats.changed = changed
         synchronize()  # the copies are queued on the device
         stats.seconds = time.perf_counter() - begin
         self.last = stats

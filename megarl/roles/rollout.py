@@ -29,6 +29,8 @@ class Rollout:
         self.engine.update_weights(policy_version)
         s = self.engine.sync_stats()
         metrics = {"sync/seconds": s.seconds, "sync/bytes_received": s.bytes_received}
+        if getattr(s, "engine_bytes", 0):  # what an external engine (vLLM) was handed after the reshard
+            metrics["sync/engine_bytes"] = s.engine_bytes
         if self.phases is not None:
             metrics.update(self.phases.enter_generate())
         self.engine.resume_kv_cache()

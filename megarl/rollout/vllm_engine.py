@@ -162,6 +162,7 @@ class VLLMRollout(RolloutEngine):
             self.watch = EngineWatch(self.llm, self.pids)
         self.released: set = set()
         self.stale = True
+        self.loaded = False  # the engine holds the trainer's weights (the first sync hands over all)
         self.last = RolloutStats()
 
     # ---------------------------------------------------------------- the engine process
@@ -234,10 +235,23 @@ class VLLMRollout(RolloutEngine):
     def sync_stats(self):
         return self.executor.last
 
+    def moved(self, shard):
+        """The tensors of ``shard`` to hand to the engine after a sync: every one at the first, then
+        the decoder layers (and the other tensors) in which the reshard moved anything. Whole layers,
+        because vLLM reloads a fused module (QKV, gate/up, an MoE layer's experts) only once all of
+        its tensors arrive; frozen weights (a frozen layer, LoRA's base) never re-move."""
+        changed = self.executor.last.changed
+        if not self.loaded or changed is None:
+            return list(shard)
+        specs = self.model.tensors
+        where = lambda spec: ("layer", spec.layer) if spec.layer is not None else ("tensor", spec.key)  # noqa: E731
+        touched = {where(specs[i]) for i in range(len(specs)) if changed[i]}
+        return [t for t in shard if where(specs[t.spec]) in touched]
+
     def hf_tensors(self) -> NamedTensors:
-        """This replica's generation shard, whole, under HF names in the engine's dtype, on the host
-        (collective over the generation TP group)."""
-        shard = self.transport.shard(self.executor, self.rank)
+        """This replica's generation shard (what :meth:`moved` keeps of it), whole, under HF names in
+        the engine's dtype, on the host (collective over the generation TP group)."""
+        shard = self.moved(self.transport.shard(self.executor, self.rank))
         named = joined_hf_tensors(shard, self.executor.outputs, self.model, self.names, self.groups.pg.tp,
                                   lambda r: self.transport.shard(self.executor, r))
         # the carrier is a host file: on GPUs each tensor crosses to the host here (CUDA-IPC is not built)
@@ -249,7 +263,8 @@ class VLLMRollout(RolloutEngine):
         start = time.perf_counter()
         self.executor.sync()
         named = self.hf_tensors()
-        if self.llm is not None:
+        self.executor.last.engine_bytes = sum(t.numel() * t.element_size() for _, t in named)
+        if self.llm is not None and named:
             for bucket in layer_buckets(named, self.bucket_bytes):
                 path = bucket_file(bucket, self.shm)
                 try:
@@ -260,6 +275,7 @@ class VLLMRollout(RolloutEngine):
         self.executor.last.seconds = time.perf_counter() - start
         self.policy_version = policy_version
         self.stale = False
+        self.loaded = True
 
     def weights_digest(self) -> Optional[float]:
         """The engine's parameter sum (tests); None on ranks without an engine."""

@@ -36,7 +36,14 @@ def test_contract(results, backend):
     assert all(r["stop_equal"]) and all(got == want for got, want in r["stop_finish"]) and r["stops_used"]
     assert r["update_changes"] and r["changed_versions"] == [1] and r["changed_logp_diff"] <= TOL, r
     assert r["released_refuses"] and r["restored_equal"] and r["restored_logp_equal"]
-    assert r["offloaded_while_generating"] and r["trainer_back"]
+    assert r["offloaded_while_generating"] and r["trainer_back"] and r["unchanged_equal"]
+
+
+def test_vllm_is_handed_only_what_moved(results):
+    """After the first sync (every tensor, 4 bytes each in fp32), a sync in which the trainer's
+    weights did not change hands the engine nothing, and generation stays as it was."""
+    r = results["vllm"]
+    assert r["first_engine_bytes"] > 0 and r["unchanged_engine_bytes"] == 0 and r["unchanged_equal"]
 
 
 def test_vllm_decodes_greedily_as_native_and_samples_its_own_streams(results):

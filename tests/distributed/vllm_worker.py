@@ -86,7 +86,7 @@ def contract(name: str) -> dict:
     rollout.generate = generate
     role = Rollout(rollout, PhaseOffload([state], params=True, grads=False, optimizer=False))
     r = {"backend": name}
-    role.update_weights(0)
+    r["first_engine_bytes"] = role.update_weights(0).get("sync/engine_bytes", 0)
     sampling = SamplingParams(temperature=1.0, n=3, max_new_tokens=MAX_NEW, seed=5)
     first = role.generate(PROMPTS, sampling)
     again = role.generate(PROMPTS, sampling)
@@ -140,7 +140,11 @@ def contract(name: str) -> dict:
     restored = role.generate(PROMPTS, greedy_sampling)
     r["restored_equal"] = [x.token_ids for x in restored] == [x.token_ids for x in greedy]
     r["restored_logp_equal"] = [x.log_probs for x in restored] == [x.log_probs for x in greedy]
-    r["offloaded_while_generating"] = all(seen) and len(seen) >= 6
+    role.release_memory()
+    role.resume_memory()
+    r["unchanged_engine_bytes"] = role.update_weights(3).get("sync/engine_bytes", 0)  # nothing moved since
+    r["unchanged_equal"] = [x.token_ids for x in role.generate(PROMPTS, greedy_sampling)] == r["greedy_tokens"]
+    r["offloaded_while_generating"] = all(seen) and len(seen) >= 7
     role.release_memory()
     r["trainer_back"] = not offloaded()
     if hasattr(rollout, "shutdown"):
