@@ -43,7 +43,8 @@ from megarl.models.hf_config import MegatronModelArgs
 from megarl.parallel import LayoutError
 from megarl.hybrid.hf_names import HFNames
 from megarl.rollout.engine_files import write_hf_dir
-from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows, row_seeds
+from megarl.rollout.types import (Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows, gather_responses,
+                                  row_seeds)
 
 
 def require_sglang():
@@ -278,15 +279,7 @@ class SGLangRollout(RolloutEngine):
                 reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
                 out.append(Response(p, s, list(result["output_ids"]), logps,
                                     "stop" if reason == "stop" else "length", self.policy_version))
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, out)
-        seen, merged = set(), []
-        for part in parts:
-            for r in part:
-                if (r.prompt_index, r.sample_index) not in seen:
-                    seen.add((r.prompt_index, r.sample_index))
-                    merged.append(r)
-        merged.sort(key=lambda r: (r.prompt_index, r.sample_index))
+        merged = gather_responses(out)
         self.last = RolloutStats(prompts=len(prompts), tokens=sum(r.length for r in merged),
                                  seconds=time.perf_counter() - begin)
         return merged

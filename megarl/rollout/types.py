@@ -130,6 +130,23 @@ def dp_rows(prompts: int, n: int, dp: int, dp_rank: int) -> Tuple[List[Tuple[int
     return rows[dp_rank * share:(dp_rank + 1) * share], share
 
 
+def gather_responses(mine: Sequence[Response]) -> List[Response]:
+    """Every rank's responses, on every rank, once each, prompt-major (collective over the world;
+    the ranks of one generation replica report the same rows: kept once)."""
+    import torch.distributed as dist
+
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, list(mine))
+    seen, merged = set(), []
+    for part in parts:
+        for r in part:
+            if (r.prompt_index, r.sample_index) not in seen:
+                seen.add((r.prompt_index, r.sample_index))
+                merged.append(r)
+    merged.sort(key=lambda r: (r.prompt_index, r.sample_index))
+    return merged
+
+
 def row_seeds(rows: Sequence[Tuple[int, int]], sampling: SamplingParams) -> List[int]:
     """A seed for each (prompt, sample) row, for engines that seed each request alone (SGLang,
     vLLM): the samples of a prompt must differ, and a row's seed depends only on its stream key

@@ -45,7 +45,8 @@ from megarl.hybrid.shards import ModelSpec
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.parallel import LayoutError
 from megarl.rollout.engine_files import write_hf_dir
-from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows, row_seeds
+from megarl.rollout.types import (Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows, gather_responses,
+                                  row_seeds)
 from megarl.runtime.processes import WorkerDied
 from megarl.transports import WeightReceiver
 
@@ -307,15 +308,7 @@ class VLLMRollout(RolloutEngine):
                 logps = [step[token].logprob for token, step in zip(tokens, c.logprobs)]
                 out.append(Response(p, s, tokens, logps, "stop" if c.finish_reason == "stop" else "length",
                                     self.policy_version))
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, out)
-        seen, merged = set(), []
-        for part in parts:
-            for r in part:
-                if (r.prompt_index, r.sample_index) not in seen:
-                    seen.add((r.prompt_index, r.sample_index))
-                    merged.append(r)
-        merged.sort(key=lambda r: (r.prompt_index, r.sample_index))
+        merged = gather_responses(out)
         self.last = RolloutStats(prompts=len(prompts), tokens=sum(r.length for r in merged),
                                  seconds=time.perf_counter() - begin)
         return merged

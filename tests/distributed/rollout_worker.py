@@ -69,9 +69,10 @@ def reference(work: Path, name: str) -> None:
     groups.destroy()
 
 
-def trainer_log_probs(engine: MegatronEngine, responses, temperature: float) -> torch.Tensor:
+def trainer_log_probs(engine: MegatronEngine, responses, temperature: float, prompts=PROMPTS,
+                      max_new: int = MAX_NEW) -> torch.Tensor:
     """The actor engine's log-probs of each response given its prompt: [rows, max response]."""
-    seqs = [PROMPTS[r.prompt_index] + r.token_ids for r in responses]
+    seqs = [prompts[r.prompt_index] + r.token_ids for r in responses]
     width = max(len(s) for s in seqs)
     tokens = torch.zeros(len(seqs), width + 1, dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -84,9 +85,9 @@ def trainer_log_probs(engine: MegatronEngine, responses, temperature: float) -> 
         for i, r in enumerate(responses):
             batch["routing"][i, : len(seqs[i]) - 1] = r.routing
     logp = engine.forward_log_probs(batch, lengths, MicroBatching(max_tokens=48), temperature)["log_probs"]
-    out = torch.zeros(len(responses), MAX_NEW)
+    out = torch.zeros(len(responses), max_new)
     for i, r in enumerate(responses):
-        start = len(PROMPTS[r.prompt_index]) - 1  # position predicting the first response token
+        start = len(prompts[r.prompt_index]) - 1  # position predicting the first response token
         out[i, : r.length] = logp[i, start:start + r.length]
     return out
 

@@ -23,7 +23,7 @@ import megarl  # noqa: F401 - before megatron: its lighter import on CPU (megarl
 
 from megarl.config import ModelConfig
 from megarl.config.schema import LayoutsConfig, MegarlConfig, RolloutLayoutConfig
-from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+from megarl.engines.megatron_engine import MegatronEngine
 from megarl.engines.offload import PhaseOffload
 from megarl.engines.train_state import build_frozen_state
 from megarl.hybrid import regroup
@@ -33,31 +33,15 @@ from megarl.roles.rollout import Rollout
 from megarl.rollout import SamplingParams
 from megarl.rollout.backends import rollout_backend
 from megarl.runtime import init_distributed, set_seed
+from tests.distributed.rollout_worker import trainer_log_probs
 
 MODEL = "configs/models/tiny-digits-hd32.json"  # head_dim 32: vLLM's CPU attention takes no smaller
 PROMPTS = [[1, 5, 7, 3, 12], [1, 9], [1, 4, 4, 4, 6, 8, 10]]
 MAX_NEW = 6
 
 
-def trainer_log_probs(engine: MegatronEngine, responses) -> torch.Tensor:
-    seqs = [PROMPTS[r.prompt_index] + r.token_ids for r in responses]
-    width = max(len(s) for s in seqs)
-    tokens = torch.zeros(len(seqs), width + 1, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = torch.tensor(s)
-    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-             "position_ids": torch.arange(width).expand(len(seqs), -1).contiguous()}
-    logp = engine.forward_log_probs(batch, torch.tensor([len(s) for s in seqs]), MicroBatching(max_tokens=64),
-                                    1.0)["log_probs"]
-    out = torch.zeros(len(responses), MAX_NEW)
-    for i, r in enumerate(responses):
-        start = len(PROMPTS[r.prompt_index]) - 1
-        out[i, : r.length] = logp[i, start:start + r.length]
-    return out
-
-
 def logp_diff(engine, responses) -> float:
-    ref = trainer_log_probs(engine, responses)
+    ref = trainer_log_probs(engine, responses, 1.0, PROMPTS, MAX_NEW)
     got = torch.zeros_like(ref)
     for i, r in enumerate(responses):
         got[i, : r.length] = torch.tensor(r.log_probs)
