@@ -1,7 +1,8 @@
 """Post-training a user's model, through the real entry points: a small HF Llama and a small
 Qwen3-MoE, each with its own tokenizer (ChatML template, two EOS ids) and briefly trained by plain
 transformers, go into ``megarl train model.path=DIR`` at tp=2·pp=2 (Llama, 4 ranks) and
-tp=2·ep=2 (MoE, 2 ranks). The first step's old log-probs (and the rollout's) equal transformers'
+tp=2·ep=2 (MoE, 2 ranks), and the Llama with its rollout on vLLM (its CPU build; 2 ranks at tp=2,
+heads of 32, vLLM's CPU attention's least). The first step's old log-probs (and the rollout's) equal transformers'
 log-probs of the same sequences (<= 1e-4); with lr=0, ``megarl export-hf`` gives back every
 tensor bit-exact, and transformers loads the export with its tokenizer, generates and stops at
 an EOS id."""
@@ -23,10 +24,13 @@ from tests.ray_cluster import joined
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
-LAYOUTS = {  # kind -> (nproc, actor layout)
+LAYOUTS = {  # case -> (nproc, actor layout)
     "llama": (4, "{tp: 2, pp: 2}"),
     "qwen3_moe": (2, "{tp: 2, ep: 2, etp: 1}"),
+    "llama+vllm": (2, "{tp: 2}"),  # the rollout on vLLM (its CPU build): 2 heads of 32 (its CPU attention's least)
 }
+ROLLOUT = {"llama+vllm": ", engine: vllm"}
+OVERRIDES = {"llama+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}}
 
 
 def tensors(directory: Path) -> dict:
@@ -45,18 +49,19 @@ def megarl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def post_trained(request, tmp_path_factory):
-    kind = request.param
-    work = tmp_path_factory.mktemp(kind)
+    case = request.param
+    kind = case.partition("+")[0]
+    work = tmp_path_factory.mktemp(case.replace("+", "_"))
     tokenizer = make_tokenizer(work / "tokenizer")
-    model_dir = make_hf_model(kind, work / "model", tokenizer)
+    model_dir = make_hf_model(kind, work / "model", tokenizer, overrides=OVERRIDES.get(case))
     data = work / "prompts.jsonl"
     with data.open("w") as f:
         for chat in chat_examples(16, seed=7):
             f.write(json.dumps({"prompt": chat[:1], "answer": chat[1]["content"]}) + "\n")
-    nproc, layout = LAYOUTS[kind]
+    nproc, layout = LAYOUTS[case]
     (work / "run.yaml").write_text(f"""
 model: {{path: {model_dir}}}
-parallel: {{actor: {layout}, rollout: {{tp: 1}}}}
+parallel: {{actor: {layout}, rollout: {{tp: 1{ROLLOUT.get(case, "")}}}}}
 optimizer: {{lr: 0.0}}
 data: {{train_files: [{data}], prompts_per_step: 4}}
 algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 8}}
@@ -68,7 +73,7 @@ logging: {{mlflow: false, progress_bar: false, rollout_dump_interval: 1}}
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     export = megarl("export-hf", str(work / "run"), str(work / "export"), cwd=tmp_path_factory.getbasetemp())
     assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
-    return kind, model_dir, work
+    return case, model_dir, work
 
 
 def test_first_step_log_probs_equal_transformers(post_trained):
