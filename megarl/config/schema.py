@@ -38,6 +38,13 @@ class RolloutDtype(Choice):
     bfloat16 = "bfloat16"
 
 
+class LoraSync(Choice):
+    """``parallel.rollout.lora_sync``: what a LoRA actor's weight sync hands the rollout."""
+
+    merged = "merged"
+    adapter = "adapter"
+
+
 class Placement(Choice):
     """``trainer.placement``: where the rollout runs."""
 
@@ -152,6 +159,27 @@ def bounded(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = N
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the actor's (and critic's) linear layers; the base stays frozen
+    (megarl.models.lora). The reference policy is then the actor with its adapters off."""
+
+    rank: int = bounded(0, ge=0)
+    """Adapter rank r; 0 = LoRA off (full fine-tuning)."""
+    alpha: float = bounded(16.0, gt=0)
+    """Scaling numerator: the update is (alpha / rank) * B A (PEFT's lora_alpha)."""
+    dropout: float = bounded(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input (PEFT's lora_dropout); the base path has none."""
+    target_modules: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    """Megatron linears (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) or their HF
+    parts (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``).
+    MoE: attention and dense MLPs only (routed experts are refused)."""
+    path: Optional[str] = None
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from; its
+    r, lora_alpha and target_modules then set rank, alpha and target_modules (a different rank set
+    here is refused)."""
+
+
+@dataclass
 class ModelConfig:
     """Which network to build and how to build it."""
 
@@ -179,6 +207,8 @@ class ModelConfig:
     """MoE token dispatcher: ``alltoall`` or ``allgather``."""
     moe_aux_loss_coeff: Optional[float] = bounded(None, ge=0)
     """Load-balancing loss weight; null takes the HF config's ``router_aux_loss_coef`` (0 when absent)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA: train low-rank adapters on a frozen base (``lora.rank`` > 0; needs ``model.path``)."""
 
 
 @dataclass
@@ -222,6 +252,10 @@ class RolloutLayoutConfig:
     """engine=sglang or vllm on GPUs: share of each GPU's memory the engine holds for weights and KV
     cache (SGLang's ``mem_fraction_static``, vLLM's ``gpu_memory_utilization``); colocated, the
     trainer's resident state must fit in the rest."""
+    lora_sync: LoraSync = LoraSync.merged
+    """With model.lora: ``merged`` sends W + (alpha/r) B A in the generation layout to any engine (after the
+    first sync, only the tensors the adapters change); ``adapter`` would send the adapters alone to an
+    engine that serves LoRA: not built yet, refused before start."""
     cpu_kv_cache_gb: int = bounded(1, ge=1)
     """engine=vllm on CPU: each engine's KV cache (GiB; vLLM's VLLM_CPU_KVCACHE_SPACE). On GPUs
     ``mem_fraction_static`` sizes it."""

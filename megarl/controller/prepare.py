@@ -20,14 +20,14 @@ from megarl.algorithms.correction import check_rollout_correction
 from megarl.algorithms.presets import resolve
 from megarl.checkpoint.load import check_pretrained_sources, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, validate
-from megarl.config.schema import REWARD_MODEL, Placement
+from megarl.config.schema import REWARD_MODEL, LoraSync, Placement
 from megarl.controller.cluster import check_cluster
 from megarl.controller.roles import check_role_layouts
 from megarl.controller.split import check_placement
 from megarl.data.datasets import load_records
 from megarl.data.tokenizer import check_vocab, load_tokenizer
 from megarl.hybrid import regroup
-from megarl.models import routing_replay
+from megarl.models import lora, routing_replay
 from megarl.models.builder import check_layout
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
@@ -70,6 +70,7 @@ def prepare(cfg: MegarlConfig) -> Prepared:
             raise ConfigError(f"parallel.rollout: {err}") from None
     check_role_layouts(cfg.parallel, layout)
     check_placement(cfg, args)
+    cfg.model.lora = check_lora(cfg, args)
     try:  # the algorithm's preset fills its defaults; every algorithm field is checked there
         cfg.algorithm = resolve(cfg.algorithm)
     except ValueError as err:
@@ -113,6 +114,26 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent)
 
 
+def check_lora(cfg: MegarlConfig, args):
+    """``model.lora`` checked against the model and the rollout, with rank, alpha and targets
+    filled from its PEFT ``path``; returned as the run uses it."""
+    m = cfg.model
+    try:
+        lora_cfg = lora.resolve(m.lora)
+        if not lora_cfg.rank:
+            return lora_cfg
+        lora.check_targets(lora_cfg, args)
+    except lora.LoRAError as err:
+        raise ConfigError(str(err)) from None
+    if not m.path:
+        raise ConfigError("model.lora.rank > 0 trains adapters on a pretrained base: set model.path (an HF "
+                          "directory or a Megatron checkpoint); the checkpoints then hold the adapters and point to it")
+    if cfg.parallel.rollout.lora_sync == LoraSync.adapter:
+        raise ConfigError(f"parallel.rollout.lora_sync=adapter is not built yet for engine="
+                          f"{cfg.parallel.rollout.engine}; use parallel.rollout.lora_sync=merged")
+    return lora_cfg
+
+
 def resolve_paths(cfg: MegarlConfig) -> MegarlConfig:
     """A copy of ``cfg`` with every path absolute (the config snapshot saved with checkpoints works
     from any directory: ``megarl export-hf`` reads it) and the defaults that follow ``model.path``
@@ -123,6 +144,7 @@ def resolve_paths(cfg: MegarlConfig) -> MegarlConfig:
     def absolute(path: Optional[str]) -> Optional[str]:
         return str(Path(path).expanduser().absolute()) if path else path
 
+    m.lora.path = absolute(m.lora.path)
     m.path, m.hf_config, rm.path, rm.hf_config, rm.checkpoint, data.tokenizer = map(
         absolute, (m.path, m.hf_config, rm.path, rm.hf_config, rm.checkpoint, data.tokenizer))
     data.train_files = [absolute(f) for f in data.train_files]

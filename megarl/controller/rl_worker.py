@@ -81,7 +81,9 @@ class RLWorker:
         bad = cfg.trainer.max_bad_steps
         # this rank's roles by name; the driver reaches their declared verbs through call()
         self.roles: Dict[str, Any] = {"actor": Actor(MegatronEngine(state, args.vocab_size, max_bad_steps=bad), loss)}
-        if needs_reference(algo):  # a frozen copy of the initial policy, same layout
+        if needs_reference(algo) and cfg.model.lora.rank:  # the base: the actor with its adapters off
+            self.roles["reference"] = Reference(self.roles["actor"].engine, algo.temperature, adapters_off=True)
+        elif needs_reference(algo):  # a frozen copy of the initial policy, same layout
             ref_state = build_frozen_state(cfg.model, self.groups)
             copy_weights(state, ref_state)
             progress.tick()
@@ -106,8 +108,8 @@ class RLWorker:
         r = cfg.parallel.rollout
         off = cfg.trainer.offload
         # the reference's frozen parameters go too (under ``params``); the reward model scores while generating
-        self.phases = PhaseOffload([role.engine.state for name, role in self.roles.items() if name != "reward_model"],
-                                   off.params, off.grads, off.optimizer)
+        states = {id(role.engine.state): role.engine.state for name, role in self.roles.items() if name != "reward_model"}
+        self.phases = PhaseOffload(list(states.values()), off.params, off.grads, off.optimizer)
         if args.num_experts:  # moe/routing_mismatch_frac is logged with and without replay
             self.roles["actor"].engine.track_routing(replay=algo.routing_replay)
         self.how = MicroBatching(max_tokens=cfg.data.micro_batch_tokens, packed=cfg.data.pack_sequences)

@@ -12,7 +12,7 @@ from typing import List, Optional
 import torch
 
 from megarl.checkpoint.load import load_pretrained, resolve_model_config
-from megarl.models import build_model, megatron_args_from_hf
+from megarl.models import build_model, lora, megatron_args_from_hf
 from megarl.models.value_head import attach_value_head
 from megarl.parallel.layout import ParallelGroups
 
@@ -43,7 +43,7 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     distributed = optim_cfg.use_distributed_optimizer if use_distributed_optimizer is None else use_distributed_optimizer
-    chunks = _build_chunks(model_cfg, groups, init_checkpoint, value_head)
+    chunks = _build_chunks(model_cfg, groups, init_checkpoint, value_head, lora_adapters=True)
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
@@ -82,9 +82,11 @@ def build_frozen_state(model_cfg, groups: ParallelGroups, init_checkpoint: Optio
     return TrainState(model=chunks, optimizer=None, scheduler=None, groups=groups)
 
 
-def _build_chunks(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[str], value_head: bool):
+def _build_chunks(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[str], value_head: bool,
+                  lora_adapters: bool = False):
     """This rank's chunks, randomly initialised or filled from ``init_checkpoint`` (then Megatron's
-    random init is skipped: every parameter is loaded)."""
+    random init is skipped: every parameter is loaded). ``lora_adapters`` with ``model.lora.rank``:
+    adapters on a frozen base (a value head stays trainable), filled from ``model.lora.path``."""
     model_cfg = resolve_model_config(model_cfg)
     args = megatron_args_from_hf(model_cfg.hf_config)
     if value_head:
@@ -94,6 +96,15 @@ def _build_chunks(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[s
         attach_value_head(chunks)
     if init_checkpoint:
         load_pretrained(chunks, init_checkpoint, args, model_cfg.make_vocab_size_divisible_by, value_head)
+    lora_cfg = lora.resolve(model_cfg.lora)
+    if lora_adapters and lora_cfg.rank:
+        lora.apply_lora(chunks, lora_cfg, groups.pg.tp)
+        if lora_cfg.path:
+            lora.load_peft(chunks, lora.read_peft_adapter(lora_cfg.path), args, lora_cfg.path)
+        if value_head:  # the critic: adapters on the backbone, a full value head
+            for chunk in chunks:
+                if getattr(chunk, "post_process", False):
+                    chunk.output_layer.requires_grad_(True)
     return chunks
 
 

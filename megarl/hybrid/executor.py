@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import ReshardPlan, Regrouping, Segment, plan_reshard
 from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
+from megarl.models import lora
 from megarl.runtime import progress
 from megarl.runtime.devices import group_device, synchronize
 
@@ -87,6 +88,7 @@ class Resharder:
                  outputs: Optional[Dict[str, torch.Tensor]] = None, overlap: bool = True,
                  transport: Optional[P2PTransport] = None):
         self.plan, self.overlap = plan, overlap
+        self.train_chunks = list(train_chunks)
         self.rank = dist.get_rank()
         self.transport = transport or P2PTransport()
         named = [planned_tensors(c) for c in train_chunks]
@@ -144,7 +146,12 @@ class Resharder:
     @torch.no_grad()
     def sync(self, force: bool = False) -> Dict[str, torch.Tensor]:
         """One weight sync (collective over the world); returns the generation-layout tensors.
-        ``force`` moves frozen weights too (after editing them through ``.data``)."""
+        ``force`` moves frozen weights too (after editing them through ``.data``). A LoRA model's
+        adapted weights move merged (W + (alpha/r) B A, filled for the sync), its frozen rest once."""
+        with lora.merged_for_sync(self.train_chunks):
+            return self._sync(force)
+
+    def _sync(self, force: bool) -> Dict[str, torch.Tensor]:
         begin = time.perf_counter()
         stats = SyncStats()
         changed = self._changed(force)

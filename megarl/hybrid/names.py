@@ -18,6 +18,7 @@ from typing import Dict, Iterable, Sequence, Set
 import torch
 
 from megarl.hybrid.shards import LocalTensor
+from megarl.models import lora
 
 # Norms TE fuses into the next linear: (prefix under the local spec, prefix under TE) within a
 # decoder layer, written as megatron-core's local GPT spec writes the first two in its
@@ -53,10 +54,16 @@ def canonical_name(name: str) -> str:
 
 def planned_tensors(chunk: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """A model chunk's parameters and buffers by the plan's names (a DDP wrapper's ``module``
-    unwrapped): what the hybrid engine's senders and receivers look tensors up in."""
+    unwrapped): what the hybrid engine's senders and receivers look tensors up in. With LoRA
+    adapters, an adapted weight is its merged tensor (filled inside ``lora.merged_for_sync``)."""
     module = getattr(chunk, "module", chunk)
     out: Dict[str, torch.Tensor] = {}
+    merged = lora.merged_weights(module)  # a LoRA model syncs W + (alpha/r) B A, never its adapters
+    replaced = merged.tensors() if merged is not None else {}
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if lora.is_adapter_name(name):
+            continue
+        tensor = replaced.get(name, tensor)
         key = canonical_name(name)
         if key in out and out[key] is not tensor:
             raise ValueError(f"'{name}' and another tensor of the model both read as '{key}'; the model's "
@@ -73,7 +80,8 @@ def check_planned(chunks: Sequence[torch.nn.Module], tensors: Iterable[LocalTens
         planned.setdefault(t.chunk, set()).add(t.name)
     for c, chunk in enumerate(chunks):
         module = getattr(chunk, "module", chunk)
-        missed = [n for n, _ in module.named_parameters() if canonical_name(n) not in planned.get(c, ())]
+        missed = [n for n, _ in module.named_parameters()
+                  if canonical_name(n) not in planned.get(c, ()) and not lora.is_adapter_name(n)]
         if missed:
             raise ValueError(f"{where}: parameters {missed[:4]} of model chunk {c} are in no plan entry "
                              f"({len(missed)} in all); the hybrid engine would leave them stale")

@@ -25,6 +25,7 @@ from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
+from megarl.models import lora
 from megarl.parallel.layout import Layout
 from megarl.runtime.devices import compute_device, synchronize
 from megarl.runtime.distributed import bound_store, collective_timeout
@@ -137,6 +138,7 @@ class ShardSender(_Side):
 
     def __init__(self, plan: TransferPlan, rank: int, train_chunks: List[torch.nn.Module]):
         super().__init__(plan, rank)
+        self.train_chunks = list(train_chunks)
         named = [planned_tensors(c) for c in train_chunks]
         check_planned(train_chunks, plan.sources[rank], f"training rank {rank}")
         self.train: Dict[int, Tuple[LocalTensor, torch.Tensor]] = {}
@@ -155,7 +157,12 @@ class ShardSender(_Side):
     @torch.no_grad()
     def sync(self) -> SyncStats:
         """Send this rank's share of one sync; returns once the last bucket is on its way out
-        and the one before is delivered (at most two buckets of buffers live)."""
+        and the one before is delivered (at most two buckets of buffers live). A LoRA model's
+        adapted weights go merged (W + (alpha/r) B A)."""
+        with lora.merged_for_sync(self.train_chunks):
+            return self._sync()
+
+    def _sync(self) -> SyncStats:
         begin, stats = time.perf_counter(), SyncStats()
         model, in_flight = self.plan.model, []
         for index, bucket in enumerate(self.plan.buckets):
