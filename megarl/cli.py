@@ -2,7 +2,8 @@
 
 Subcommands:
   train      RL post-training (GRPO, PPO, DAPO, RLOO, REINFORCE++, ReMax) on Ray, colocated
-  export-hf  the actor of a run's newest checkpoint as an HF checkpoint: RUN_DIR OUT [--dtype D]
+  export-hf  the actor of a run's newest checkpoint as an HF checkpoint: RUN_DIR OUT [--dtype D]; a LoRA
+             run's merged, or with --adapter its PEFT adapter directory
   report     draw a run's curves (RUN_DIR/metrics.jsonl) to RUN_DIR/report/*.png
   train-lm   tiny Megatron training on the built-in reverse-digits task (launches torchrun)
   config     print the composed, validated configuration as YAML
@@ -71,12 +72,16 @@ def _report(args: List[str]) -> int:
 def _export_hf(args: List[str]) -> int:
     from megarl.trainer.export import export_hf
 
+    usage = "usage: megarl export-hf RUN_DIR OUT [--dtype=auto|float32|bfloat16] [--adapter]"
     dtype = next((a.split("=", 1)[1] for a in args if a.startswith("--dtype=")), "auto")
+    flags = [a for a in args if a.startswith("--") and not a.startswith("--dtype=")]
     paths = [a for a in args if not a.startswith("--")]
-    if len(paths) != 2:
-        raise ValueError("usage: megarl export-hf RUN_DIR OUT [--dtype=auto|float32|bfloat16]")
-    source = export_hf(paths[0], paths[1], dtype)
-    print(f"{paths[1]}: HF checkpoint of the actor in {source}")
+    if len(paths) != 2 or any(f != "--adapter" for f in flags):
+        raise ValueError(usage)
+    adapter = "--adapter" in flags
+    source = export_hf(paths[0], paths[1], dtype, adapter=adapter)
+    what = "PEFT adapter" if adapter else "HF checkpoint"
+    print(f"{paths[1]}: {what} of the actor in {source}")
     return 0
 
 

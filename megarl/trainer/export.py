@@ -1,4 +1,4 @@
-"""``megarl export-hf RUN_DIR OUT``: the actor of a run's newest usable checkpoint as a Hugging
+"""``megarl export-hf RUN_DIR OUT [--adapter]``: the actor of a run's newest usable checkpoint as a Hugging
 Face directory that transformers and SGLang load as is, through the same converter as
 ``megarl convert mcore-to-hf``: weights, config.json, generation_config.json and the tokenizer."""
 
@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 from megarl.checkpoint.convert import mcore_to_hf
 from megarl.checkpoint.hf_io import CheckpointFileError
 from megarl.checkpoint.load import locate
+from megarl.checkpoint.lora_export import export_lora
 from megarl.config import ConfigError, load_config
 from megarl.trainer.checkpoint import Checkpoints
 
@@ -40,10 +41,12 @@ def _existing(path: str, field: str, where: str) -> Path:
     return p
 
 
-def export_hf(run_dir, out_dir, dtype: str = "auto") -> Path:
+def export_hf(run_dir, out_dir, dtype: str = "auto", adapter: bool = False) -> Path:
     """Write the newest checkpoint's actor to ``out_dir``; returns that checkpoint. One whose
     files differ from its manifest is refused (:class:`CheckpointFileError`, naming the file)
-    rather than silently exporting an older one."""
+    rather than silently exporting an older one. A LoRA run (``model.lora.rank`` > 0) exports
+    its adapters merged into ``model.path``'s base, or with ``adapter`` as a PEFT adapter directory
+    (megarl.checkpoint.lora_export)."""
     checkpoints = Checkpoints(run_dir)
     path = checkpoints.newest()
     if path is None:
@@ -59,6 +62,12 @@ def export_hf(run_dir, out_dir, dtype: str = "auto") -> Path:
         raise CheckpointFileError(f"{exc}{hint}") from None
     cfg = load_config([path / "config.yaml"])
     config, tokenizer = side_file_sources(cfg.model, cfg.data, str(path / "config.yaml"))
+    if cfg.model.lora.rank:
+        export_lora(path, cfg, Path(out_dir), dtype, adapter, config, tokenizer)
+        return path
+    if adapter:
+        raise ConfigError(f"--adapter: the run {run_dir} trained no LoRA adapters (model.lora.rank=0 in "
+                          f"{path / 'config.yaml'}); export without --adapter")
     if config.is_dir() or config.name == "config.json":  # an HF directory: its generation config, tokenizer
         config_dir = config if config.is_dir() else config.parent
         mcore_to_hf(path / "actor", out_dir, dtype=dtype, hf_config_dir=config_dir, tokenizer_dir=tokenizer,
