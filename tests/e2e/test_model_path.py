@@ -104,3 +104,21 @@ def test_reward_model_must_read_the_policys_token_ids(sharded, tmp_path):
         prepare(load_config([DEMO], base + [f"reward_model.path={reward_model(128)}"]))
     prepared = prepare(load_config([DEMO], base + [f"reward_model.path={reward_model(260)}"]))
     assert prepared.cfg.reward_model.hf_config == str(tmp_path / "rm260")
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["model.path=null", "model.hf_config=configs/models/tiny-digits.json"], "set model.path"),
+    (["parallel.rollout.lora_sync=adapter"], "lora_sync=adapter is not built yet for engine=native"),
+    (["model.lora.target_modules=[lm_head]"], "'lm_head' is not a LoRA target"),
+    (["model.lora.path=DIR/none"], "adapter_config.json is missing"),
+])
+def test_lora_settings_that_cannot_run_exit_2_before_ray(sharded, tmp_path, capsys, overrides, named):
+    import ray
+
+    overrides = [o.replace("DIR", str(tmp_path)) for o in overrides]
+    code = main(["train", DEMO, f"model.path={sharded}", "model.hf_config=null", "model.lora.rank=8",
+                 f"trainer.run_dir={tmp_path / 'run'}", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert named in err, err
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()

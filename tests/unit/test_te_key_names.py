@@ -129,3 +129,25 @@ def test_te_names_differ_where_expected(te_specs):
     assert {"self_attention.linear_q_up_proj.layer_norm_weight",
             "self_attention.linear_kv_up_proj.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"} <= keys
     assert "pre_mlp_layernorm.weight" in _keys(specs[1], config)  # kept apart before an MoE layer
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("te", [True, False], ids=["transformer_engine", "local"])
+def test_lora_targets_are_linears_of_the_spec(te_specs, name, te):
+    """Every linear megarl.models.lora adapts (attention only for MoE models, which it allows) is a
+    weight of megatron-core's own layer spec under the same path, TE or local; under TE the
+    column-parallel ones carry the fused norm the adapter applies to its input."""
+    from megarl.config.schema import LoRAConfig
+    from megarl.models import lora
+
+    args, config = _config(name, te)
+    moe = bool(args.num_experts)
+    targets = ["linear_qkv", "linear_proj"] if moe else list(LoRAConfig().target_modules)
+    lora.check_targets(LoRAConfig(rank=8, target_modules=targets), args)
+    specs = te_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=te, normalization="RMSNorm")
+    for layer, spec in enumerate(specs):
+        keys = _keys(spec, config)
+        for key in lora.target_parts(targets):
+            assert f"{key}.weight" in keys, (name, layer, key)
+        if te:
+            assert "self_attention.linear_qkv.layer_norm_weight" in keys
