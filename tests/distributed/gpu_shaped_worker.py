@@ -108,6 +108,7 @@ def main(work: str) -> None:
     value_head.param_device = placed
     attempt("fixed/value_head", critic_forward)
     vllm_case(worker, cfg)
+    lora_case(worker, cfg, batch_of(out["sampled"]))
 
 
 
@@ -197,6 +198,53 @@ def vllm_case(worker, cfg) -> None:
             record["calls"] = llm.calls
 
     attempt("fixed/vllm", run)
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps(record), flush=True)
+
+
+def lora_case(worker, cfg, batch: Batch) -> None:
+    """LoRA on the CUDA-shaped devices (actor tp=2): the adapters beside their base weights, the
+    actor's log-probs and PPO update through them, the reference pass with them off, and the
+    merged weights of a micro-DP sync (tp=2 -> t_g=1), all on the device."""
+    import dataclasses
+
+    from megarl.config.schema import LoRAConfig
+    from megarl.engines.megatron_engine import MegatronEngine, MicroBatching
+    from megarl.engines.train_state import build_train_state
+    from megarl.hybrid import regroup
+    from megarl.hybrid.executor import Resharder
+    from megarl.hybrid.shards import ModelSpec
+    from megarl.models import lora, megatron_args_from_hf
+    from megarl.roles.actor import Actor, ActorLossConfig
+    from megarl.runtime.devices import to_device
+
+    record = {"case": "lora", "error": None}
+
+    def run():
+        model_cfg = dataclasses.replace(cfg.model, lora=LoRAConfig(rank=4, alpha=8))
+        args = megatron_args_from_hf(model_cfg.hf_config)
+        state = build_train_state(model_cfg, dataclasses.replace(cfg.optimizer, lr_warmup_steps=0), worker.groups, 2)
+        adapters = lora.adapters(state.model)
+        record["adapters_on_device"] = all(gpu_shaped.is_cuda(p) for a in adapters for p in a.parameters())
+        engine, how = MegatronEngine(state, args.vocab_size), MicroBatching(micro_batch_size=2)
+        tensors = to_device({"tokens": batch.tokens, "labels": batch.labels, "position_ids": batch.position_ids,
+                             "loss_mask": torch.ones_like(batch.loss_mask),
+                             "advantages": torch.linspace(-1, 1, len(batch.lengths)).unsqueeze(1).expand_as(batch.loss_mask).contiguous()})
+        tensors["old_log_probs"] = engine.forward_log_probs(tensors, batch.lengths, how)["log_probs"]
+        metrics = Actor(engine, ActorLossConfig()).update(tensors, batch.lengths, how)
+        record["grad_norm"] = metrics["grad_norm"]
+        with lora.adapters_off(state.model):
+            base = engine.forward_log_probs(tensors, batch.lengths, how)["log_probs"]
+        after = engine.forward_log_probs(tensors, batch.lengths, how)["log_probs"]
+        record["adapters_moved_log_probs"] = (after - base).abs().max().item()
+        resharder = Resharder.create(ModelSpec.from_args(args), regroup(worker.groups.layout, 1, 1, 1, 0), state.model)
+        synced = resharder.sync()
+        record["synced_on_device"] = all(gpu_shaped.is_cuda(t) for t in synced.values())
+        record["moved"] = resharder.last.tensors_moved
+        resharder.sync()
+        record["moved_again"] = resharder.last.tensors_moved
+
+    attempt("fixed/lora", run)
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps(record), flush=True)
 

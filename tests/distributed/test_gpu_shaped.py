@@ -24,6 +24,7 @@ def results(tmp_path_factory, monkeypatch_module):
     records = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
     found = {r["case"]: r["error"] for r in records}
     found["vllm_details"] = next(r for r in records if r["case"] == "vllm")
+    found["lora_details"] = next(r for r in records if r["case"] == "lora")
     return found
 
 
@@ -35,7 +36,7 @@ def monkeypatch_module():
 
 def test_verbs_run_on_the_device_as_written(results):
     fixed = {k: v for k, v in results.items() if k.startswith("fixed/")}
-    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head", "fixed/vllm"}
+    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head", "fixed/vllm", "fixed/lora"}
     assert all(v is None for v in fixed.values()), fixed
 
 
@@ -48,6 +49,16 @@ def test_vllm_gpu_path_on_the_device(results):
     assert r["error"] is None and r["responses"] == 6
     assert r["gpu_keywords"] == [True, 0.5] and r["weights_exact"] is True
     assert r["calls"] == ["reset_prefix_cache", "sleep1", "wake:weights", "reset_prefix_cache", "wake:kv_cache"]
+
+
+def test_lora_on_the_device(results):
+    """LoRA's adapters live beside their base weights on the device; the actor updates them, the
+    reference pass turns them off, and the sync's merged weights land on the device: the
+    adapted projections move at every sync, the frozen rest (embedding, norms, output) once."""
+    r = results["lora_details"]
+    assert r["error"] is None and r["adapters_on_device"] and r["synced_on_device"], r
+    assert r["grad_norm"] > 0 and r["adapters_moved_log_probs"] > 0, r
+    assert 0 < r["moved_again"] < r["moved"], r
 
 
 @pytest.mark.parametrize("case", sorted(FAULTS))
