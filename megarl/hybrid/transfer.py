@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,8 @@ class TransferPlan:
     sources: Dict[int, List[LocalTensor]]  # training rank -> its training tensors
     shards: Dict[int, List[LocalTensor]]  # rollout rank -> its generation shard
     buckets: List[List[Segment]]  # src: training rank, dst: offset + rollout rank
+    # tensors that never change after the first sync (a LoRA actor's frozen base): sent once
+    static: FrozenSet[int] = frozenset()
 
     @property
     def offset(self) -> int:
@@ -65,8 +67,10 @@ class TransferPlan:
 
 
 @functools.lru_cache(maxsize=8)
-def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: int = 1 << 24) -> TransferPlan:
-    """Plan the sync from ``train`` (the actor's layout) to ``gen`` (the rollout's, pp = 1)."""
+def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: int = 1 << 24,
+                  static: FrozenSet[int] = frozenset()) -> TransferPlan:
+    """Plan the sync from ``train`` (the actor's layout) to ``gen`` (the rollout's, pp = 1);
+    ``static``: tensors (model indices) sent by the first sync only."""
     if gen.pp != 1:
         raise ValueError(f"the rollout layout {gen} has pipeline stages; split placement generates with pp=1")
     if bucket_elems < 1:
@@ -85,7 +89,7 @@ def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: in
                 same = [h for h in holders if replica(train, h) == reads] or holders
                 segments.append(Segment(target.spec, same[v % len(same)], train.world_size + v, lo, hi))
     return TransferPlan(model, train, gen, {r: train_at.local_tensors(r) for r in range(train.world_size)},
-                        shards, bucket_segments(model, segments, bucket_elems))
+                        shards, bucket_segments(model, segments, bucket_elems), static)
 
 
 def connect(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
@@ -114,6 +118,7 @@ class _Side:
         self.dtypes: List[torch.dtype] = []
         self.last = SyncStats()
         self.versions: Dict[int, int] = {}  # the colocated Resharder's interface (nothing to skip here)
+        self.syncs = 0  # done so far: after the first, the plan's static tensors are skipped
 
     def _agree_dtypes(self, codes: torch.Tensor) -> None:
         """Rollout rank 0's dtype of every tensor, broadcast: the dtype each transfer uses."""
@@ -123,10 +128,19 @@ class _Side:
         self.group.broadcast([codes], opts).wait()
         self.dtypes = [_CODE_DTYPES.get(c, torch.float32) for c in codes.tolist()]
 
+    def _moved(self) -> torch.Tensor:
+        """Bool per model tensor: what the sync in progress moves (everything the first time)."""
+        moved = torch.ones(len(self.plan.model.tensors), dtype=torch.bool)
+        if self.syncs:
+            moved[list(self.plan.static)] = False
+        return moved
+
     def _pairs(self, bucket: List[Segment], mine) -> Dict[Tuple[int, int], List[Segment]]:
-        """This rank's segments of ``bucket``, by (peer, dtype)."""
+        """This rank's segments of ``bucket`` that this sync moves, by (peer, dtype)."""
         out: Dict[Tuple[int, int], List[Segment]] = {}
         for seg in bucket:
+            if self.syncs and seg.tensor in self.plan.static:
+                continue
             peer = mine(seg)
             if peer is not None:
                 out.setdefault((peer, _DTYPE_CODES[self.dtypes[seg.tensor]]), []).append(seg)
@@ -183,7 +197,9 @@ class ShardSender(_Side):
         for works, _ in in_flight:
             for work in works:
                 work.wait()
-        stats.tensors_moved = len(self.train)
+        moved = self._moved()
+        stats.tensors_moved = sum(int(moved[spec]) for spec in self.train)
+        self.syncs += 1
         synchronize()  # the copies are queued on the device
         stats.seconds = time.perf_counter() - begin
         self.last = stats
@@ -244,12 +260,17 @@ class ShardReceiver(_Side):
                 finish(pending.pop(0))
         for handle in pending:
             finish(handle)
-        stats.tensors_moved = len(self.shard)
+        stats.changed = self._moved()
+        stats.tensors_moved = sum(int(stats.changed[spec]) for spec in self.shard)
+        self.syncs += 1
         synchronize()  # the copies are queued on the device
         stats.seconds = time.perf_counter() - begin
         self.last = stats
         return self.outputs
 
     def shard_bytes(self) -> int:
-        """Bytes of this rank's generation shard (what one sync must receive, no more)."""
-        return sum(self.outputs[t.name].numel() * self.outputs[t.name].element_size() for t in self.shard.values())
+        """Bytes of this rank's generation shard that the last sync was to move (what it must
+        receive, no more): all of it the first time, then the tensors that are not static."""
+        changed = self.last.changed
+        return sum(self.outputs[t.name].numel() * self.outputs[t.name].element_size() for spec, t in self.shard.items()
+                   if changed is None or changed[spec])

@@ -302,6 +302,16 @@ def is_adapter_name(name: str) -> bool:
     return ".lora.A." in name or ".lora.B." in name
 
 
+def static_tensors(model_spec, lora_cfg) -> frozenset:
+    """Indices of ``model_spec``'s tensors that a LoRA actor never changes (all but the adapted
+    weights; none without LoRA): a weight sync sends them once."""
+    if not lora_cfg.rank:
+        return frozenset()
+    adapted = {f"{key}.weight" for key in target_parts(lora_cfg.target_modules)}
+    return frozenset(i for i, t in enumerate(model_spec.tensors)
+                     if not (t.layer is not None and t.key.split(".", 3)[-1] in adapted))
+
+
 class MergedWeights:
     """W + (alpha / r) B A of every adapted linear of a chunk, in the training layout: the tensors
     a weight sync reads in place of the base weights. Their storage exists only inside

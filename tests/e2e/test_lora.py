@@ -12,8 +12,9 @@ its adapters off):
 - the checkpoint holds the adapters only; ``megarl export-hf`` writes the merged model, bit for
   bit the base plus (alpha/r) B A of the exported adapter, and with ``--adapter`` a PEFT directory
   that peft loads onto the base, giving the merged export's logits (<= 1e-5).
-On the native engine, a run killed (SIGKILL) after its step-2 checkpoint resumes to the
-uninterrupted run's final adapters and metrics, bit for bit.
+On the native engine with split placement, where every sync after the first sends only the merged
+projections, a run killed (SIGKILL) after its step-2 checkpoint resumes to the uninterrupted run's
+final adapters and metrics, bit for bit.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tests.ray_cluster import joined
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
 HEADS_32 = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COMPARED = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl", "response/length_mean")
 
 
@@ -105,6 +107,10 @@ def vllm_run(user):
     return run
 
 
+def tensor_bytes(model_dir: Path) -> dict:
+    return {name: t.numel() * t.element_size() for name, t in tensors(model_dir).items()}
+
+
 def token_log_probs(model, row) -> torch.Tensor:
     ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
     with torch.no_grad():
@@ -142,10 +148,8 @@ def test_merged_sync_is_exact_and_sends_only_adapted_tensors(user, vllm_run):
     whole decoder layers (its layerwise reload takes a fused module whole), never the embedding
     or the output layer."""
     _, model_dir = user
-    base = tensors(model_dir)
-    nbytes = {name: t.numel() * t.element_size() for name, t in base.items()}
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    adapted = sum(n for name, n in nbytes.items() if name.split(".")[-2] in projections)
+    nbytes = tensor_bytes(model_dir)
+    adapted = sum(n for name, n in nbytes.items() if name.split(".")[-2] in PROJECTIONS)
     layers = sum(n for name, n in nbytes.items() if name.startswith("model.layers."))
     rows = [json.loads(line) for line in (vllm_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -192,9 +196,11 @@ def test_checkpoint_holds_adapters_and_exports_merge_exactly(user, vllm_run):
 
 
 def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
-    work, _ = user
+    """Split placement (2 training ranks, 1 rollout rank): after the sync at start-up, each sync
+    sends the merged projections only (the frozen rest once per rollout process)."""
+    work, model_dir = user
     whole, killed = work / "whole", work / "killed"
-    steps = ["trainer.train_steps=4", "trainer.save_interval=2"]
+    steps = ["trainer.train_steps=4", "trainer.save_interval=2", "trainer.placement=split", "parallel.rollout.nproc=1"]
     done = subprocess.run(train_command(work / "run.yaml", *steps, f"trainer.run_dir={whole}"), cwd=work, env=env(),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -217,6 +223,10 @@ def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for x, y in zip(a, b):
         assert {k: x[k] for k in COMPARED} == {k: y[k] for k in COMPARED}, x["step"]
+    adapted = sum(n for name, n in tensor_bytes(model_dir).items() if name.split(".")[-2] in PROJECTIONS)
+    for r in a + b:
+        assert r["rollout/logp_max_abs_diff"] <= TOL and r["sync/bytes_over_shard_max"] == 0, r
+        assert r["sync/bytes_received"] == adapted, (r["sync/bytes_received"], adapted)
     for r in (whole, killed):
         assert megarl("export-hf", str(r), str(r / "adapter"), "--adapter", cwd=work).returncode == 0
     from safetensors.torch import load_file

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 from megarl.config.schema import Engine
 from megarl.hybrid.shards import ModelSpec
 from megarl.hybrid.transfer import TransferPlan, plan_transfer
+from megarl.models import lora
 from megarl.parallel import Layout
 
 
@@ -105,5 +106,5 @@ def transfer_plan(cfg, args) -> TransferPlan:
     """The weight sync's plan (pure: the trainer's ranks and the rollout's compute the same)."""
     train = Layout.from_config(cfg.parallel.actor, cfg.trainer.nnodes * cfg.trainer.nproc_per_node)
     elems = max(1, (cfg.parallel.rollout.bucket_mb << 20) // 4 // 2)  # fp32 elements; two buckets in flight
-    return plan_transfer(ModelSpec.from_args(args, cfg.model.make_vocab_size_divisible_by), train,
-                         rollout_layout(cfg), elems)
+    model = ModelSpec.from_args(args, cfg.model.make_vocab_size_divisible_by)
+    return plan_transfer(model, train, rollout_layout(cfg), elems, lora.static_tensors(model, cfg.model.lora))
