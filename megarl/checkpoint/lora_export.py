@@ -4,8 +4,8 @@ the base as a Hugging Face directory. Single process, no model built: the adapte
 whole from the dist checkpoint (any layout it was saved in) and named by the converter's table.
 
 Merged weights are ``(W.float() + (B.float() @ A.float()) * (alpha / r)).to(dtype)`` per adapted
-HF module, W from the base's own files; every other tensor is copied as stored (cast to
-``dtype`` if another is asked for). Both write into a temporary directory renamed into place.
+HF module, W from the base's own files; a module trained whole (``model.lora.modules_to_save``)
+is the run's; every other tensor is copied as stored (cast to ``dtype`` if another is asked for). Both write into a temporary directory renamed into place.
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ def peft_tensors(actor_dir: Path, args) -> Dict[str, torch.Tensor]:
     metadata = verify_dist_checkpoint(actor_dir)
     reader = safe_reader(actor_dir)
     out: Dict[str, torch.Tensor] = {}
+    saved = {f"{m}.weight" for m in lora.saved_modules(lora.SAVED)}
     for key in tensor_keys(metadata):
+        if key in saved:  # a module trained whole (modules_to_save): PEFT keeps it under its HF name
+            out[lora.PEFT_PREFIX + lora.hf_weight(args, key)] = read_tensor(reader, key, metadata.state_dict_metadata[key])
+            continue
         m = _ADAPTER_KEY.match(key)
         if not m:
             continue
@@ -57,20 +61,28 @@ def peft_tensors(actor_dir: Path, args) -> Dict[str, torch.Tensor]:
 def write_adapter(out_dir: Path, tensors: Dict[str, torch.Tensor], lora_cfg, base: Optional[str]) -> None:
     """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that peft's
     ``PeftModel.from_pretrained(base_model, out_dir)`` loads as is."""
-    parts = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in tensors})
+    parts = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in tensors if ".lora_" in name})
+    saved = sorted(name[len(lora.PEFT_PREFIX):-len(".weight")] for name in tensors if ".lora_" not in name)
+    config = lora.peft_config(lora_cfg, base, parts, saved)
     with _staged(out_dir) as tmp:
-        (tmp / lora.ADAPTER_CONFIG).write_text(json.dumps(lora.peft_config(lora_cfg, base, parts), indent=2) + "\n")
+        (tmp / lora.ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(tmp / lora.ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
 def merged_updates(tensors: Dict[str, torch.Tensor]) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """{HF weight name: (A, B)} of every adapted module, from PEFT-named tensors."""
+    """{HF weight name: (A, B)} of every adapted module, from PEFT-named tensors (modules trained
+    whole are not among them: see :func:`whole_modules`)."""
     out = {}
     for name, a in tensors.items():
         if name.endswith(".lora_A.weight"):
             module = name[len(lora.PEFT_PREFIX):-len(".lora_A.weight")]
             out[f"{module}.weight"] = (a, tensors[name.replace(".lora_A.", ".lora_B.")])
     return out
+
+
+def whole_modules(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """{HF weight name: tensor} of the modules trained whole (modules_to_save)."""
+    return {name[len(lora.PEFT_PREFIX):]: t for name, t in tensors.items() if ".lora_" not in name}
 
 
 def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
@@ -82,8 +94,8 @@ def write_merged(out_dir: Path, base_dir: Path, tensors: Dict[str, torch.Tensor]
                  config_file: Path, tokenizer_dir: Optional[Path], max_shard_bytes: int = 2 * 10**9) -> None:
     """The base of ``base_dir`` with the adapters merged in, as an HF directory."""
     base = HFCheckpoint(base_dir)
-    updates = merged_updates(tensors)
-    missing = sorted(set(updates) - set(base.names()))
+    updates, whole = merged_updates(tensors), whole_modules(tensors)
+    missing = sorted((set(updates) | set(whole)) - set(base.names()))
     if missing:
         raise ValueError(f"the base {base_dir} has no '{missing[0]}', which the adapters update")
     scaling = lora_cfg.alpha / lora_cfg.rank
@@ -96,6 +108,8 @@ def write_merged(out_dir: Path, base_dir: Path, tensors: Dict[str, torch.Tensor]
             written = written or out_dtype
             if name in updates:
                 tensor = merge(tensor, *updates[name], scaling, out_dtype)
+            elif name in whole:  # trained whole: the run's tensor replaces the base's
+                tensor = whole[name]
             writer.add(name, tensor.to(out_dtype))
         writer.flush()
         finalize(tmp, writer.weight_map, writer.total_bytes)

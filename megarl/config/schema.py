@@ -173,10 +173,13 @@ class LoRAConfig:
     """Megatron linears (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) or their HF
     parts (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``).
     MoE: attention and dense MLPs only (routed experts are refused)."""
+    modules_to_save: List[str] = field(default_factory=list)
+    """Whole modules trained beside the adapters (PEFT's ``modules_to_save``): ``final_layernorm`` (HF
+    ``model.norm``), the scale of the last hidden state, which a frozen output layer otherwise caps."""
     path: Optional[str] = None
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from; its
-    r, lora_alpha and target_modules then set rank, alpha and target_modules (a different rank set
-    here is refused)."""
+    r, lora_alpha, target_modules and modules_to_save then set these (a different rank set here is
+    refused)."""
 
 
 @dataclass

@@ -43,6 +43,9 @@ TARGETS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
 }
 _SHORT = {key.rsplit(".", 1)[1]: key for key in TARGETS}  # linear_qkv -> self_attention.linear_qkv
 _PART = {part: key for key, (_, parts) in TARGETS.items() for part in parts}  # q_proj -> ...linear_qkv
+# whole modules trained beside the adapters (PEFT's modules_to_save): accepted name -> Megatron module
+SAVED = {"final_layernorm": "decoder.final_layernorm", "model.norm": "decoder.final_layernorm"}
+_CONFIG_NAME = {"decoder.final_layernorm": "final_layernorm"}  # Megatron module -> its name in the config
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
@@ -67,11 +70,21 @@ def target_parts(names: Sequence[str]) -> Dict[str, Tuple[str, ...]]:
             if any(p in wanted for p in parts)}
 
 
+def saved_modules(names: Sequence[str]) -> Tuple[str, ...]:
+    """``model.lora.modules_to_save`` -> the Megatron modules trained whole."""
+    unknown = [n for n in names if n not in SAVED]
+    if unknown:
+        raise LoRAError(f"model.lora.modules_to_save: {unknown} cannot be trained beside the adapters yet; "
+                        f"use {sorted(SAVED)}")
+    return tuple(sorted({SAVED[n] for n in names}))
+
+
 def check_targets(lora_cfg, args) -> None:
     """Refuse, before anything starts, what this LoRA does not cover for the model ``args``:
     MLA attention (no ``linear_qkv``) and routed experts (an MoE layer has no dense MLP)."""
     if not lora_cfg.rank and not lora_cfg.path:
         return
+    saved_modules(lora_cfg.modules_to_save)
     targets = target_parts(lora_cfg.target_modules)
     if args.mla and any(k.startswith("self_attention.") for k in targets):
         raise LoRAError(f"model.lora on {args.model_type}'s MLA attention is not built yet (its linears are not "
@@ -254,8 +267,15 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora_cfg, tp_group, freeze: bo
     a critic unfreezes its value head after). Returns the adapters' parameter count on this rank."""
     targets = target_parts(lora_cfg.target_modules)
     if freeze:
+        saved = saved_modules(lora_cfg.modules_to_save)
         for chunk in chunks:
             chunk.requires_grad_(False)
+            module = getattr(chunk, "module", chunk)
+            module._lora_base = []  # (parameter trained whole, its base value): the reference's
+            for name, param in module.named_parameters():
+                if name.startswith(tuple(f"{m}." for m in saved)):
+                    param.requires_grad_(True)
+                    module._lora_base.append((param, param.detach().clone()))
     count = 0
     for chunk in chunks:
         for layer, module in decoder_layers(chunk):
@@ -286,15 +306,24 @@ def has_lora(chunks: Sequence[torch.nn.Module]) -> bool:
 
 @contextlib.contextmanager
 def adapters_off(chunks: Sequence[torch.nn.Module]):
-    """The base model alone while inside (the reference policy of a LoRA actor)."""
+    """The base model alone while inside (the reference policy of a LoRA actor): adapters off, and
+    the modules trained whole (modules_to_save) back at the base's values."""
     found = adapters(chunks)
-    for a in found:
-        a.enabled = False
+    whole = [pair for chunk in chunks for pair in getattr(getattr(chunk, "module", chunk), "_lora_base", [])]
+    trained = [param.detach().clone() for param, _ in whole]
+    with torch.no_grad():
+        for a in found:
+            a.enabled = False
+        for param, base in whole:
+            param.copy_(base)
     try:
         yield
     finally:
-        for a in found:
-            a.enabled = True
+        with torch.no_grad():
+            for a in found:
+                a.enabled = True
+            for (param, _), value in zip(whole, trained):
+                param.copy_(value)
 
 
 def is_adapter_name(name: str) -> bool:
@@ -308,8 +337,9 @@ def static_tensors(model_spec, lora_cfg) -> frozenset:
     if not lora_cfg.rank:
         return frozenset()
     adapted = {f"{key}.weight" for key in target_parts(lora_cfg.target_modules)}
+    saved = tuple(f"{m}." for m in saved_modules(lora_cfg.modules_to_save))
     return frozenset(i for i, t in enumerate(model_spec.tensors)
-                     if not (t.layer is not None and t.key.split(".", 3)[-1] in adapted))
+                     if not (t.layer is not None and t.key.split(".", 3)[-1] in adapted) and not t.key.startswith(saved))
 
 
 class MergedWeights:
@@ -374,6 +404,7 @@ class PeftAdapter:
     alpha: float
     dropout: float
     target_modules: Tuple[str, ...]  # HF part names
+    modules_to_save: Tuple[str, ...]  # HF module names (SAVED)
     tensors: Dict[str, torch.Tensor]  # PEFT names -> tensors
 
 
@@ -390,7 +421,7 @@ def read_peft_adapter(path: str | Path) -> PeftAdapter:
                             f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
     config = json.loads(config_file.read_text())
     unsupported = {"peft_type": ("LORA",), "bias": ("none",), "use_dora": (False, None), "use_rslora": (False, None),
-                   "fan_in_fan_out": (False, None), "layers_to_transform": (None,), "modules_to_save": (None, []),
+                   "fan_in_fan_out": (False, None), "layers_to_transform": (None,),
                    "rank_pattern": ({}, None), "alpha_pattern": ({}, None)}
     for key, allowed in unsupported.items():
         if config.get(key, allowed[0]) not in allowed:
@@ -404,9 +435,23 @@ def read_peft_adapter(path: str | Path) -> PeftAdapter:
     if unknown:
         raise LoRAError(f"model.lora.path={path}: target_modules {unknown} are not LoRA targets megarl builds "
                         f"({sorted(_PART)})")
+    saved = tuple(config.get("modules_to_save") or ())
+    if any(m not in SAVED for m in saved):
+        raise LoRAError(f"model.lora.path={path}: modules_to_save {list(saved)}: megarl trains {sorted(SAVED)} "
+                        f"beside the adapters only")
     tensors = load_file(str(weights))
     return PeftAdapter(int(config["r"]), float(config["lora_alpha"]), float(config.get("lora_dropout") or 0.0),
-                       tuple(t for t in _PART if t in targets), tensors)
+                       tuple(t for t in _PART if t in targets), saved, tensors)
+
+
+def hf_weight(args, key: str) -> str:
+    """The HF name of a Megatron weight outside the decoder layers (``decoder.final_layernorm.weight``)."""
+    from megarl.models.hf_mapping import global_rules
+
+    rule = next((r for r in global_rules(args, 1) if r.mcore == key), None)
+    if rule is None:
+        raise LoRAError(f"{args.model_type} has no '{key}' in the converter's table")
+    return rule.hf_names()[0]
 
 
 def hf_modules(args, layer: int, key: str) -> Dict[str, str]:
@@ -442,6 +487,16 @@ def load_peft(chunks: Sequence[torch.nn.Module], adapter: PeftAdapter, args, pat
                     raise LoRAError(f"model.lora.path={path}: '{k}' gives {tuple(src.shape)} on tensor-parallel "
                                     f"rank {a.tp_rank}, the model expects {tuple(dst.shape)}")
                 dst.copy_(src.to(dst.dtype))
+    for chunk in chunks:
+        params = dict(getattr(chunk, "module", chunk).named_parameters())
+        for module in saved_modules(adapter.modules_to_save):
+            key = f"{module}.weight"
+            if key not in params:  # another pipeline stage's
+                continue
+            name = PEFT_PREFIX + hf_weight(args, key)
+            if name not in adapter.tensors:
+                raise LoRAError(f"model.lora.path={path}: {ADAPTER_WEIGHTS} has no '{name}' (modules_to_save)")
+            params[key].copy_(adapter.tensors[name].to(params[key].dtype))
 
 
 def resolve(lora_cfg, field: str = "model.lora"):
@@ -456,12 +511,14 @@ def resolve(lora_cfg, field: str = "model.lora"):
         raise LoRAError(f"{field}.rank={lora_cfg.rank} but the adapter at {field}.path has r={adapter.rank}; "
                         f"leave {field}.rank unset (0) or set it to {adapter.rank}")
     return dataclasses.replace(lora_cfg, rank=adapter.rank, alpha=adapter.alpha, dropout=adapter.dropout,
-                               target_modules=list(adapter.target_modules))
+                               target_modules=list(adapter.target_modules),
+                               modules_to_save=sorted({_CONFIG_NAME[SAVED[m]] for m in adapter.modules_to_save})
+                               or list(lora_cfg.modules_to_save))
 
 
-def peft_config(lora_cfg, base: Optional[str], parts: Sequence[str]) -> dict:
-    """The ``adapter_config.json`` PEFT writes for this adapter."""
+def peft_config(lora_cfg, base: Optional[str], parts: Sequence[str], saved: Sequence[str] = ()) -> dict:
+    """The ``adapter_config.json`` PEFT writes for this adapter; ``saved``: HF modules trained whole."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
             "lora_dropout": lora_cfg.dropout, "target_modules": sorted(parts), "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
-            "init_lora_weights": True, "base_model_name_or_path": base, "modules_to_save": None}
+            "init_lora_weights": True, "base_model_name_or_path": base, "modules_to_save": list(saved) or None}

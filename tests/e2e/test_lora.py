@@ -1,7 +1,8 @@
 """LoRA post-training of a user's model through the real entry points: an HF Llama with its own
 tokenizer (tests/fixtures/hf_models.py; two heads of 32, vLLM's CPU attention's least) and a
 PEFT adapter made by peft (rank 8, all seven projections, random A and B), into ``megarl train
-model.path=DIR model.lora.path=ADAPTER``.
+model.path=DIR model.lora.path=ADAPTER``; the adapter also trains the final norm whole (PEFT's
+``modules_to_save``).
 
 On vLLM (colocated, tp=2 -> t_g=1), 3 GRPO steps with a KL term (the reference is the actor with
 its adapters off):
@@ -12,8 +13,8 @@ its adapters off):
 - the checkpoint holds the adapters only; ``megarl export-hf`` writes the merged model, bit for
   bit the base plus (alpha/r) B A of the exported adapter, and with ``--adapter`` a PEFT directory
   that peft loads onto the base, giving the merged export's logits (<= 1e-5).
-On the native engine with split placement, where every sync after the first sends only the merged
-projections, a run killed (SIGKILL) after its step-2 checkpoint resumes to the uninterrupted run's
+PPO on the native engine with split placement, where every sync after the first sends only the
+merged projections: a run killed (SIGKILL) after its step-2 checkpoint resumes to the uninterrupted run's
 final adapters and metrics, bit for bit.
 """
 
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
 HEADS_32 = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-COMPARED = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl", "response/length_mean")
+COMPARED = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl", "critic/loss", "response/length_mean")
 
 
 def env():
@@ -68,12 +69,13 @@ def user(tmp_path_factory):
     torch.manual_seed(3)
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
                                 LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                           "up_proj", "down_proj"]))
-    with torch.no_grad():  # a small adapter: the policy stays close to the trained base
+                                           target_modules=list(PROJECTIONS), modules_to_save=["model.norm"]))
+    with torch.no_grad():  # a small adapter (and a rescaled final norm): the policy stays close to the base
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
                 param.mul_(0.05)
+            elif "modules_to_save" in name:
+                param.mul_(1.1)
     peft_model.save_pretrained(work / "adapter")
     data = work / "prompts.jsonl"
     with data.open("w") as f:
@@ -156,7 +158,9 @@ def test_merged_sync_is_exact_and_sends_only_adapted_tensors(user, vllm_run):
     for r in rows:
         assert r["rollout/logp_max_abs_diff"] <= TOL and r["actor/grad_norm"] > 0, r
         assert r["sync/bytes_received"] == adapted // 2, (r["sync/bytes_received"], adapted)
-        assert r["sync/engine_bytes"] == layers < sum(nbytes.values()), (r["sync/engine_bytes"], layers)
+        # and the final norm, trained whole (modules_to_save)
+        engine = layers + nbytes["model.norm.weight"]
+        assert r["sync/engine_bytes"] == engine < sum(nbytes.values()), (r["sync/engine_bytes"], engine)
 
 
 def test_checkpoint_holds_adapters_and_exports_merge_exactly(user, vllm_run):
@@ -169,7 +173,8 @@ def test_checkpoint_holds_adapters_and_exports_merge_exactly(user, vllm_run):
     work, model_dir = user
     actor = vllm_run / "checkpoints" / "step_000003" / "actor"
     keys = tensor_keys(verify_dist_checkpoint(actor))
-    assert keys and all(".lora." in k for k in keys), keys[:5]
+    assert "decoder.final_layernorm.weight" in keys  # trained whole
+    assert all(".lora." in k for k in keys if k != "decoder.final_layernorm.weight"), keys
     base, merged = tensors(model_dir), tensors(work / "merged_export")
     adapter = load_file(work / "adapter_export" / "adapter_model.safetensors")
     config = json.loads((work / "adapter_export" / "adapter_config.json").read_text())
@@ -178,6 +183,8 @@ def test_checkpoint_holds_adapters_and_exports_merge_exactly(user, vllm_run):
     assert sorted(adapter) == sorted(original)
     assert any(not torch.equal(adapter[k], original[k]) for k in adapter), "the adapters did not train"
     assert sorted(merged) == sorted(base)
+    assert config["modules_to_save"] == ["model.norm"]
+    assert not torch.equal(adapter["base_model.model.model.norm.weight"], original["base_model.model.model.norm.weight"])
     adapted = 0
     for name, weight in base.items():
         module = "base_model.model." + name[:-len(".weight")]
@@ -185,6 +192,8 @@ def test_checkpoint_holds_adapters_and_exports_merge_exactly(user, vllm_run):
             a, b = adapter[f"{module}.lora_A.weight"], adapter[f"{module}.lora_B.weight"]
             weight = (weight.float() + (b.float() @ a.float()) * (16 / 8)).to(weight.dtype)
             adapted += 1
+        elif f"base_model.model.{name}" in adapter:  # trained whole: the run's own tensor
+            weight = adapter[f"base_model.model.{name}"]
         assert torch.equal(merged[name], weight), name
     assert adapted == 7 * 4
     ids = torch.tensor([[5, 17, 42, 7, 99, 3, 64, 12]])
@@ -196,11 +205,13 @@ def test_checkpoint_holds_adapters_and_exports_merge_exactly(user, vllm_run):
 
 
 def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
-    """Split placement (2 training ranks, 1 rollout rank): after the sync at start-up, each sync
-    sends the merged projections only (the frozen rest once per rollout process)."""
+    """PPO (the critic: adapters on its backbone, a full value head; both resumed) with split
+    placement (2 training ranks, 1 rollout rank): after the sync at start-up, each sync sends the
+    merged projections only (the frozen rest once per rollout process)."""
     work, model_dir = user
     whole, killed = work / "whole", work / "killed"
-    steps = ["trainer.train_steps=4", "trainer.save_interval=2", "trainer.placement=split", "parallel.rollout.nproc=1"]
+    steps = ["trainer.train_steps=4", "trainer.save_interval=2", "trainer.placement=split", "parallel.rollout.nproc=1",
+             "algorithm.name=ppo"]
     done = subprocess.run(train_command(work / "run.yaml", *steps, f"trainer.run_dir={whole}"), cwd=work, env=env(),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -223,7 +234,8 @@ def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for x, y in zip(a, b):
         assert {k: x[k] for k in COMPARED} == {k: y[k] for k in COMPARED}, x["step"]
-    adapted = sum(n for name, n in tensor_bytes(model_dir).items() if name.split(".")[-2] in PROJECTIONS)
+    nbytes = tensor_bytes(model_dir)
+    adapted = sum(n for name, n in nbytes.items() if name.split(".")[-2] in PROJECTIONS) + nbytes["model.norm.weight"]
     for r in a + b:
         assert r["rollout/logp_max_abs_diff"] <= TOL and r["sync/bytes_over_shard_max"] == 0, r
         assert r["sync/bytes_received"] == adapted, (r["sync/bytes_received"], adapted)

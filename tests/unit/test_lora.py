@@ -69,3 +69,13 @@ def test_adapters_megarl_cannot_reproduce_are_refused(tmp_path, config, message)
 def test_a_directory_without_adapter_files_is_named(tmp_path):
     with pytest.raises(lora.LoRAError, match="adapter_config.json is missing"):
         lora.read_peft_adapter(tmp_path)
+
+
+def test_modules_trained_whole(tmp_path):
+    assert lora.saved_modules(["model.norm", "final_layernorm"]) == ("decoder.final_layernorm",)
+    with pytest.raises(lora.LoRAError, match=r"modules_to_save: \['lm_head'\] cannot be trained beside the adapters"):
+        lora.saved_modules(["lm_head"])
+    cfg = lora.resolve(LoRAConfig(path=str(adapter_dir(tmp_path, modules_to_save=["model.norm"]))))
+    assert cfg.modules_to_save == ["final_layernorm"]
+    with pytest.raises(lora.LoRAError, match=r"modules_to_save \['norm'\]"):  # PEFT's suffix match: every norm
+        lora.read_peft_adapter(adapter_dir(tmp_path, modules_to_save=["norm"]))
