@@ -175,7 +175,7 @@ class LoRAConfig:
     MoE: attention and dense MLPs only (routed experts are refused)."""
     modules_to_save: List[str] = field(default_factory=list)
     """Whole modules trained beside the adapters (PEFT's ``modules_to_save``): ``final_layernorm`` (HF
-    ``model.norm``), the scale of the last hidden state, which a frozen output layer otherwise caps."""
+    module model.norm, also accepted), the scale of the last hidden state, which a frozen output layer otherwise caps."""
     path: Optional[str] = None
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from; its
     r, lora_alpha, target_modules and modules_to_save then set these (a different rank set here is
