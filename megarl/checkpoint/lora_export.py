@@ -5,7 +5,8 @@ whole from the dist checkpoint (any layout it was saved in) and named by the con
 
 Merged weights are ``(W.float() + (B.float() @ A.float()) * (alpha / r)).to(dtype)`` per adapted
 HF module, W from the base's own files; a module trained whole (``model.lora.modules_to_save``)
-is the run's; every other tensor is copied as stored (cast to ``dtype`` if another is asked for). Both write into a temporary directory renamed into place.
+is the run's; every other tensor is copied as stored (cast to ``dtype`` if another is asked
+for). Both write into a temporary directory renamed into place.
 """
 
 from __future__ import annotations
