@@ -257,8 +257,8 @@ class RolloutLayoutConfig:
     trainer's resident state must fit in the rest."""
     lora_sync: LoraSync = LoraSync.merged
     """With model.lora: ``merged`` sends W + (alpha/r) B A in the generation layout to any engine (after the
-    first sync, only the tensors the adapters change); ``adapter`` would send the adapters alone to an
-    engine that serves LoRA: not built yet, refused before start."""
+    first sync, only the tensors the adapters change); ``adapter`` hands an engine that serves LoRA (vllm,
+    colocated) the base once and the whole adapters every sync (no model.lora.modules_to_save)."""
     cpu_kv_cache_gb: int = bounded(1, ge=1)
     """engine=vllm on CPU: each engine's KV cache (GiB; vLLM's VLLM_CPU_KVCACHE_SPACE). On GPUs
     ``mem_fraction_static`` sizes it."""

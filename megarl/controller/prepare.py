@@ -128,9 +128,19 @@ def check_lora(cfg: MegarlConfig, args):
     if not m.path:
         raise ConfigError("model.lora.rank > 0 trains adapters on a pretrained base: set model.path (an HF "
                           "directory or a Megatron checkpoint); the checkpoints then hold the adapters and point to it")
-    if cfg.parallel.rollout.lora_sync == LoraSync.adapter:
-        raise ConfigError(f"parallel.rollout.lora_sync=adapter is not built yet for engine="
-                          f"{cfg.parallel.rollout.engine}; use parallel.rollout.lora_sync=merged")
+    r = cfg.parallel.rollout
+    if r.lora_sync == LoraSync.adapter:
+        if not rollout_backend(r.engine).serves_lora:
+            raise ConfigError(f"parallel.rollout.lora_sync=adapter: engine={r.engine} does not serve LoRA adapters; "
+                              f"use parallel.rollout.engine=vllm, or parallel.rollout.lora_sync=merged")
+        if cfg.trainer.placement == Placement.split:
+            raise ConfigError("parallel.rollout.lora_sync=adapter with trainer.placement=split is not built yet (the "
+                              "adapters reach the engine from the training ranks it shares); use colocated "
+                              "placement or parallel.rollout.lora_sync=merged")
+        if lora_cfg.modules_to_save:
+            raise ConfigError(f"parallel.rollout.lora_sync=adapter with model.lora.modules_to_save="
+                              f"{list(lora_cfg.modules_to_save)}: the engine serves adapters on a fixed base; use "
+                              f"parallel.rollout.lora_sync=merged")
     return lora_cfg
 
 

@@ -374,10 +374,19 @@ class MergedWeights:
                 merged.untyped_storage().resize_(0)
 
 
+def sync_base_weights(chunks: Sequence[torch.nn.Module]) -> None:
+    """A weight sync of ``chunks`` reads the base weights, not merged ones: the rollout engine
+    serves the adapters itself (``parallel.rollout.lora_sync=adapter``). Call before the sync's
+    executor is built."""
+    for chunk in chunks:
+        getattr(chunk, "module", chunk)._lora_sync_base = True
+
+
 def merged_weights(chunk: torch.nn.Module) -> Optional[MergedWeights]:
-    """The chunk's :class:`MergedWeights` (made once), None without adapters."""
+    """The chunk's :class:`MergedWeights` (made once), None without adapters or when the sync
+    reads the base (:func:`sync_base_weights`)."""
     module = getattr(chunk, "module", chunk)
-    if not has_lora([module]):
+    if not has_lora([module]) or getattr(module, "_lora_sync_base", False):
         return None
     if getattr(module, "_lora_merged", None) is None:
         module._lora_merged = MergedWeights(module)
@@ -497,6 +506,33 @@ def load_peft(chunks: Sequence[torch.nn.Module], adapter: PeftAdapter, args, pat
             if name not in adapter.tensors:
                 raise LoRAError(f"model.lora.path={path}: {ADAPTER_WEIGHTS} has no '{name}' (modules_to_save)")
             params[key].copy_(adapter.tensors[name].to(params[key].dtype))
+
+
+def gather_peft(chunks: Sequence[torch.nn.Module], args, contribute: bool) -> Dict[str, torch.Tensor]:
+    """Every adapter of the model, whole, under PEFT's names, on every rank (collective over the
+    world; the adapters are small). ``contribute``: this rank's pieces are needed (one data- and
+    context-parallel replica contributes): TP slices of the split factors, TP rank 0's replicated ones."""
+    import torch.distributed as dist
+
+    pieces = []
+    if contribute:
+        for a in adapters(chunks):
+            names = hf_modules(args, a.layer, a.key)
+            split_factor, dim = ("B", 0) if a.kind == "column" else ("A", 1)
+            for part in a.parts:
+                for factor, tensor in (("A", a.A[part]), ("B", a.B[part])):
+                    split = factor == split_factor
+                    if split or a.tp_rank == 0:
+                        pieces.append((f"{PEFT_PREFIX}{names[part]}.lora_{factor}.weight", dim if split else None,
+                                       a.tp_rank, tensor.detach().cpu()))
+    everyone: List[Optional[list]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    by_key: Dict[str, dict] = {}
+    for rank_pieces in everyone:
+        for key, dim, tp_rank, tensor in rank_pieces:
+            by_key.setdefault(key, {"dim": dim, "parts": {}})["parts"][tp_rank] = tensor
+    return {key: (v["parts"][0] if v["dim"] is None else torch.cat([v["parts"][r] for r in sorted(v["parts"])], v["dim"]))
+            for key, v in by_key.items()}
 
 
 def resolve(lora_cfg, field: str = "model.lora"):

@@ -35,7 +35,8 @@ import contextlib
 import os
 import tempfile
 import time
-from typing import Dict, Iterator, List, Optional, Sequence
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,8 @@ class VLLMRollout(RolloutEngine):
     ``seed``: the engines' seed (cfg.trainer.seed)."""
 
     def __init__(self, model_cfg, rollout_cfg, args: MegatronModelArgs, weights: WeightReceiver,
-                 dtype: torch.dtype, seed: int = 0, tokenizer: Optional[str] = None):
+                 dtype: torch.dtype, seed: int = 0, tokenizer: Optional[str] = None,
+                 adapters: Optional[Callable[[], Dict[str, torch.Tensor]]] = None):
         vllm = require_vllm()
         gen = weights.gen
         if gen.pp != 1 or gen.ep != 1:
@@ -147,6 +149,12 @@ class VLLMRollout(RolloutEngine):
         self.llm = None
         self.pids: List[int] = []
         self.watch: Optional[EngineWatch] = None
+        # lora_sync=adapter: the engine serves the actor's adapters (whole, PEFT-named, from
+        # ``adapters``, a collective) on the base weights the sync hands it
+        self.adapters, self.lora_cfg = adapters, model_cfg.lora
+        self.lora_request, self.lora_dir, self.lora_count = None, None, 0
+        lora_kwargs = {"enable_lora": True, "max_lora_rank": max_lora_rank(self.lora_cfg.rank),
+                       "max_loras": 1} if adapters is not None else {}
         if self.tp_rank == 0:
             cuda = torch.cuda.is_available()
             hf_dir = write_hf_dir(args.hf_config, dtype, tokenizer, prefix="megarl-vllm-")
@@ -158,7 +166,8 @@ class VLLMRollout(RolloutEngine):
                     model=hf_dir, skip_tokenizer_init=True, load_format="dummy", dtype=str(dtype).removeprefix("torch."),
                     tensor_parallel_size=gen.tp, seed=seed, enforce_eager=not cuda, enable_prefix_caching=True,
                     worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
-                    enable_sleep_mode=cuda, **({"gpu_memory_utilization": rollout_cfg.mem_fraction_static} if cuda else {}))
+                    enable_sleep_mode=cuda, **lora_kwargs,
+                    **({"gpu_memory_utilization": rollout_cfg.mem_fraction_static} if cuda else {}))
             self.pids = engine_pids(self.llm)
             self.watch = EngineWatch(self.llm, self.pids)
         self.released: set = set()
@@ -182,6 +191,10 @@ class VLLMRollout(RolloutEngine):
 
     def shutdown(self) -> None:
         """Stop this rank's engine (its processes)."""
+        if self.lora_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
         if self.watch is not None:
             self.watch.stop()
         if self.llm is not None:
@@ -273,10 +286,34 @@ class VLLMRollout(RolloutEngine):
                 finally:
                     os.unlink(path)
             self.flush_cache()  # cached prefixes were computed with the old weights
+        if self.adapters is not None:
+            self.executor.last.engine_bytes += self._load_adapters(policy_version)
         self.executor.last.seconds = time.perf_counter() - start
         self.policy_version = policy_version
         self.stale = False
         self.loaded = True
+
+    def _load_adapters(self, policy_version: int) -> int:
+        """The actor's adapters, gathered whole (collective), as a PEFT directory in ``/dev/shm`` that
+        the engine serves from the next request on (a new LoRA id per sync, the previous directory
+        removed); returns its bytes."""
+        import shutil
+
+        from megarl.checkpoint.lora_export import write_adapter
+
+        tensors = self.adapters()
+        if self.llm is None:
+            return 0
+        from vllm.lora.request import LoRARequest
+
+        self.lora_count += 1
+        path = os.path.join(self.shm, f"megarl-lora-{os.getpid()}-{self.lora_count}")
+        write_adapter(Path(path), tensors, self.lora_cfg, base=None)
+        if self.lora_dir is not None:
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
+        self.lora_dir = path
+        self.lora_request = LoRARequest(f"megarl-policy-{policy_version}", self.lora_count, path)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def weights_digest(self) -> Optional[float]:
         """The engine's parameter sum (tests); None on ranks without an engine."""
@@ -301,7 +338,7 @@ class VLLMRollout(RolloutEngine):
 
             requests = [TokensPrompt(prompt_token_ids=list(prompts[p])) for p, _ in mine]
             params = [VLLMSampling(**kw) for kw in request_params(mine, sampling)]
-            results = self._call(self.llm.generate, requests, params, use_tqdm=False)
+            results = self._call(self.llm.generate, requests, params, use_tqdm=False, lora_request=self.lora_request)
             for (p, s), result in zip(mine, results):
                 c = result.outputs[0]
                 tokens = list(c.token_ids)
@@ -380,12 +417,32 @@ def dead_engine(pids: Sequence[int], err: BaseException) -> Optional[int]:
 
 
 def colocated_rollout(cfg, args: MegatronModelArgs, regrouping, train_chunks) -> VLLMRollout:
-    """The vLLM rollout of colocated placement, fed in process by the micro-DP resharder."""
+    """The vLLM rollout of colocated placement, fed in process by the micro-DP resharder. With
+    ``parallel.rollout.lora_sync=adapter`` it gets the base weights once and the adapters every sync."""
+    import functools
+
+    from megarl.config.schema import LoraSync
+    from megarl.models import lora
     from megarl.transports.micro_dp import MicroDPReceiver
 
     r = cfg.parallel.rollout
+    adapters = None
+    if cfg.model.lora.rank and r.lora_sync == LoraSync.adapter:
+        lora.sync_base_weights(train_chunks)
+        coords = regrouping.train.coords(dist.get_rank())
+        adapters = functools.partial(lora.gather_peft, train_chunks, args,
+                                     contribute=coords["dp"] == 0 and coords["cp"] == 0)
     receiver = MicroDPReceiver(regrouping, train_chunks, r.bucket_mb << 20)
-    return VLLMRollout(cfg.model, r, args, receiver, engine_dtype(cfg), seed=cfg.trainer.seed)
+    return VLLMRollout(cfg.model, r, args, receiver, engine_dtype(cfg), seed=cfg.trainer.seed, adapters=adapters)
+
+
+def max_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of ``rank``: the least value it accepts that holds them."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    return next((r for r in sorted(typing.get_args(MaxLoRARanks)) if r >= rank), rank)
 
 
 def split_rollout(cfg, args: MegatronModelArgs, plan) -> VLLMRollout:

@@ -139,9 +139,10 @@ class _StandInLLM:
     def wake_up(self, tags):
         self.calls.append("wake:" + ",".join(tags))
 
-    def generate(self, requests, params, use_tqdm=False):
+    def generate(self, requests, params, use_tqdm=False, lora_request=None):
         import types
 
+        self.calls.append("generate" + ("+lora" if lora_request is not None else ""))
         out = []
         for request, p in zip(requests, params):
             tokens = [3] * p.max_tokens
@@ -243,6 +244,10 @@ def lora_case(worker, cfg, batch: Batch) -> None:
         record["moved"] = resharder.last.tensors_moved
         resharder.sync()
         record["moved_again"] = resharder.last.tensors_moved
+        # lora_sync=adapter's gather: whole PEFT-named adapters on every rank, on the host
+        whole = lora.gather_peft(state.model, args, contribute=True)
+        record["peft_tensors"] = len(whole)
+        record["peft_on_host"] = all(not gpu_shaped.is_cuda(t) for t in whole.values())
 
     attempt("fixed/lora", run)
     if torch.distributed.get_rank() == 0:

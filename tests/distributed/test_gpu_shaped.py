@@ -48,17 +48,21 @@ def test_vllm_gpu_path_on_the_device(results):
     r = results["vllm_details"]
     assert r["error"] is None and r["responses"] == 6
     assert r["gpu_keywords"] == [True, 0.5] and r["weights_exact"] is True
-    assert r["calls"] == ["reset_prefix_cache", "sleep1", "wake:weights", "reset_prefix_cache", "wake:kv_cache"]
+    assert r["calls"] == ["reset_prefix_cache", "sleep1", "wake:weights", "reset_prefix_cache", "wake:kv_cache",
+                          "generate"]
 
 
 def test_lora_on_the_device(results):
     """LoRA's adapters live beside their base weights on the device; the actor updates them, the
     reference pass turns them off, and the sync's merged weights land on the device: the
-    adapted projections move at every sync, the frozen rest (embedding, norms, output) once."""
+    adapted projections move at every sync, the frozen rest (embedding, norms, output) once. The
+    adapter sync's gather (an object all-gather over the NCCL-shaped world) brings them whole to
+    the host."""
     r = results["lora_details"]
     assert r["error"] is None and r["adapters_on_device"] and r["synced_on_device"], r
     assert r["grad_norm"] > 0 and r["adapters_moved_log_probs"] > 0, r
     assert 0 < r["moved_again"] < r["moved"], r
+    assert r["peft_tensors"] == 2 * 7 * 2 and r["peft_on_host"], r  # A and B of 7 parts, 2 layers
 
 
 @pytest.mark.parametrize("case", sorted(FAULTS))

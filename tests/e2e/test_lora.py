@@ -113,6 +113,36 @@ def tensor_bytes(model_dir: Path) -> dict:
     return {name: t.numel() * t.element_size() for name, t in tensors(model_dir).items()}
 
 
+@pytest.fixture(scope="module")
+def adapter_run(user):
+    """Fresh rank-8 adapters served by vLLM itself (parallel.rollout.lora_sync=adapter); an entropy
+    bonus moves them whatever the rewards."""
+    work, _ = user
+    run = work / "vllm_adapter"
+    proc = subprocess.run(train_command(work / "run.yaml", "parallel.rollout.engine=vllm",
+                                        "parallel.rollout.lora_sync=adapter", "model.lora.path=null",
+                                        "model.lora.rank=8", "optimizer.lr=1.0e-2", "algorithm.entropy_coef=0.01",
+                                        "trainer.train_steps=3",
+                                        f"trainer.run_dir={run}"),
+                          cwd=work, env=env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return run
+
+
+def test_vllm_serves_the_adapters_with_the_trainers_log_probs(adapter_run):
+    """lora_sync=adapter: the engine gets the base once (at start-up; no sync moves a base tensor
+    again) and each sync the whole adapters (rank 8 on the seven projections of 4 layers), as a
+    PEFT directory it serves; its log-probs equal the trainer's at every step, as the adapters change."""
+    rows = [json.loads(line) for line in (adapter_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    hidden, ffn, qkv = 64, 128, 3 * 64  # the fixture's model: two heads of 32
+    per_layer = 8 * ((hidden + qkv) + (hidden + hidden) + 2 * (hidden + ffn) + (ffn + hidden)) + 8 * 2 * hidden
+    for r in rows:
+        assert r["rollout/logp_max_abs_diff"] <= TOL and r["actor/grad_norm"] > 0, r
+        assert r["sync/bytes_received"] == 0, r
+        assert r["sync/engine_bytes"] == 4 * per_layer * 4, (r["sync/engine_bytes"], 4 * per_layer * 4)
+
+
 def token_log_probs(model, row) -> torch.Tensor:
     ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
     with torch.no_grad():

@@ -108,7 +108,11 @@ def test_reward_model_must_read_the_policys_token_ids(sharded, tmp_path):
 
 @pytest.mark.parametrize("overrides, named", [
     (["model.path=null", "model.hf_config=configs/models/tiny-digits.json"], "set model.path"),
-    (["parallel.rollout.lora_sync=adapter"], "lora_sync=adapter is not built yet for engine=native"),
+    (["parallel.rollout.lora_sync=adapter"], "engine=native does not serve LoRA adapters"),
+    (["parallel.rollout.lora_sync=adapter", "parallel.rollout.engine=vllm", "trainer.placement=split",
+      "parallel.rollout.nproc=1"], "lora_sync=adapter with trainer.placement=split is not built yet"),
+    (["parallel.rollout.lora_sync=adapter", "parallel.rollout.engine=vllm", "model.lora.modules_to_save=[model.norm]"],
+     "lora_sync=adapter with model.lora.modules_to_save"),
     (["model.lora.target_modules=[lm_head]"], "'lm_head' is not a LoRA target"),
     (["model.lora.path=DIR/none"], "adapter_config.json is missing"),
 ])

@@ -30,6 +30,8 @@ class RolloutBackend(abc.ABC):
     """Whether its responses carry the experts each token was routed to (routing replay)."""
     needs_gpus = False
     """Whether it runs on GPUs only (a Ray cluster without GPUs is refused)."""
+    serves_lora = False
+    """Whether its engine serves LoRA adapters (``parallel.rollout.lora_sync=adapter``, colocated)."""
 
     def check(self, cfg) -> None:
         """Refuse (ConfigError) settings of ``parallel.rollout`` this backend cannot take."""

@@ -14,6 +14,7 @@ from megarl.rollout.backends import RolloutBackend, transfer_plan
 
 class VLLMBackend(RolloutBackend):
     name = Engine.vllm
+    serves_lora = True
 
     def check(self, cfg) -> None:
         from megarl.config import ConfigError
