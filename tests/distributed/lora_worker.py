@@ -15,7 +15,6 @@ the single process's, per tensor (relative).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from megarl.config import ModelConfig, OptimizerConfig
 from megarl.config.schema import LoRAConfig
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
+from tests.distributed.parity_worker import grads_as_weights
 
 MODELS = {"llama": ("configs/models/tiny-llama.json", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                         "up_proj", "down_proj"]),
@@ -132,19 +132,6 @@ def engine_batch(vocab: int, rows: int = 8, seq: int = 16):
             "position_ids": torch.arange(seq).expand(rows, -1).contiguous(),
             "old_log_probs": -5.5 + 0.3 * torch.randn(rows, seq, generator=gen),
             "advantages": torch.randn(rows, 1, generator=gen).expand(-1, seq).contiguous()}, lengths
-
-
-@contextlib.contextmanager
-def grads_as_weights(chunks):
-    """Each trainable parameter's reduced gradient (DDP's main_grad) as its data while inside."""
-    saved = [(p, p.data) for chunk in chunks for p in chunk.parameters() if p.requires_grad]
-    for param, _ in saved:
-        param.data = param.main_grad.detach().clone().to(param.dtype)
-    try:
-        yield
-    finally:
-        for param, data in saved:
-            param.data = data
 
 
 def layout_name(layout: Layout) -> str:

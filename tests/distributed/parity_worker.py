@@ -56,10 +56,12 @@ def make_batch(step: int, vocab: int):
 
 @contextlib.contextmanager
 def grads_as_weights(chunks):
-    """Temporarily expose each parameter's reduced gradient (DDP main_grad) as its data."""
+    """Temporarily expose each trainable parameter's reduced gradient (DDP main_grad) as its data."""
     saved = []
     for chunk in chunks:
         for param in chunk.parameters():
+            if not param.requires_grad:  # frozen (LoRA's base): no gradient
+                continue
             saved.append((param, param.data))
             param.data = param.main_grad.detach().clone().to(param.dtype)
     try:
