@@ -72,6 +72,11 @@ def locate(path: str | Path, field: str = "model.path", need_config: bool = True
         if (p.parent / "config.yaml").is_file():  # a run's checkpoint: the run's model config
 
             run = load_config([p.parent / "config.yaml"])
+            if run.model.lora.rank:
+                raise ConversionError(
+                    f"{field}={path} is a LoRA run's checkpoint: it holds the adapters, not the model. Use its export "
+                    f"(megarl export-hf RUN_DIR OUT, the merged model), or {field}={run.model.path} (its base) with "
+                    f"model.lora.path set to megarl export-hf RUN_DIR OUT --adapter")
             if run.model.hf_config:
                 tokenizer = Path(run.data.tokenizer) if run.data.tokenizer else None
                 return PretrainedSource("mcore", p, Path(run.model.hf_config), tokenizer)

@@ -277,3 +277,7 @@ def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
     assert sorted(final_a) == sorted(final_b)
     for k in final_a:
         assert torch.equal(final_a[k], final_b[k]), k
+    # its checkpoint holds adapters, not a model: as a model.path it is refused, saying what to use
+    again = megarl("train", str(work / "run.yaml"), f"model.path={whole / 'checkpoints' / 'step_000004'}",
+                   "model.lora.path=null", "model.lora.rank=8", f"trainer.run_dir={work / 'again'}", cwd=work)
+    assert again.returncode == 2 and "is a LoRA run's checkpoint: it holds the adapters" in again.stderr, again.stderr
