@@ -45,6 +45,13 @@ class LoraSync(Choice):
     adapter = "adapter"
 
 
+class WeightSync(Choice):
+    """``parallel.rollout.weight_sync``: what a weight sync sends after the first."""
+
+    full = "full"
+    delta = "delta"
+
+
 class Placement(Choice):
     """``trainer.placement``: where the rollout runs."""
 
@@ -259,6 +266,13 @@ class RolloutLayoutConfig:
     """With model.lora: ``merged`` sends W + (alpha/r) B A in the generation layout to any engine (after the
     first sync, only the tensors the adapters change); ``adapter`` hands an engine that serves LoRA (vllm,
     colocated) the base once and the whole adapters every sync (no model.lora.modules_to_save)."""
+    weight_sync: WeightSync = WeightSync.full
+    """``full`` sends every generation-shard byte every sync; ``delta`` (after a first full sync) sends, per
+    bucket and peer, only the elements whose bits changed since the last sync (indices or a bitmask, plus
+    values; the dense bucket when that is smaller), applied in place: bit-identical to ``full``. The sender
+    keeps a copy of what it last sent (in the rollout's dtype), and colocated, the native engine keeps its
+    weights on the host while the trainer runs. Pays off when the rollout's dtype is narrower than the
+    optimizer's (bf16 rollout, small learning rates); an fp32 rollout of fp32 training changes nearly every bit."""
     cpu_kv_cache_gb: int = bounded(1, ge=1)
     """engine=vllm on CPU: each engine's KV cache (GiB; vLLM's VLLM_CPU_KVCACHE_SPACE). On GPUs
     ``mem_fraction_static`` sizes it."""

@@ -20,7 +20,7 @@ from megarl.algorithms.correction import check_rollout_correction
 from megarl.algorithms.presets import resolve
 from megarl.checkpoint.load import check_pretrained_sources, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, validate
-from megarl.config.schema import REWARD_MODEL, LoraSync, Placement
+from megarl.config.schema import REWARD_MODEL, LoraSync, Placement, WeightSync
 from megarl.controller.cluster import check_cluster
 from megarl.controller.roles import check_role_layouts
 from megarl.controller.split import check_placement
@@ -70,6 +70,7 @@ def prepare(cfg: MegarlConfig) -> Prepared:
             raise ConfigError(f"parallel.rollout: {err}") from None
     check_role_layouts(cfg.parallel, layout)
     check_placement(cfg, args)
+    check_weight_sync(cfg)
     cfg.model.lora = check_lora(cfg, args)
     try:  # the algorithm's preset fills its defaults; every algorithm field is checked there
         cfg.algorithm = resolve(cfg.algorithm)
@@ -112,6 +113,15 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     stream = PromptStream(records, tokenizer, cfg.trainer.seed, room)
     check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
     return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent)
+
+
+def check_weight_sync(cfg: MegarlConfig) -> None:
+    """parallel.rollout.weight_sync=delta needs transports that keep the shards between syncs."""
+    r = cfg.parallel.rollout
+    if r.weight_sync == WeightSync.delta and not rollout_backend(r.engine).delta_sync:
+        raise ConfigError(f"parallel.rollout.weight_sync=delta: engine={r.engine} takes whole tensors each sync "
+                          f"(nothing to apply a delta to); use parallel.rollout.weight_sync=full or "
+                          f"parallel.rollout.engine=native or vllm")
 
 
 def check_lora(cfg: MegarlConfig, args):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -134,9 +134,12 @@ class RLWorker:
         """Join the process group spanning these ranks and the rollout's (collective over both)."""
         self.sender.connect(address, port)
 
-    def publish_weights(self) -> int:
-        """Send the actor's current weights to the rollout's ranks; the bytes this rank sent."""
-        return self.sender.send()
+    def publish_weights(self) -> Tuple[int, int, int]:
+        """Send the actor's current weights to the rollout's ranks; the bytes this rank sent, its
+        peak extra memory in the sync and the copy it keeps of what it sent (weight_sync=delta)."""
+        sent = self.sender.send()
+        stats = self.sender.last_stats()
+        return sent, getattr(stats, "peak_extra_bytes", 0), getattr(stats, "delta_copy_bytes", 0)
 
     # ------------------------------------------------------------------ checkpoints
     def _trained(self):

@@ -38,7 +38,8 @@ class SplitRollout:
         """One sync (both groups at once). Besides the rollout's own metrics:
         ``sync/bytes_sent_max`` (over training ranks) and ``sync/bytes_over_shard_max``, the
         largest difference, over rollout ranks, between what a rank received and its
-        generation shard (0: each received exactly its shard)."""
+        generation shard (0: each received exactly its shard); ``sync/peak_extra_mb`` and
+        ``sync/delta_copy_mb`` over both groups' ranks."""
         sent, received = wait_groups([(self.trainer, self.trainer.submit("publish_weights")),
                                       (self.rollout, self.rollout.submit("call", "rollout", "update_weights",
                                                                          policy_version))])
@@ -46,7 +47,11 @@ class SplitRollout:
         pairs = self.rollout.call("sync_bytes")
         if all(pair is not None for pair in pairs):  # shards point to point (native engine)
             metrics["sync/bytes_over_shard_max"] = max(abs(got - shard) for got, shard in pairs)
-        metrics["sync/bytes_sent_max"] = max(sent)
+        metrics["sync/bytes_sent_max"] = max(n for n, _, _ in sent)
+        metrics["sync/peak_extra_mb"] = max([metrics.get("sync/peak_extra_mb", 0.0)]
+                                            + [peak / 2**20 for _, peak, _ in sent])
+        metrics["sync/delta_copy_mb"] = max([metrics.get("sync/delta_copy_mb", 0.0)]
+                                            + [copy / 2**20 for _, _, copy in sent])
         return metrics
 
 

@@ -7,7 +7,11 @@ weight is [gate; up] again). With ``overlap`` the next bucket is in flight while
 one is copied out, and buckets are planned at half the memory budget so that the in-flight
 buffers never exceed it. Frozen weights (``requires_grad=False``) move once and again only if
 their version counter changes: optimizers write through ``.data``, which version counters do not
-see, so trainable weights always move.
+see, so trainable weights always move. Messages travel in the generation tensors' dtype (a bf16
+rollout of fp32 training moves bf16: the cast happens before the send, the same rounding as after).
+With ``delta`` (``parallel.rollout.weight_sync=delta``) every message after the first goes as the
+change since the last one (megarl.hybrid.delta), applied to the generation tensors in place: the
+engine must keep them between syncs (the native engine parks them on the host while the trainer runs).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megarl.hybrid import delta as deltas
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import ReshardPlan, Regrouping, Segment, plan_reshard
 from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
@@ -36,12 +41,20 @@ class SyncStats:
 
     bytes_sent: int = 0
     bytes_received: int = 0
-    peak_extra_bytes: int = 0  # live send/receive buffers (plus the full model in full_gather)
+    dense_received: int = 0  # what bytes_received would be in a full sync (delta: the fraction's base)
+    elements_changed: int = 0  # delta: elements sent or received as changed (dense messages: all)
+    delta_copy_bytes: int = 0  # delta: the sender's copy of what it last sent (kept between syncs)
+    peak_extra_bytes: int = 0  # live send/receive buffers and temporaries (plus the full model in full_gather)
     tensors_moved: int = 0
     tensors_skipped: int = 0
     seconds: float = 0.0
     engine_bytes: int = 0  # handed on to an external engine (vLLM) after the reshard
     changed: Optional[torch.Tensor] = None  # bool per model tensor: what this sync moved (None: unknown)
+
+
+def message_tag(bucket: int, code: int, header: bool = False) -> int:
+    """The tag of a bucket's message of dtype ``code`` (its delta header: ``header``)."""
+    return bucket * 16 + (8 if header else 0) + code
 
 
 class P2PTransport:
@@ -78,16 +91,23 @@ class Resharder:
     @classmethod
     def create(cls, model: ModelSpec, regrouping: Regrouping, train_chunks: List[torch.nn.Module],
                bucket_bytes: int = 256 << 20, mode: str = "micro_dp", overlap: bool = True,
-               outputs: Optional[Dict[str, torch.Tensor]] = None) -> "Resharder":
-        """Plan (cached) and prepare a sync whose extra buffers stay within ``bucket_bytes``."""
+               outputs: Optional[Dict[str, torch.Tensor]] = None, delta: bool = False,
+               out_dtype: Optional[torch.dtype] = None) -> "Resharder":
+        """Plan (cached) and prepare a sync whose extra buffers stay within ``bucket_bytes``;
+        ``out_dtype``: the dtype of the generation tensors it allocates (default: training's)."""
         itemsize = next(p for c in train_chunks for p in c.parameters()).element_size()
         elems = max(1, bucket_bytes // itemsize // (2 if overlap else 1))
-        return cls(plan_reshard(model, regrouping, mode, elems), train_chunks, outputs, overlap)
+        return cls(plan_reshard(model, regrouping, mode, elems), train_chunks, outputs, overlap, delta=delta,
+                   out_dtype=out_dtype)
 
     def __init__(self, plan: ReshardPlan, train_chunks: List[torch.nn.Module],
                  outputs: Optional[Dict[str, torch.Tensor]] = None, overlap: bool = True,
-                 transport: Optional[P2PTransport] = None):
-        self.plan, self.overlap = plan, overlap
+                 transport: Optional[P2PTransport] = None, delta: bool = False,
+                 out_dtype: Optional[torch.dtype] = None):
+        if delta and plan.mode == "full_gather":
+            raise ValueError("weight_sync=delta needs the micro_dp resharding (full_gather rebuilds the model "
+                             "every sync: nothing to apply a delta to)")
+        self.plan, self.overlap, self.delta = plan, overlap, delta
         self.train_chunks = list(train_chunks)
         self.rank = dist.get_rank()
         self.transport = transport or P2PTransport()
@@ -119,12 +139,31 @@ class Resharder:
         for t in plan.gen[self.rank]:
             out = self.outputs.get(t.name)
             if out is None:
-                self.outputs[t.name] = torch.empty(t.shape, dtype=self.dtypes[t.spec], device=self.device)
+                self.outputs[t.name] = torch.empty(t.shape, dtype=out_dtype or self.dtypes[t.spec], device=self.device)
             elif tuple(out.shape) != t.shape:
                 raise ValueError(f"rank {self.rank}: generation tensor '{t.name}' is {tuple(out.shape)}, "
                                  f"the plan expects {t.shape} in layout {plan.regrouping.gen}")
+        self.wire = self._wire_dtypes()
         self.versions: Dict[int, int] = {}
+        self.sent = deltas.LastSent()  # delta: what the peers hold of this rank's messages
         self.last = SyncStats()
+
+    def _wire_dtypes(self) -> List[torch.dtype]:
+        """Each tensor's message dtype: its generation tensors' (all ranks agree), training's in
+        full_gather (the gathered model is in training's)."""
+        if self.plan.mode == "full_gather":
+            return list(self.dtypes)
+        codes = torch.zeros(len(self.plan.model.tensors), dtype=torch.int32)
+        for spec, t in self.gen.items():
+            codes[spec] = _DTYPE_CODES[self.outputs[t.name].dtype]
+        codes = codes.to(group_device())
+        dist.all_reduce(codes, op=dist.ReduceOp.MAX)
+        return [_CODE_DTYPES.get(c, d) for c, d in zip(codes.tolist(), self.dtypes)]
+
+    def forget(self) -> None:
+        """The generation tensors lost their values (freed, not parked): the next sync sends whole
+        messages. Collective in effect: every rank of the world must call it alike."""
+        self.sent.clear()
 
     # -- which tensors moved since the last sync: every rank must agree, so flags are all-reduced
     def _changed(self, force: bool) -> torch.Tensor:
@@ -165,6 +204,13 @@ class Resharder:
                     live += full[spec].numel() * full[spec].element_size()
             stats.peak_extra_bytes = live
 
+        nbytes = lambda bufs: sum(b.numel() * b.element_size() for b in bufs)  # noqa: E731
+
+        def dests(segs):
+            for seg in segs:
+                local, out = self._target(seg.tensor, full)
+                yield _view(out, model.tensors[seg.tensor], local, seg.start, seg.stop)
+
         def start(index: int, bucket: List[Segment]):
             nonlocal live
             # One message per (peer, dtype); tags keep messages of overlapping buckets apart.
@@ -173,46 +219,78 @@ class Resharder:
             for seg in bucket:
                 if not changed[seg.tensor]:
                     continue
-                tag = index * 8 + _DTYPE_CODES[self.dtypes[seg.tensor]]
+                code = _DTYPE_CODES[self.wire[seg.tensor]]
                 if seg.src == self.rank:
-                    sends.setdefault((seg.dst, tag), []).append(seg)
+                    sends.setdefault((seg.dst, code), []).append(seg)
                 if seg.dst == self.rank:
-                    recvs.setdefault((seg.src, tag), []).append(seg)
-            packed: Dict[tuple, torch.Tensor] = {}
-            send_bufs = {}
-            for dst, segs in sends.items():
+                    recvs.setdefault((seg.src, code), []).append(seg)
+            packed: Dict[tuple, object] = {}
+            held: List[torch.Tensor] = []  # this bucket's buffers, live until finish()
+            send_bufs, header_sends, scratch = {}, {}, 0
+            for (dst, code), segs in sends.items():
                 key = tuple((s.tensor, s.start, s.stop) for s in segs)
                 if key not in packed:  # the same ranges to several peers share one buffer
-                    parts = [_view(self.train[s.tensor][1], model.tensors[s.tensor],
-                                   self.train[s.tensor][0], s.start, s.stop).reshape(-1) for s in segs]
-                    packed[key] = torch.cat(parts)
-                    live += packed[key].numel() * packed[key].element_size()
-                send_bufs[dst] = packed[key]
-            recv_bufs = {src: torch.empty(sum(self.plan.elems(s) for s in segs),
-                                          dtype=self.dtypes[segs[0].tensor], device=self.device)
-                         for src, segs in recvs.items()}
-            live += sum(b.numel() * b.element_size() for b in recv_bufs.values())
-            stats.peak_extra_bytes = max(stats.peak_extra_bytes, live)
-            stats.bytes_sent += sum(b.numel() * b.element_size() for b in send_bufs.values())
-            stats.bytes_received += sum(b.numel() * b.element_size() for b in recv_bufs.values())
+                    wire = _CODE_DTYPES[code]
+                    parts = [_view(self.train[s.tensor][1], model.tensors[s.tensor], self.train[s.tensor][0],
+                                   s.start, s.stop).reshape(-1).to(wire) for s in segs]
+                    buf = torch.cat(parts)
+                    if self.delta:
+                        message = self.sent.encode(key, buf)
+                        scratch = max(scratch, message.transient_bytes)
+                        stats.elements_changed += message.nnz
+                        packed[key] = message
+                        held += [message.header, message.payload]
+                    else:
+                        packed[key] = buf
+                        held.append(buf)
+                message = packed[key]
+                if self.delta:
+                    header_sends[dst, message_tag(index, code, header=True)] = message.header
+                    send_bufs[dst, message_tag(index, code)] = message.payload
+                else:
+                    send_bufs[dst, message_tag(index, code)] = message
+            headers = {}
+            if self.delta:  # each message's size comes first
+                headers = {(src, message_tag(index, code, header=True)): deltas.empty_header(self.device)
+                           for src, code in recvs}
+                self.transport.wait(self.transport.start(header_sends, headers))
+            recv_bufs, decode = {}, {}
+            for (src, code), segs in recvs.items():
+                wire, numel = _CODE_DTYPES[code], sum(self.plan.elems(s) for s in segs)
+                if self.delta:
+                    message, size = deltas.read_header(headers[src, message_tag(index, code, header=True)],
+                                                       numel, wire.itemsize)
+                    recv_bufs[src, message_tag(index, code)] = torch.empty(size, dtype=torch.uint8, device=self.device)
+                    decode[src, code] = message
+                    stats.elements_changed += message[1]
+                    if message[0] != deltas.Encoding.dense:  # the previous values and the mask, in finish()
+                        scratch = max(scratch, numel * (wire.itemsize + 1))
+                else:
+                    recv_bufs[src, message_tag(index, code)] = torch.empty(numel, dtype=wire, device=self.device)
+                stats.dense_received += numel * wire.itemsize
+            held += list(recv_bufs.values())
+            live += nbytes(held)
+            stats.peak_extra_bytes = max(stats.peak_extra_bytes, live + scratch)
+            stats.bytes_sent += nbytes(send_bufs.values())
+            stats.bytes_received += nbytes(recv_bufs.values())
             works = self.transport.start(send_bufs, recv_bufs)
-            return works, recvs, recv_bufs, packed
+            return works, index, recvs, recv_bufs, decode, held
 
         def finish(handle) -> None:
             nonlocal live
-            works, recvs, recv_bufs, packed = handle
+            works, index, recvs, recv_bufs, decode, held = handle
             self.transport.wait(works)
-            for src, segs in recvs.items():
-                flat, offset = recv_bufs[src], 0
-                for seg in segs:
-                    spec = model.tensors[seg.tensor]
-                    local, out = self._target(seg.tensor, full)
-                    dest = _view(out, spec, local, seg.start, seg.stop)
+            for (src, code), segs in recvs.items():
+                flat = recv_bufs[src, message_tag(index, code)]
+                if self.delta:
+                    flat = deltas.apply(decode[src, code], flat, _CODE_DTYPES[code],
+                                        lambda: torch.cat([d.reshape(-1) for d in dests(segs)]))
+                offset = 0
+                for dest in dests(segs):
                     n = dest.numel()
                     dest.copy_(flat[offset:offset + n].view(dest.shape))
                     offset += n
-            live -= sum(b.numel() * b.element_size() for b in recv_bufs.values())
-            live -= sum(b.numel() * b.element_size() for b in packed.values())
+            live -= nbytes(held)
 
         buckets = self.plan.buckets
         pending = start(0, buckets[0]) if buckets else None
@@ -243,6 +321,8 @@ class Resharder:
             full.clear()
         for spec, (_, tensor) in self.train.items():
             self.versions[spec] = tensor._version
+        self.sent.end_sync()
+        stats.delta_copy_bytes = self.sent.nbytes
         stats.tensors_moved = int(changed.sum())
         stats.tensors_skipped = len(changed) - stats.tensors_moved
         stats.changed = changed

@@ -8,7 +8,9 @@ each rollout rank receives exactly its generation shard, once (it holds no train
 nothing is local), and the rollout's data-parallel replicas draw on different training
 replicas, which spreads the sending. The plan is pure, so both sides compute it alike without
 talking; :class:`ShardSender` and :class:`ShardReceiver` move the bytes bucket by bucket, in the
-receiver's dtype (a bf16 rollout receives bf16).
+receiver's dtype (a bf16 rollout receives bf16). With ``delta`` (``parallel.rollout.weight_sync``),
+every sync after the first sends each message as a delta against the previous one
+(megarl.hybrid.delta): the sender keeps what it last sent, the receiver applies in place.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Dict, FrozenSet, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view
+from megarl.hybrid import delta as deltas
+from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view, message_tag
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
@@ -42,6 +45,7 @@ class TransferPlan:
     buckets: List[List[Segment]]  # src: training rank, dst: offset + rollout rank
     # tensors that never change after the first sync (a LoRA actor's frozen base): sent once
     static: FrozenSet[int] = frozenset()
+    delta: bool = False  # after the first sync, messages go as deltas (megarl.hybrid.delta)
 
     @property
     def offset(self) -> int:
@@ -68,9 +72,10 @@ class TransferPlan:
 
 @functools.lru_cache(maxsize=8)
 def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: int = 1 << 24,
-                  static: FrozenSet[int] = frozenset()) -> TransferPlan:
+                  static: FrozenSet[int] = frozenset(), delta: bool = False) -> TransferPlan:
     """Plan the sync from ``train`` (the actor's layout) to ``gen`` (the rollout's, pp = 1);
-    ``static``: tensors (model indices) sent by the first sync only."""
+    ``static``: tensors (model indices) sent by the first sync only; ``delta``: later syncs send
+    what changed (both sides read it from the plan)."""
     if gen.pp != 1:
         raise ValueError(f"the rollout layout {gen} has pipeline stages; split placement generates with pp=1")
     if bucket_elems < 1:
@@ -89,7 +94,7 @@ def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: in
                 same = [h for h in holders if replica(train, h) == reads] or holders
                 segments.append(Segment(target.spec, same[v % len(same)], train.world_size + v, lo, hi))
     return TransferPlan(model, train, gen, {r: train_at.local_tensors(r) for r in range(train.world_size)},
-                        shards, bucket_segments(model, segments, bucket_elems), static)
+                        shards, bucket_segments(model, segments, bucket_elems), static, delta)
 
 
 def connect(address: str, port: int, rank: int, world_size: int) -> dist.ProcessGroup:
@@ -103,10 +108,6 @@ def connect(address: str, port: int, rank: int, world_size: int) -> dist.Process
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-
-
-def _tag(bucket: int, dtype: torch.dtype) -> int:
-    return bucket * 8 + _DTYPE_CODES[dtype]
 
 
 class _Side:
@@ -163,6 +164,7 @@ class ShardSender(_Side):
                 raise ValueError(f"training rank {rank}: tensor '{local.name}' (chunk {local.chunk}) is {got}, "
                                  f"the transfer plan expects {local.shape} in layout {plan.train}")
             self.train[local.spec] = (local, tensor.detach())
+        self.sent = deltas.LastSent()  # what each rollout rank holds of this rank's messages (delta)
 
     def connect(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -179,17 +181,26 @@ class ShardSender(_Side):
     def _sync(self) -> SyncStats:
         begin, stats = time.perf_counter(), SyncStats()
         model, in_flight = self.plan.model, []
+        nbytes = lambda bufs: sum(b.numel() * b.element_size() for b in bufs)  # noqa: E731
         for index, bucket in enumerate(self.plan.buckets):
-            works, bufs = [], []
+            works, bufs, scratch = [], [], 0
             for (dst, code), segs in self._pairs(bucket, lambda s: s.dst if s.src == self.rank else None).items():
                 dtype = _CODE_DTYPES[code]
                 buf = torch.cat([_view(self.train[s.tensor][1], model.tensors[s.tensor], self.train[s.tensor][0],
                                        s.start, s.stop).reshape(-1).to(dtype) for s in segs])
-                works.append(self.group.send([buf], dst, _tag(index, dtype)))
+                if self.plan.delta:
+                    key = (index, dst, code, tuple((s.tensor, s.start, s.stop) for s in segs))
+                    message = self.sent.encode(key, buf)
+                    works.append(self.group.send([message.header], dst, message_tag(index, code, header=True)))
+                    scratch = max(scratch, message.transient_bytes)
+                    bufs.append(message.header)
+                    buf = message.payload
+                    stats.elements_changed += message.nnz
+                works.append(self.group.send([buf], dst, message_tag(index, code)))
                 bufs.append(buf)
                 stats.bytes_sent += buf.numel() * buf.element_size()
-            stats.peak_extra_bytes = max(stats.peak_extra_bytes, sum(b.numel() * b.element_size() for b in bufs)
-                                         + sum(b.numel() * b.element_size() for _, bs in in_flight for b in bs))
+            stats.peak_extra_bytes = max(stats.peak_extra_bytes, nbytes(bufs) + scratch
+                                         + sum(nbytes(bs) for _, bs in in_flight))
             in_flight.append((works, bufs))
             if len(in_flight) > 1:
                 for work in in_flight.pop(0)[0]:
@@ -199,6 +210,8 @@ class ShardSender(_Side):
                 work.wait()
         moved = self._moved()
         stats.tensors_moved = sum(int(moved[spec]) for spec in self.train)
+        self.sent.end_sync()
+        stats.delta_copy_bytes = self.sent.nbytes
         self.syncs += 1
         synchronize()  # the copies are queued on the device
         stats.seconds = time.perf_counter() - begin
@@ -235,27 +248,55 @@ class ShardReceiver(_Side):
             raise RuntimeError("the rollout is not connected to the trainer's ranks (connect() first)")
         begin, stats = time.perf_counter(), SyncStats()
         model = self.plan.model
-        pending = []
+        device = next(iter(self.outputs.values())).device
+        pending, live = [], []  # handles of the buckets in flight, and their bytes
+
+        def dests(segs):
+            for seg in segs:
+                local = self.shard[seg.tensor]
+                yield _view(self.outputs[local.name], model.tensors[seg.tensor], local, seg.start, seg.stop)
 
         def finish(handle) -> None:
-            for work, buf, segs in handle:
+            for work, buf, segs, header in handle:
                 work.wait()
+                if header is not None:  # a delta: the previous values of the ranges, updated
+                    buf = deltas.apply(header[0], buf, header[1], lambda: torch.cat([d.reshape(-1) for d in dests(segs)]))
                 offset = 0
-                for seg in segs:
-                    local = self.shard[seg.tensor]
-                    dest = _view(self.outputs[local.name], model.tensors[seg.tensor], local, seg.start, seg.stop)
+                for dest in dests(segs):
                     dest.copy_(buf[offset:offset + dest.numel()].view(dest.shape))
                     offset += dest.numel()
+            live.pop(0)
 
         for index, bucket in enumerate(self.plan.buckets):
-            handle = []
-            for (src, code), segs in self._pairs(bucket, lambda s: s.src if s.dst == self.rank else None).items():
+            pairs = self._pairs(bucket, lambda s: s.src if s.dst == self.rank else None)
+            headers = {}
+            if self.plan.delta:  # each message's size comes first
+                works = []
+                for (src, code) in pairs:
+                    headers[src, code] = deltas.empty_header(device)
+                    works.append(self.group.recv([headers[src, code]], src, message_tag(index, code, header=True)))
+                for work in works:
+                    work.wait()
+            handle, nbytes = [], 0
+            for (src, code), segs in pairs.items():
                 dtype = _CODE_DTYPES[code]
-                buf = torch.empty(sum(self.plan.elems(s) for s in segs), dtype=dtype,
-                                  device=next(iter(self.outputs.values())).device)
-                handle.append((self.group.recv([buf], src, _tag(index, dtype)), buf, segs))
+                numel = sum(self.plan.elems(s) for s in segs)
+                header = None
+                if self.plan.delta:
+                    message, size = deltas.read_header(headers[src, code], numel, dtype.itemsize)
+                    header = (message, dtype)
+                    buf = torch.empty(size, dtype=torch.uint8, device=device)
+                    stats.elements_changed += message[1]
+                    nbytes += size + (0 if message[0] == deltas.Encoding.dense else numel * (dtype.itemsize + 1))
+                else:
+                    buf = torch.empty(numel, dtype=dtype, device=device)
+                    nbytes += numel * dtype.itemsize
+                stats.dense_received += numel * dtype.itemsize
+                handle.append((self.group.recv([buf], src, message_tag(index, code)), buf, segs, header))
                 stats.bytes_received += buf.numel() * buf.element_size()
             pending.append(handle)
+            live.append(nbytes)
+            stats.peak_extra_bytes = max(stats.peak_extra_bytes, sum(live))
             if len(pending) > 1:
                 finish(pending.pop(0))
         for handle in pending:

@@ -5,9 +5,31 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
 from megarl.engines.offload import PhaseOffload
 from megarl.protocol import Dispatch, verb
 from megarl.rollout.types import Response, RolloutEngine, SamplingParams
+
+
+def world_sync_metrics(s) -> Dict[str, float]:
+    """Over this world's ranks (collective): ``sync/peak_extra_mb`` (the largest extra memory a rank
+    held during the sync: buffers in flight and temporaries), ``sync/delta_copy_mb`` (the largest copy a
+    sender keeps of what it last sent, weight_sync=delta) and ``sync/bytes_fraction`` (bytes received
+    over what a full sync receives: 1 for full, the delta's share otherwise)."""
+    from megarl.runtime.devices import group_device
+
+    peaks = torch.tensor([s.peak_extra_bytes, s.delta_copy_bytes], dtype=torch.float64, device=group_device())
+    sums = torch.tensor([s.bytes_received, s.dense_received], dtype=torch.float64, device=group_device())
+    if dist.is_initialized():
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sums)
+    (peak, copy), (received, dense) = peaks.tolist(), sums.tolist()
+    out = {"sync/peak_extra_mb": peak / 2**20, "sync/delta_copy_mb": copy / 2**20}
+    if dense:
+        out["sync/bytes_fraction"] = received / dense
+    return out
 
 
 class Rollout:
@@ -28,7 +50,7 @@ class Rollout:
         the two are never resident together."""
         self.engine.update_weights(policy_version)
         s = self.engine.sync_stats()
-        metrics = {"sync/seconds": s.seconds, "sync/bytes_received": s.bytes_received}
+        metrics = {"sync/seconds": s.seconds, "sync/bytes_received": s.bytes_received} | world_sync_metrics(s)
         if getattr(s, "engine_bytes", 0):  # what an external engine (vLLM) was handed after the reshard
             metrics["sync/engine_bytes"] = s.engine_bytes
         if self.phases is not None:

@@ -118,6 +118,7 @@ class NativeRollout(RolloutEngine):
         check_planned([self.model], shard, f"rollout rank {dist.get_rank()}")
         self.weights = list(self.resharder.outputs.values())
         self.released = False
+        self.parked = None  # the weights on the host while released (delta sync)
         self.stale = True  # no weights yet
         self.calls = 0
         self.last = RolloutStats()
@@ -134,10 +135,12 @@ class NativeRollout(RolloutEngine):
     @classmethod
     def colocated(cls, model_cfg, args: MegatronModelArgs, regrouping: Regrouping,
                   train_chunks: Optional[List[torch.nn.Module]] = None, bucket_bytes: int = 256 << 20,
-                  **kwargs) -> "NativeRollout":
+                  delta: bool = False, **kwargs) -> "NativeRollout":
         """Colocated: ``regrouping`` places the generation layout on the training ranks, whose
-        ``train_chunks`` feed it in process in buckets of ``bucket_bytes``."""
-        return cls(model_cfg, args, MicroDPReceiver(regrouping, train_chunks, bucket_bytes), **kwargs)
+        ``train_chunks`` feed it in process in buckets of ``bucket_bytes``; ``delta``: syncs after the
+        first move what changed (parallel.rollout.weight_sync=delta), so the generation weights are parked on
+        the host, not freed, while the trainer runs."""
+        return cls(model_cfg, args, MicroDPReceiver(regrouping, train_chunks, bucket_bytes, delta), **kwargs)
 
     def connect_weights(self, address: str, port: int) -> None:
         """Split placement: join the process group spanning the trainer's ranks and this world's."""
@@ -147,14 +150,21 @@ class NativeRollout(RolloutEngine):
         return self.transport.sync_bytes(self.resharder)
 
     def release_memory(self) -> None:
-        """Free the generation weights' storage (the tensors stay, empty) until resume_memory()."""
+        """Free the generation weights' storage (the tensors stay, empty) until resume_memory(). A
+        delta sync applies the change to the previous weights: they wait on the host (pinned with CUDA)."""
+        if getattr(self.resharder, "delta", False):
+            pin = torch.cuda.is_available()
+            self.parked = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in self.weights]
         for tensor in self.weights:
             tensor.untyped_storage().resize_(0)
         self.released = True
 
     def resume_memory(self) -> None:
-        for tensor in self.weights:
+        parked, self.parked = self.parked, None
+        for i, tensor in enumerate(self.weights):
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            if parked is not None:
+                tensor.copy_(parked[i])
         self.resharder.versions.clear()  # everything moves at the next sync
         self.released, self.stale = False, True
 

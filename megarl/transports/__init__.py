@@ -29,6 +29,10 @@ class WeightSender(abc.ABC):
     def send(self) -> int:
         """Send one sync; the bytes this rank sent."""
 
+    def last_stats(self):
+        """The last send's megarl.hybrid.SyncStats (peak extra memory, delta copy), None if not kept."""
+        return None
+
 
 class WeightReceiver(abc.ABC):
     """An engine rank's side: where its generation layout's ranks sit and what fills its weights.

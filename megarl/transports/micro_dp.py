@@ -15,11 +15,13 @@ from megarl.transports import WeightReceiver
 
 class MicroDPReceiver(WeightReceiver):
     """The generation layout of ``regrouping`` on the training ranks, fed from ``train_chunks``
-    (this rank's training model chunks) in buckets of at most ``bucket_bytes`` extra memory."""
+    (this rank's training model chunks) in buckets of at most ``bucket_bytes`` extra memory; ``delta``:
+syncs after the first send what changed (the generation tensors must keep their values between syncs)."""
 
     def __init__(self, regrouping: Regrouping, train_chunks: Optional[List[torch.nn.Module]],
-                 bucket_bytes: int = 256 << 20):
+                 bucket_bytes: int = 256 << 20, delta: bool = False):
         self.regrouping, self.train_chunks, self.bucket_bytes = regrouping, train_chunks, bucket_bytes
+        self.delta = delta
 
     @property
     def gen(self):
@@ -31,7 +33,13 @@ class MicroDPReceiver(WeightReceiver):
         return build_placed_groups(gen, positions)
 
     def bind(self, model, outputs: Optional[Dict[str, torch.Tensor]] = None) -> Resharder:
-        return Resharder.create(model, self.regrouping, self.train_chunks, self.bucket_bytes, outputs=outputs)
+        return Resharder.create(model, self.regrouping, self.train_chunks, self.bucket_bytes, outputs=outputs,
+                                delta=self.delta)
+
+    def bind_buffers(self, model, dtype: torch.dtype) -> Resharder:
+        """Generation tensors of ``dtype`` of its own (kept between syncs), the message dtype too."""
+        return Resharder.create(model, self.regrouping, self.train_chunks, self.bucket_bytes, delta=self.delta,
+                                out_dtype=dtype)
 
     def shard(self, executor: Resharder, rank: int) -> List:
         return executor.plan.gen[rank]

@@ -28,6 +28,9 @@ class P2PSender(WeightSender):
     def send(self) -> int:
         return self.shards.sync().bytes_sent
 
+    def last_stats(self):
+        return self.shards.last
+
 
 class P2PReceiver(WeightReceiver):
     """The rollout's own world in layout ``plan.gen``; ``seed`` seeds its groups' RNG."""
@@ -60,4 +63,4 @@ class P2PReceiver(WeightReceiver):
         executor.connect(connect(address, port, executor.rank, self.plan.world_size))
 
     def sync_bytes(self, executor: ShardReceiver) -> Optional[Tuple[int, int]]:
-        return executor.last.bytes_received, executor.shard_bytes()
+        return executor.last.dense_received, executor.shard_bytes()  # delta: what a full sync would move

@@ -14,7 +14,7 @@ import abc
 import importlib
 from typing import Dict, List, Optional
 
-from megarl.config.schema import Engine
+from megarl.config.schema import Engine, WeightSync
 from megarl.hybrid.shards import ModelSpec
 from megarl.hybrid.transfer import TransferPlan, plan_transfer
 from megarl.models import lora
@@ -32,6 +32,8 @@ class RolloutBackend(abc.ABC):
     """Whether it runs on GPUs only (a Ray cluster without GPUs is refused)."""
     serves_lora = False
     """Whether its engine serves LoRA adapters (``parallel.rollout.lora_sync=adapter``, colocated)."""
+    delta_sync = True
+    """Whether its transports take ``parallel.rollout.weight_sync=delta`` (shards it keeps between syncs)."""
 
     def check(self, cfg) -> None:
         """Refuse (ConfigError) settings of ``parallel.rollout`` this backend cannot take."""
@@ -109,4 +111,5 @@ def transfer_plan(cfg, args) -> TransferPlan:
     train = Layout.from_config(cfg.parallel.actor, cfg.trainer.nnodes * cfg.trainer.nproc_per_node)
     elems = max(1, (cfg.parallel.rollout.bucket_mb << 20) // 4 // 2)  # fp32 elements; two buckets in flight
     model = ModelSpec.from_args(args, cfg.model.make_vocab_size_divisible_by)
-    return plan_transfer(model, train, rollout_layout(cfg), elems, lora.static_tensors(model, cfg.model.lora))
+    return plan_transfer(model, train, rollout_layout(cfg), elems, lora.static_tensors(model, cfg.model.lora),
+                         cfg.parallel.rollout.weight_sync == WeightSync.delta)

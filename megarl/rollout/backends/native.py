@@ -4,7 +4,7 @@ when split. Runs on CPU and GPU."""
 
 from __future__ import annotations
 
-from megarl.config.schema import Engine
+from megarl.config.schema import Engine, WeightSync
 from megarl.rollout.backends import RolloutBackend, rollout_dtype, transfer_plan
 
 
@@ -17,7 +17,8 @@ class NativeBackend(RolloutBackend):
 
         r = cfg.parallel.rollout
         return NativeRollout.colocated(cfg.model, args, regrouping, train_chunks, bucket_bytes=r.bucket_mb << 20,
-                                       dtype=rollout_dtype(r), record_routing=bool(args.num_experts))
+                                       delta=r.weight_sync == WeightSync.delta, dtype=rollout_dtype(r),
+                                       record_routing=bool(args.num_experts))
 
     def split(self, cfg, args, plan):
         from megarl.rollout.native import NativeRollout

@@ -14,6 +14,7 @@ from megarl.rollout.backends import RolloutBackend
 class SGLangBackend(RolloutBackend):
     name = Engine.sglang
     needs_gpus = True
+    delta_sync = False  # SGLang's update takes whole HF tensors (CUDA-IPC handles, NCCL broadcast)
 
     def check(self, cfg) -> None:
         from megarl.config import ConfigError
