@@ -57,6 +57,17 @@ def message_tag(bucket: int, code: int, header: bool = False) -> int:
     return bucket * 16 + (8 if header else 0) + code
 
 
+def read_range(train, fillers, model: ModelSpec, seg: Segment, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
+    """A segment's range of this rank's training tensor, flat, in ``dtype``, and the bytes of the
+    merged LoRA weight computed for it (``fillers``: lora.filler of each such tensor; 0 for others).
+    A merged weight's range is copied: the next one computed frees it."""
+    local, tensor = train[seg.tensor]
+    fill = fillers.get(seg.tensor)
+    merged = fill() if fill else 0
+    part = _view(tensor, model.tensors[seg.tensor], local, seg.start, seg.stop).reshape(-1)
+    return part.to(dtype, copy=bool(fill)), merged
+
+
 class P2PTransport:
     """torch.distributed point-to-point (gloo or NCCL): one message per peer and bucket."""
 
@@ -124,6 +135,7 @@ class Resharder:
                                  f"match the layout {plan.regrouping.train}")
             self.train[local.spec] = (local, tensor.detach())
             self.originals[local.spec] = tensor
+        self.fillers = {spec: f for spec, f in ((s, lora.filler(t)) for s, t in self.originals.items()) if f}
         some = next(iter(self.train.values()))[1]
         # Ranks agree on each tensor's dtype (a receiver may hold no training copy of it).
         codes = torch.zeros(len(plan.model.tensors), dtype=torch.int32)
@@ -231,9 +243,9 @@ class Resharder:
                 key = tuple((s.tensor, s.start, s.stop) for s in segs)
                 if key not in packed:  # the same ranges to several peers share one buffer
                     wire = _CODE_DTYPES[code]
-                    parts = [_view(self.train[s.tensor][1], model.tensors[s.tensor], self.train[s.tensor][0],
-                                   s.start, s.stop).reshape(-1).to(wire) for s in segs]
-                    buf = torch.cat(parts)
+                    parts = [read_range(self.train, self.fillers, model, s, wire) for s in segs]
+                    buf = torch.cat([part for part, _ in parts])
+                    scratch = max([scratch] + [merged for _, merged in parts])
                     if self.delta:
                         message = self.sent.encode(key, buf)
                         scratch = max(scratch, message.transient_bytes)
@@ -296,6 +308,8 @@ class Resharder:
         pending = start(0, buckets[0]) if buckets else None
         for seg in self.plan.local.get(self.rank, []):  # own ranges, while bucket 0 is in flight
             if changed[seg.tensor]:
+                merged = self.fillers[seg.tensor]() if seg.tensor in self.fillers else 0
+                stats.peak_extra_bytes = max(stats.peak_extra_bytes, live + merged)
                 spec = model.tensors[seg.tensor]
                 local, out = self._target(seg.tensor, full)
                 src_local, src = self.train[seg.tensor]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.hybrid import delta as deltas
-from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view, message_tag
+from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view, message_tag, read_range
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
@@ -157,6 +157,7 @@ class ShardSender(_Side):
         named = [planned_tensors(c) for c in train_chunks]
         check_planned(train_chunks, plan.sources[rank], f"training rank {rank}")
         self.train: Dict[int, Tuple[LocalTensor, torch.Tensor]] = {}
+        self.fillers = {}  # merged LoRA weights: computed as the sync reads them
         for local in plan.sources[rank]:
             tensor = named[local.chunk].get(local.name)
             if tensor is None or tuple(tensor.shape) != local.shape:
@@ -164,6 +165,9 @@ class ShardSender(_Side):
                 raise ValueError(f"training rank {rank}: tensor '{local.name}' (chunk {local.chunk}) is {got}, "
                                  f"the transfer plan expects {local.shape} in layout {plan.train}")
             self.train[local.spec] = (local, tensor.detach())
+            fill = lora.filler(tensor)
+            if fill:
+                self.fillers[local.spec] = fill
         self.sent = deltas.LastSent()  # what each rollout rank holds of this rank's messages (delta)
 
     def connect(self, group: dist.ProcessGroup) -> None:
@@ -186,8 +190,9 @@ class ShardSender(_Side):
             works, bufs, scratch = [], [], 0
             for (dst, code), segs in self._pairs(bucket, lambda s: s.dst if s.src == self.rank else None).items():
                 dtype = _CODE_DTYPES[code]
-                buf = torch.cat([_view(self.train[s.tensor][1], model.tensors[s.tensor], self.train[s.tensor][0],
-                                       s.start, s.stop).reshape(-1).to(dtype) for s in segs])
+                parts = [read_range(self.train, self.fillers, model, s, dtype) for s in segs]
+                buf = torch.cat([part for part, _ in parts])
+                scratch = max([scratch] + [merged for _, merged in parts])
                 if self.plan.delta:
                     key = (index, dst, code, tuple((s.tensor, s.start, s.stop) for s in segs))
                     message = self.sent.encode(key, buf)

@@ -24,6 +24,7 @@ in every layout.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import zlib
@@ -344,34 +345,62 @@ def static_tensors(model_spec, lora_cfg) -> frozenset:
 
 class MergedWeights:
     """W + (alpha / r) B A of every adapted linear of a chunk, in the training layout: the tensors
-    a weight sync reads in place of the base weights. Their storage exists only inside
-    :meth:`during_sync` (one copy of the adapted weights of this rank at most)."""
+    a weight sync reads in place of the base weights. Inside :meth:`during_sync` each is computed
+    when the sync first reads it (:func:`filler`) and freed when the next one is: one merged
+    tensor of this rank at a time, never the adapted model whole."""
 
     def __init__(self, chunk: torch.nn.Module):
         module = getattr(chunk, "module", chunk)
         self.entries: Dict[str, Tuple[torch.nn.Module, torch.Tensor]] = {}
+        self.linears: Dict[int, torch.nn.Module] = {}  # id(merged) -> its linear
+        self.current: Optional[torch.Tensor] = None  # the one filled now
+        self.active = False
         for name, linear in module.named_modules():
             adapter = getattr(linear, "lora", None)
             if isinstance(adapter, LoRAAdapter):
                 merged = torch.empty_like(linear.weight, requires_grad=False)
                 merged.untyped_storage().resize_(0)
+                merged._lora_merged_by = self
                 self.entries[f"{name}.weight"] = (linear, merged)
+                self.linears[id(merged)] = linear
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {name: merged for name, (_, merged) in self.entries.items()}
 
+    @torch.no_grad()
+    def fill(self, merged: torch.Tensor) -> int:
+        """Compute ``merged`` (freeing the one filled before); its bytes."""
+        nbytes = merged.numel() * merged.element_size()
+        if not self.active:
+            raise RuntimeError("a merged LoRA weight is read outside a weight sync (merged_for_sync)")
+        if self.current is not merged:
+            self._release()
+            linear = self.linears[id(merged)]
+            merged.untyped_storage().resize_(nbytes)
+            torch.add(linear.weight, linear.lora.delta_weight().to(merged.dtype), out=merged)
+            self.current = merged
+        return nbytes
+
+    def _release(self) -> None:
+        if self.current is not None:
+            self.current.untyped_storage().resize_(0)
+            self.current = None
+
     @contextlib.contextmanager
     def during_sync(self):
-        nbytes = [m.numel() * m.element_size() for _, m in self.entries.values()]
-        with torch.no_grad():
-            for (linear, merged), n in zip(self.entries.values(), nbytes):
-                merged.untyped_storage().resize_(n)
-                torch.add(linear.weight, linear.lora.delta_weight().to(merged.dtype), out=merged)
+        self.active = True
         try:
             yield
         finally:
-            for _, merged in self.entries.values():
-                merged.untyped_storage().resize_(0)
+            self._release()
+            self.active = False
+
+
+def filler(tensor: torch.Tensor):
+    """For a merged LoRA weight (what planned_tensors names in place of an adapted base weight):
+    the call that computes it before a sync reads it (returns its bytes); None for any other tensor."""
+    owner = getattr(tensor, "_lora_merged_by", None)
+    return None if owner is None else functools.partial(owner.fill, tensor)
 
 
 def sync_base_weights(chunks: Sequence[torch.nn.Module]) -> None:

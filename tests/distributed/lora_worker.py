@@ -179,7 +179,34 @@ def layouts(args) -> None:
         save_train_state(state, out / "state")
         if dist.get_rank() == 0:
             (out / "losses.json").write_text(json.dumps(losses))
+        if layout.tp == layout.pp == 1:
+            check_merged_sync(state.model, lora_args(work, name), layout)
         groups.destroy()
+
+
+def check_merged_sync(chunks, args, layout: Layout) -> None:
+    """The colocated sync of a LoRA actor (t_g = 1: each rank's generation shard is its training
+    model) sends W + (alpha/r) B A, computed one tensor at a time: the peak extra memory stays
+    within the bucket plus the largest merged tensor, and no merged tensor stays allocated."""
+    import torch
+
+    from megarl.hybrid import ModelSpec, Resharder, regroup
+    from megarl.models import lora
+
+    model = ModelSpec.from_args(args)
+    bucket = 64 << 10
+    for delta in (False, True):
+        resharder = Resharder.create(model, regroup(layout, 1, 1, 1, model.num_experts), chunks, bucket, delta=delta)
+        for _ in range(2):
+            out = resharder.sync()
+        merged = lora.merged_weights(chunks[0])
+        largest = max(m.numel() * m.element_size() for m in merged.tensors().values())
+        peak = resharder.last.peak_extra_bytes
+        assert peak <= (2 if delta else 1) * bucket + largest, (peak, bucket, largest)
+        assert all(m.untyped_storage().size() == 0 for m in merged.tensors().values())
+        for name, (linear, _) in merged.entries.items():
+            want = linear.weight + linear.lora.delta_weight().to(linear.weight.dtype)
+            assert torch.equal(out[name], want.detach()), name
 
 
 def peft_as_megatron(work: Path, name: str):
