@@ -1,15 +1,16 @@
 """Whole Megatron tensors under Hugging Face names, through the converters' mapping tables: what
-SGLang's (and vLLM's) loaders take. Also joins the generation-TP shards of one tensor."""
+SGLang's (and vLLM's) loaders take. Also joins the generation-TP shards of one tensor, and plans
+whole-layer buckets of a generation shard from its tensors' metadata."""
 
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megarl.models.hf_mapping import build_plan
-from megarl.hybrid.shards import LocalTensor
+from megarl.hybrid.shards import LocalTensor, TensorSpec
 from megarl.models.hf_config import MegatronModelArgs
 
 NamedTensors = List[Tuple[str, torch.Tensor]]
@@ -67,50 +68,60 @@ def assemble(shards: Sequence[torch.Tensor], locals_: Sequence[LocalTensor], spe
     return out
 
 
+def join_tensor(local: LocalTensor, outputs, model, tp_group, shard_of) -> torch.Tensor:
+    """One local tensor of this rank's generation shard (``outputs``: local name -> tensor), whole:
+    gathered over the generation TP group ``tp_group`` and assembled (collective over the group for a
+    split tensor). ``shard_of(rank)``: the local tensors of global rank ``rank``'s shard."""
+    import torch.distributed as dist
+
+    spec = model.tensors[local.spec]
+    piece = outputs[local.name]
+    tp = dist.get_world_size(tp_group)
+    if spec.dim is None or tp == 1:
+        return piece
+    parts = [torch.empty_like(piece) for _ in range(tp)]
+    dist.all_gather(parts, piece.contiguous(), group=tp_group)
+    locals_ = [next(t for t in shard_of(r) if t.spec == local.spec) for r in dist.get_process_group_ranks(tp_group)]
+    return assemble(parts, locals_, spec.split_dim, spec.shape[spec.split_dim])
+
+
+def join_bytes(spec: TensorSpec, tp: int, itemsize: int) -> int:
+    """Bytes the join of ``spec`` over ``tp`` ranks holds at its peak (elements of ``itemsize``
+    bytes): the gathered parts and the assembled tensor; none for a tensor it does not gather."""
+    return 0 if spec.dim is None or tp == 1 else 2 * spec.numel * itemsize
+
+
 def joined_hf_tensors(shard: Sequence[LocalTensor], outputs, model, names: HFNames, tp_group,
                       shard_of) -> NamedTensors:
     """This rank's generation shard (``shard``: its local tensors; ``outputs``: local name ->
     tensor) joined over the generation TP group ``tp_group`` into whole tensors under HF names.
     ``shard_of(rank)``: the local tensors of global rank ``rank``'s shard. Collective over the group."""
-    import torch.distributed as dist
-
-    tp = dist.get_world_size(tp_group)
-    tp_ranks = dist.get_process_group_ranks(tp_group)
     out: NamedTensors = []
     for local in shard:
-        spec = model.tensors[local.spec]
-        piece = outputs[local.name]
-        if spec.dim is None or tp == 1:
-            whole = piece
-        else:
-            parts = [torch.empty_like(piece) for _ in range(tp)]
-            dist.all_gather(parts, piece.contiguous(), group=tp_group)
-            locals_ = [next(t for t in shard_of(r) if t.spec == local.spec) for r in tp_ranks]
-            whole = assemble(parts, locals_, spec.split_dim, spec.shape[spec.split_dim])
-        out += names(spec.key, whole)
+        out += names(model.tensors[local.spec].key, join_tensor(local, outputs, model, tp_group, shard_of))
     return out
 
 
-_HF_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+def layer_group(spec: TensorSpec) -> Tuple[str, object]:
+    """What a tensor is handed over with: its decoder layer (all of the layer's tensors), or itself
+    (embedding, final norm, output layer)."""
+    return ("layer", spec.layer) if spec.layer is not None else ("tensor", spec.key)
 
 
-def layer_buckets(named: NamedTensors, bucket_bytes: int) -> List[NamedTensors]:
-    """Consecutive buckets of at most ``bucket_bytes`` that never split a decoder layer (a layer
-    larger than the bucket goes alone): engines that fuse a layer's tensors on load (vLLM's
-    QKV and gate/up, processed once the whole layer has arrived) get whole layers."""
-    groups: List[NamedTensors] = []
-    key = object()
-    for name, tensor in named:
-        m = _HF_LAYER.match(name)
-        this = m.group(1) if m else name
-        if not groups or this != key:
-            groups.append([])
-            key = this
-        groups[-1].append((name, tensor))
-    out: List[NamedTensors] = []
+def shard_buckets(shard: Sequence[LocalTensor], model, itemsize: int, bucket_bytes: int) -> List[List[LocalTensor]]:
+    """The local tensors of a generation shard in buckets of at most ``bucket_bytes`` once whole
+    (``spec.numel`` elements of ``itemsize`` bytes: the engine's dtype), planned from the tensors'
+    metadata alone, so every generation-TP rank plans the same buckets before building any tensor.
+    A bucket never splits a decoder layer (engines that fuse a layer's tensors on load, vLLM's QKV,
+    gate/up and MoE experts, process the layer once all of it has arrived); consecutive layers are
+    packed together, a layer larger than the bucket goes alone."""
+    groups: Dict[Tuple[str, object], List[LocalTensor]] = {}
+    for local in shard:
+        groups.setdefault(layer_group(model.tensors[local.spec]), []).append(local)
+    out: List[List[LocalTensor]] = []
     size = bucket_bytes + 1
-    for group in groups:
-        nbytes = sum(t.numel() * t.element_size() for _, t in group)
+    for group in groups.values():
+        nbytes = sum(model.tensors[local.spec].numel for local in group) * itemsize
         if out and size + nbytes <= bucket_bytes:
             out[-1] += group
             size += nbytes

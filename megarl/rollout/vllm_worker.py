@@ -3,7 +3,7 @@
 
 Weights arrive as a safetensors file per bucket (in ``/dev/shm`` where there is one): arguments
 of ``collective_rpc`` are serialized (tensors become nested lists), a file is read by memory
-map. Each bucket holds whole decoder layers (``megarl.hybrid.hf_names.layer_buckets``), so
+map. Each bucket holds whole decoder layers (``megarl.hybrid.hf_names.shard_buckets``), so
 vLLM's layerwise reload, which processes a fused layer (QKV, gate/up) once all of its tensors
 have arrived, never sees half a layer. ``reload_weights`` is vLLM's in-place path; a plain
 ``load_weights`` after start-up fails on CPU, where the linear weights are repacked.

@@ -46,6 +46,15 @@ def test_vllm_is_handed_only_what_moved(results):
     assert r["first_engine_bytes"] > 0 and r["unchanged_engine_bytes"] == 0 and r["unchanged_equal"]
 
 
+def test_vllm_is_handed_the_weights_one_bucket_at_a_time(results):
+    """The hand-over streams (here 4 buckets, each decoder layer alone, and the contract's log-probs
+    equal the trainer's through them): its peak extra memory, the largest bucket's host tensors
+    and carrier file, stays under the whole model's bytes and is in the sync's peak."""
+    r = results["vllm"]
+    handed, peak = r["first_hand_over"]
+    assert handed == r["first_engine_bytes"] and 0 < peak < handed and peak <= r["first_peak_extra_bytes"], r
+
+
 def test_vllm_decodes_greedily_as_native_and_samples_its_own_streams(results):
     """The same weights: greedy decoding agrees token for token; seeded sampling uses each
     engine's own generator (vLLM's per-request seeds), so the samples differ."""

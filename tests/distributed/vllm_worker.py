@@ -9,7 +9,8 @@ log-probs of its samples equal the rollout's; greedy stops on each of two stop (
 the stop token and says 'stop', and otherwise runs to max_new_tokens ('length'); a weight update
 changes generation and restoring the weights restores it exactly; released memory refuses to
 generate, and after resume and a sync generation is as before; the trainer's parameters are off
-the device while the engine generates.
+the device while the engine generates. vLLM gets its weights in several buckets (each decoder
+layer alone), so every check above also covers the streamed hand-over.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tests.distributed.rollout_worker import trainer_log_probs
 MODEL = "configs/models/tiny-digits-hd32.json"  # head_dim 32: vLLM's CPU attention takes no smaller
 PROMPTS = [[1, 5, 7, 3, 12], [1, 9], [1, 4, 4, 4, 6, 8, 10]]
 MAX_NEW = 6
+HAND_OVER_BUCKET = 64 << 10  # vLLM's hand-over: smaller than a decoder layer (164 KB in fp32)
 
 
 def logp_diff(engine, responses) -> float:
@@ -58,6 +60,11 @@ def contract(name: str) -> dict:
     rg = regroup(groups.layout, 1, 1, 1, 0)
     cfg = MegarlConfig(model=model_cfg, parallel=LayoutsConfig(rollout=RolloutLayoutConfig(engine=name, bucket_mb=1)))
     rollout = rollout_backend(name).colocated(cfg, args, rg, state.model)
+    hand_overs = []  # vLLM's: (bytes handed, peak extra bytes) of each sync's hand-over
+    if name == "vllm":  # buckets below bucket_mb's least (the model is 394 KB): 4 buckets, each layer alone
+        rollout.bucket_bytes = HAND_OVER_BUCKET
+        hand_over = rollout._hand_over
+        rollout._hand_over = lambda: hand_overs.append(hand_over()) or hand_overs[-1]
     params = [p for chunk in state.model for p in chunk.parameters()]
     offloaded = lambda: all(p.untyped_storage().nbytes() == 0 for p in params)  # noqa: E731
     seen = []
@@ -71,6 +78,8 @@ def contract(name: str) -> dict:
     role = Rollout(rollout, PhaseOffload([state], params=True, grads=False, optimizer=False))
     r = {"backend": name}
     r["first_engine_bytes"] = role.update_weights(0).get("sync/engine_bytes", 0)
+    r["first_peak_extra_bytes"] = rollout.sync_stats().peak_extra_bytes
+    r["first_hand_over"] = hand_overs[0] if hand_overs else None
     sampling = SamplingParams(temperature=1.0, n=3, max_new_tokens=MAX_NEW, seed=5)
     first = role.generate(PROMPTS, sampling)
     again = role.generate(PROMPTS, sampling)

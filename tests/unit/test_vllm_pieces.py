@@ -1,6 +1,7 @@
-"""The vllm backend's parts that need no engine: whole-layer buckets, per-row seeds, the carrier
-file, the settings it refuses before any process starts, and the head sizes vLLM's CPU attention
-takes (read from the installed vLLM, so a version bump that changes them fails here)."""
+"""The vllm backend's parts that need no engine: whole-layer buckets planned from metadata,
+per-row seeds, the carrier file, the settings it refuses before any process starts, and the head
+sizes vLLM's CPU attention takes (read from the installed vLLM, so a version bump that changes
+them fails here)."""
 
 from __future__ import annotations
 
@@ -13,32 +14,85 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config
-from megarl.hybrid.hf_names import layer_buckets
+from megarl.hybrid.hf_names import shard_buckets
+from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
 from megarl.rollout.types import SamplingParams, row_seeds
 from megarl.rollout.vllm_engine import CPU_HEAD_DIMS, bucket_file, gone, request_params
 
 VLLM = ["parallel.rollout.engine=vllm", "model.hf_config=configs/models/tiny-digits-hd32.json"]
 
 
-def _named(layers: int, per: int = 3, numel: int = 4):
-    out = [("model.embed_tokens.weight", torch.zeros(numel))]
-    for layer in range(layers):
-        out += [(f"model.layers.{layer}.t{i}", torch.zeros(numel)) for i in range(per)]
-    return out + [("model.norm.weight", torch.zeros(numel)), ("lm_head.weight", torch.zeros(numel))]
+def _model(layer_numels, edge: int = 8):
+    """Embedding, decoder layers of three tensors (``layer_numels[i]`` elements each in layer i),
+    final norm and output layer (``edge`` elements each); every tensor split over TP on dim 0."""
+    specs = [TensorSpec("embedding.word_embeddings.weight", (edge,), 0, stage="first")]
+    for layer, numel in enumerate(layer_numels):
+        specs += [TensorSpec(f"decoder.layers.{layer}.t{i}.weight", (numel,), 0, layer=layer) for i in range(3)]
+    specs += [TensorSpec("decoder.final_layernorm.weight", (edge,), None, stage="last"),
+              TensorSpec("output_layer.weight", (edge,), 0, stage="last")]
+    return ModelSpec(tuple(specs), len(layer_numels), 0, False)
 
 
-def test_buckets_never_split_a_decoder_layer():
-    named = _named(layers=4)  # 16 bytes a tensor, 48 a layer
-    buckets = layer_buckets(named, bucket_bytes=100)
-    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]  # every tensor once, in order
-    for bucket in buckets:
-        layers = {n.split(".")[2] for n, _ in bucket if n.startswith("model.layers.")}
-        for layer in layers:  # a layer's tensors are all in this bucket
-            assert sum(n.startswith(f"model.layers.{layer}.") for n, _ in bucket) == 3
-        assert sum(t.numel() * 4 for _, t in bucket) <= 100 or len(layers) == 1
-    # a layer larger than the bucket goes alone, whole
-    alone = layer_buckets(_named(layers=2, per=3, numel=100), bucket_bytes=500)
-    assert [len(b) for b in alone] == [1, 3, 3, 1, 1]
+def _shard(model, tp: int = 1, order=None):
+    """One TP rank's local tensors of ``model`` (each split ``tp`` ways), in model order or ``order``."""
+    specs = model.tensors
+    return [LocalTensor(0, specs[i].key, i, (specs[i].numel // (tp if specs[i].dim is not None else 1),), ())
+            for i in (order if order is not None else range(len(specs)))]
+
+
+def _keys(model, buckets):
+    return [[model.tensors[t.spec].key.removeprefix("decoder.layers.") for t in b] for b in buckets]
+
+
+def test_buckets_are_planned_from_metadata_and_never_split_a_decoder_layer():
+    model = _model([4] * 4)  # fp32: 16 bytes a tensor, 48 a layer; embedding, norm, output 32 each
+    buckets = shard_buckets(_shard(model), model, itemsize=4, bucket_bytes=100)
+    assert [t.spec for b in buckets for t in b] == list(range(len(model.tensors)))  # every tensor once, in order
+    assert [[model.tensors[t.spec].layer for t in b] for b in buckets] == [
+        [None, 0, 0, 0], [1, 1, 1, 2, 2, 2], [3, 3, 3, None], [None]]  # whole layers, packed up to 100 bytes
+    # the engine's dtype sizes the buckets: bf16 packs twice as much
+    assert [len(b) for b in shard_buckets(_shard(model), model, itemsize=2, bucket_bytes=100)] == [10, 5]
+    # every generation-TP rank plans the same buckets: whole-tensor sizes, not the local shapes
+    halves = shard_buckets(_shard(model, tp=2), model, itemsize=4, bucket_bytes=100)
+    assert [[t.spec for t in b] for b in halves] == [[t.spec for t in b] for b in buckets]
+
+
+def test_a_layer_larger_than_the_bucket_goes_alone_and_whole():
+    model = _model([4, 100, 4])  # layer 1: 1200 bytes in fp32
+    buckets = shard_buckets(_shard(model), model, itemsize=4, bucket_bytes=500)
+    assert _keys(model, buckets) == [
+        ["embedding.word_embeddings.weight", "0.t0.weight", "0.t1.weight", "0.t2.weight"],
+        ["1.t0.weight", "1.t1.weight", "1.t2.weight"],
+        ["2.t0.weight", "2.t1.weight", "2.t2.weight", "decoder.final_layernorm.weight", "output_layer.weight"]]
+    # tensors too large for any bucket (embedding, output layer) each go alone
+    edges = shard_buckets(_shard(model), model, itemsize=4, bucket_bytes=40)
+    assert [len(b) for b in edges] == [1, 3, 3, 3, 1, 1]
+
+
+def test_a_layer_is_kept_whole_whatever_the_shard_order():
+    model = _model([4] * 3)
+    order = [0, 1, 4, 2, 5, 3, 6, 7, 8, 9, 10, 11]  # layers 0 and 1 interleaved
+    buckets = shard_buckets(_shard(model, order=order), model, itemsize=4, bucket_bytes=64)
+    assert [[model.tensors[t.spec].layer for t in b] for b in buckets] == [[None], [0, 0, 0], [1, 1, 1], [2, 2, 2],
+                                                                           [None, None]]
+
+
+def test_a_moe_layer_and_its_experts_share_a_bucket():
+    from megarl.hybrid.planner import plan_reshard, regroup
+    from megarl.models.hf_config import megatron_args_from_hf
+    from megarl.parallel import Layout
+
+    model = ModelSpec.from_args(megatron_args_from_hf("configs/models/tiny-qwen3-moe.json"))
+    plan = plan_reshard(model, regroup(Layout(tp=2), 2))
+    # bf16: a layer (its 4 experts included) is 74,560 bytes, the embedding and output layer 32 KiB each
+    per_rank = [shard_buckets(plan.gen[rank], model, itemsize=2, bucket_bytes=160 << 10) for rank in (0, 1)]
+    assert [[t.spec for t in b] for b in per_rank[0]] == [[t.spec for t in b] for b in per_rank[1]]
+    layers = [{model.tensors[t.spec].layer for t in b} - {None} for b in per_rank[0]]
+    assert layers == [{0}, {1, 2}, {3}]
+    for layer in range(model.num_layers):
+        assert sum(layer in held for held in layers) == 1  # in one bucket, experts included
+        assert sum(1 for b in per_rank[0] for t in b if model.tensors[t.spec].layer == layer) == \
+            sum(1 for spec in model.tensors if spec.layer == layer)
 
 
 def test_rows_are_seeded_alone_and_by_their_stream():
