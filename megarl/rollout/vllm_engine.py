@@ -7,12 +7,14 @@ weights (``load_format="dummy"``) and vLLM's own tensor parallelism (``tensor_pa
 t_g); the engine's core runs in a process of its own (vLLM's default), a child of the rank.
 Weights arrive through a receiver (megarl.transports): colocated, the micro-DP resharder's
 generation shard on the training ranks; split placement, each rollout rank's shard point to
-point from the trainer (:class:`~megarl.transports.p2p.P2PReceiver`). The shard is joined over the
-generation TP group into whole tensors under HF names (the converters' mapping tables), cast to
-the engine's dtype and handed to the engine bucket by bucket, whole decoder layers per bucket,
-as a safetensors file in ``/dev/shm`` that the worker extension
-(:class:`megarl.rollout.vllm_worker.WeightLoader`) reloads in place (``reload_weights``). The prefix
-cache is reset after every sync.
+point from the trainer (:class:`~megarl.transports.p2p.P2PReceiver`). The hand-over streams: the
+shard's tensors are planned into buckets of whole decoder layers from their metadata, then one
+bucket at a time is joined over the generation TP group into whole tensors under HF names (the
+converters' mapping tables), cast to the engine's dtype, moved to the host and written as a
+safetensors file in ``/dev/shm`` that the worker extension
+(:class:`megarl.rollout.vllm_worker.WeightLoader`) reloads in place (``reload_weights``), then
+freed before the next: a sync holds one bucket, not a model copy. The prefix cache is reset after
+every sync.
 
 Generation: prompts as token ids, one request per (prompt, sample) row, seeded per row
 (:func:`~megarl.rollout.types.row_seeds`: a row's draws do not depend on the rows beside it);
@@ -36,12 +38,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megarl.hybrid.hf_names import HFNames, NamedTensors, joined_hf_tensors, layer_buckets
+from megarl.hybrid.hf_names import HFNames, NamedTensors, join_bytes, join_tensor, layer_group, shard_buckets
 from megarl.hybrid.shards import ModelSpec
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.parallel import LayoutError
@@ -258,40 +260,79 @@ class VLLMRollout(RolloutEngine):
         if not self.loaded or changed is None:
             return list(shard)
         specs = self.model.tensors
-        where = lambda spec: ("layer", spec.layer) if spec.layer is not None else ("tensor", spec.key)  # noqa: E731
-        touched = {where(specs[i]) for i in range(len(specs)) if changed[i]}
-        return [t for t in shard if where(specs[t.spec]) in touched]
-
-    def hf_tensors(self) -> NamedTensors:
-        """This replica's generation shard (what :meth:`moved` keeps of it), whole, under HF names in
-        the engine's dtype, on the host (collective over the generation TP group)."""
-        shard = self.moved(self.transport.shard(self.executor, self.rank))
-        named = joined_hf_tensors(shard, self.executor.outputs, self.model, self.names, self.groups.pg.tp,
-                                  lambda r: self.transport.shard(self.executor, r))
-        # the carrier is a host file: on GPUs each tensor crosses to the host here (CUDA-IPC is not built)
-        return [(name, t.to(device="cpu", dtype=self.dtype)) for name, t in named]
+        touched = {layer_group(specs[i]) for i in range(len(specs)) if changed[i]}
+        return [t for t in shard if layer_group(specs[t.spec]) in touched]
 
     def update_weights(self, policy_version: int) -> None:
         if "weights" in self.released:
             raise RuntimeError("vLLM's weights are asleep; call resume_memory() before update_weights()")
         start = time.perf_counter()
         self.executor.sync()
-        named = self.hf_tensors()
-        self.executor.last.engine_bytes = sum(t.numel() * t.element_size() for _, t in named)
-        if self.llm is not None and named:
-            for bucket in layer_buckets(named, self.bucket_bytes):
-                path = bucket_file(bucket, self.shm)
-                try:
-                    self._call(self.llm.collective_rpc, "megarl_reload_weights", args=(path,))
-                finally:
-                    os.unlink(path)
-            self.flush_cache()  # cached prefixes were computed with the old weights
+        handed, peak = self._hand_over()
+        last = self.executor.last
+        last.engine_bytes = handed
+        last.peak_extra_bytes = max(last.peak_extra_bytes, peak)
         if self.adapters is not None:
-            self.executor.last.engine_bytes += self._load_adapters(policy_version)
-        self.executor.last.seconds = time.perf_counter() - start
+            last.engine_bytes += self._load_adapters(policy_version)
+        last.seconds = time.perf_counter() - start
         self.policy_version = policy_version
         self.stale = False
         self.loaded = True
+
+    def _hand_over(self) -> Tuple[int, int]:
+        """What :meth:`moved` keeps of this replica's generation shard, handed to the engine one
+        whole-layer bucket at a time: built, written, reloaded and freed before the next is built, so
+        a sync holds one bucket beyond the engine's weights (collective over the generation TP
+        group). Returns (bytes handed to the engine, peak extra bytes of the hand-over)."""
+        shard = self.moved(self.transport.shard(self.executor, self.rank))
+        handed = peak = 0
+        for bucket in shard_buckets(shard, self.model, self.dtype.itemsize, self.bucket_bytes):
+            path, nbytes, bucket_peak = self._bucket_file(bucket)
+            handed, peak = handed + nbytes, max(peak, bucket_peak)
+            if path is not None:
+                self._reload(path)
+        if handed and self.llm is not None:
+            self.flush_cache()  # cached prefixes were computed with the old weights
+        return handed, peak
+
+    def _bucket_file(self, bucket) -> Tuple[Optional[str], int, int]:
+        """One bucket's tensors built and, on the engine's rank, written as a carrier file; the
+        tensors are freed on return. (the file or None, its tensors' bytes, the peak extra bytes:
+        building, or the tensors beside the file while it is written to ``/dev/shm``, memory)."""
+        named, peak = self._host_tensors(bucket)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        if self.llm is None:
+            return None, nbytes, peak
+        in_memory = nbytes if self.shm == "/dev/shm" else 0
+        return bucket_file(named, self.shm), nbytes, max(peak, nbytes + in_memory)
+
+    def _host_tensors(self, bucket) -> Tuple[NamedTensors, int]:
+        """The local tensors ``bucket`` whole, under HF names, in the engine's dtype, on the host
+        (collective over the generation TP group), and the peak extra bytes of building them: the
+        bucket's tensors so far, plus one tensor's join temporaries and host copy."""
+        tp_group = self.groups.pg.tp
+        tp = dist.get_world_size(tp_group)
+        named: NamedTensors = []
+        held = peak = 0
+        for local in bucket:
+            spec = self.model.tensors[local.spec]
+            piece = self.executor.outputs[local.name]
+            whole = join_tensor(local, self.executor.outputs, self.model, tp_group,
+                                lambda r: self.transport.shard(self.executor, r))
+            # the carrier is a host file: on GPUs each tensor crosses to the host here (CUDA-IPC is not built)
+            host = [(name, t.to(device="cpu", dtype=self.dtype)) for name, t in self.names(spec.key, whole)]
+            nbytes = sum(t.numel() * t.element_size() for _, t in host)
+            peak = max(peak, held + join_bytes(spec, tp, piece.element_size()) + nbytes)
+            held += nbytes
+            named += host
+        return named, peak
+
+    def _reload(self, path: str) -> None:
+        """The engine reloads the carrier file ``path`` in place; the file is removed."""
+        try:
+            self._call(self.llm.collective_rpc, "megarl_reload_weights", args=(path,))
+        finally:
+            os.unlink(path)
 
     def _load_adapters(self, policy_version: int) -> int:
         """The actor's adapters, gathered whole (collective), as a PEFT directory in ``/dev/shm`` that
@@ -421,7 +462,7 @@ def colocated_rollout(cfg, args: MegatronModelArgs, regrouping, train_chunks) ->
     ``parallel.rollout.lora_sync=adapter`` it gets the base weights once and the adapters every sync."""
     import functools
 
-    from megarl.config.schema import LoraSync
+    from megarl.config.schema import LoraSync, WeightSync
     from megarl.models import lora
     from megarl.transports.micro_dp import MicroDPReceiver
 
@@ -432,7 +473,7 @@ def colocated_rollout(cfg, args: MegatronModelArgs, regrouping, train_chunks) ->
         coords = regrouping.train.coords(dist.get_rank())
         adapters = functools.partial(lora.gather_peft, train_chunks, args,
                                      contribute=coords["dp"] == 0 and coords["cp"] == 0)
-    receiver = MicroDPReceiver(regrouping, train_chunks, r.bucket_mb << 20)
+    receiver = MicroDPReceiver(regrouping, train_chunks, r.bucket_mb << 20, r.weight_sync == WeightSync.delta)
     return VLLMRollout(cfg.model, r, args, receiver, engine_dtype(cfg), seed=cfg.trainer.seed, adapters=adapters)
 
 
