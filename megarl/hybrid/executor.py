@@ -28,7 +28,7 @@ from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import ReshardPlan, Regrouping, Segment, plan_reshard
 from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
 from megarl.models import lora
-from megarl.runtime import progress
+from megarl.runtime import cpu_mode, progress
 from megarl.runtime.devices import group_device, synchronize
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
@@ -57,15 +57,21 @@ def message_tag(bucket: int, code: int, header: bool = False) -> int:
     return bucket * 16 + (8 if header else 0) + code
 
 
-def read_range(train, fillers, model: ModelSpec, seg: Segment, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
-    """A segment's range of this rank's training tensor, flat, in ``dtype``, and the bytes of the
-    merged LoRA weight computed for it (``fillers``: lora.filler of each such tensor; 0 for others).
-    A merged weight's range is copied: the next one computed frees it."""
-    local, tensor = train[seg.tensor]
-    fill = fillers.get(seg.tensor)
-    merged = fill() if fill else 0
-    part = _view(tensor, model.tensors[seg.tensor], local, seg.start, seg.stop).reshape(-1)
-    return part.to(dtype, copy=bool(fill)), merged
+def pack(train, fillers, model: ModelSpec, segs: List[Segment], dtype: torch.dtype, device) -> Tuple[torch.Tensor, int]:
+    """The segments' ranges of this rank's training tensors, cast straight into one flat buffer of
+    ``dtype``, and the bytes of the largest merged LoRA weight computed for them (``fillers``:
+    lora.filler of each such tensor; each computed just before its range is read)."""
+    buf = torch.empty(sum(model.tensors[s.tensor].slice_numel(s.stop - s.start) for s in segs), dtype=dtype,
+                      device=device)
+    offset = merged = 0
+    for seg in segs:
+        local, tensor = train[seg.tensor]
+        fill = fillers.get(seg.tensor)
+        merged = max(merged, fill() if fill else 0)
+        part = _view(tensor, model.tensors[seg.tensor], local, seg.start, seg.stop)
+        buf[offset:offset + part.numel()].view(part.shape).copy_(part)
+        offset += part.numel()
+    return buf, merged
 
 
 class P2PTransport:
@@ -199,7 +205,7 @@ class Resharder:
         """One weight sync (collective over the world); returns the generation-layout tensors.
         ``force`` moves frozen weights too (after editing them through ``.data``). A LoRA model's
         adapted weights move merged (W + (alpha/r) B A, filled for the sync), its frozen rest once."""
-        with lora.merged_for_sync(self.train_chunks):
+        with lora.merged_for_sync(self.train_chunks), cpu_mode.suspended():  # names no CUDA device
             return self._sync(force)
 
     def _sync(self, force: bool) -> Dict[str, torch.Tensor]:
@@ -243,9 +249,8 @@ class Resharder:
                 key = tuple((s.tensor, s.start, s.stop) for s in segs)
                 if key not in packed:  # the same ranges to several peers share one buffer
                     wire = _CODE_DTYPES[code]
-                    parts = [read_range(self.train, self.fillers, model, s, wire) for s in segs]
-                    buf = torch.cat([part for part, _ in parts])
-                    scratch = max([scratch] + [merged for _, merged in parts])
+                    buf, merged = pack(self.train, self.fillers, model, segs, wire, self.device)
+                    scratch = max(scratch, merged)
                     if self.delta:
                         message = self.sent.encode(key, buf)
                         scratch = max(scratch, message.transient_bytes)
@@ -275,8 +280,8 @@ class Resharder:
                     recv_bufs[src, message_tag(index, code)] = torch.empty(size, dtype=torch.uint8, device=self.device)
                     decode[src, code] = message
                     stats.elements_changed += message[1]
-                    if message[0] != deltas.Encoding.dense:  # the previous values and the mask, in finish()
-                        scratch = max(scratch, numel * (wire.itemsize + 1))
+                    if message[0] != deltas.Encoding.dense:  # positions (and a mask) while applied
+                        scratch = max(scratch, numel + message[1] * 16)
                 else:
                     recv_bufs[src, message_tag(index, code)] = torch.empty(numel, dtype=wire, device=self.device)
                 stats.dense_received += numel * wire.itemsize
@@ -293,15 +298,9 @@ class Resharder:
             works, index, recvs, recv_bufs, decode, held = handle
             self.transport.wait(works)
             for (src, code), segs in recvs.items():
-                flat = recv_bufs[src, message_tag(index, code)]
-                if self.delta:
-                    flat = deltas.apply(decode[src, code], flat, _CODE_DTYPES[code],
-                                        lambda: torch.cat([d.reshape(-1) for d in dests(segs)]))
-                offset = 0
-                for dest in dests(segs):
-                    n = dest.numel()
-                    dest.copy_(flat[offset:offset + n].view(dest.shape))
-                    offset += n
+                message = decode.get((src, code), (deltas.Encoding.dense, 0, 0))
+                deltas.apply(message, recv_bufs[src, message_tag(index, code)].view(torch.uint8), _CODE_DTYPES[code],
+                             list(dests(segs)))
             live -= nbytes(held)
 
         buckets = self.plan.buckets

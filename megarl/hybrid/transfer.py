@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.hybrid import delta as deltas
-from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view, message_tag, read_range
+from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view, message_tag, pack
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
 from megarl.models import lora
 from megarl.parallel.layout import Layout
+from megarl.runtime import cpu_mode
 from megarl.runtime.devices import compute_device, synchronize
 from megarl.runtime.distributed import bound_store, collective_timeout
 
@@ -165,6 +166,7 @@ class ShardSender(_Side):
                 raise ValueError(f"training rank {rank}: tensor '{local.name}' (chunk {local.chunk}) is {got}, "
                                  f"the transfer plan expects {local.shape} in layout {plan.train}")
             self.train[local.spec] = (local, tensor.detach())
+            self.device = tensor.device
             fill = lora.filler(tensor)
             if fill:
                 self.fillers[local.spec] = fill
@@ -179,7 +181,7 @@ class ShardSender(_Side):
         """Send this rank's share of one sync; returns once the last bucket is on its way out
         and the one before is delivered (at most two buckets of buffers live). A LoRA model's
         adapted weights go merged (W + (alpha/r) B A)."""
-        with lora.merged_for_sync(self.train_chunks):
+        with lora.merged_for_sync(self.train_chunks), cpu_mode.suspended():  # names no CUDA device
             return self._sync()
 
     def _sync(self) -> SyncStats:
@@ -187,23 +189,28 @@ class ShardSender(_Side):
         model, in_flight = self.plan.model, []
         nbytes = lambda bufs: sum(b.numel() * b.element_size() for b in bufs)  # noqa: E731
         for index, bucket in enumerate(self.plan.buckets):
-            works, bufs, scratch = [], [], 0
+            works, bufs, scratch, packed = [], [], 0, {}
             for (dst, code), segs in self._pairs(bucket, lambda s: s.dst if s.src == self.rank else None).items():
-                dtype = _CODE_DTYPES[code]
-                parts = [read_range(self.train, self.fillers, model, s, dtype) for s in segs]
-                buf = torch.cat([part for part, _ in parts])
-                scratch = max([scratch] + [merged for _, merged in parts])
+                key = (index, code, tuple((s.tensor, s.start, s.stop) for s in segs))
+                if key not in packed:  # the same ranges to several rollout replicas: packed (and encoded) once
+                    dtype = _CODE_DTYPES[code]
+                    buf, merged = pack(self.train, self.fillers, model, segs, dtype, self.device)
+                    scratch = max(scratch, merged)
+                    if self.plan.delta:
+                        message = self.sent.encode(key, buf)
+                        scratch = max(scratch, message.transient_bytes)
+                        bufs += [message.header, message.payload]
+                    else:
+                        message = buf
+                        bufs.append(buf)
+                    packed[key] = message
+                message = packed[key]
                 if self.plan.delta:
-                    key = (index, dst, code, tuple((s.tensor, s.start, s.stop) for s in segs))
-                    message = self.sent.encode(key, buf)
                     works.append(self.group.send([message.header], dst, message_tag(index, code, header=True)))
-                    scratch = max(scratch, message.transient_bytes)
-                    bufs.append(message.header)
-                    buf = message.payload
                     stats.elements_changed += message.nnz
-                works.append(self.group.send([buf], dst, message_tag(index, code)))
-                bufs.append(buf)
-                stats.bytes_sent += buf.numel() * buf.element_size()
+                    message = message.payload
+                works.append(self.group.send([message], dst, message_tag(index, code)))
+                stats.bytes_sent += message.numel() * message.element_size()
             stats.peak_extra_bytes = max(stats.peak_extra_bytes, nbytes(bufs) + scratch
                                          + sum(nbytes(bs) for _, bs in in_flight))
             in_flight.append((works, bufs))
@@ -251,6 +258,10 @@ class ShardReceiver(_Side):
         """Receive one sync into the outputs (which it returns); the two newest buckets are in flight."""
         if self.group is None:
             raise RuntimeError("the rollout is not connected to the trainer's ranks (connect() first)")
+        with cpu_mode.suspended():  # names no CUDA device
+            return self._sync()
+
+    def _sync(self) -> Dict[str, torch.Tensor]:
         begin, stats = time.perf_counter(), SyncStats()
         model = self.plan.model
         device = next(iter(self.outputs.values())).device
@@ -262,14 +273,9 @@ class ShardReceiver(_Side):
                 yield _view(self.outputs[local.name], model.tensors[seg.tensor], local, seg.start, seg.stop)
 
         def finish(handle) -> None:
-            for work, buf, segs, header in handle:
+            for work, buf, segs, message, dtype in handle:
                 work.wait()
-                if header is not None:  # a delta: the previous values of the ranges, updated
-                    buf = deltas.apply(header[0], buf, header[1], lambda: torch.cat([d.reshape(-1) for d in dests(segs)]))
-                offset = 0
-                for dest in dests(segs):
-                    dest.copy_(buf[offset:offset + dest.numel()].view(dest.shape))
-                    offset += dest.numel()
+                deltas.apply(message, buf.view(torch.uint8), dtype, list(dests(segs)))
             live.pop(0)
 
         for index, bucket in enumerate(self.plan.buckets):
@@ -286,18 +292,17 @@ class ShardReceiver(_Side):
             for (src, code), segs in pairs.items():
                 dtype = _CODE_DTYPES[code]
                 numel = sum(self.plan.elems(s) for s in segs)
-                header = None
+                message = (deltas.Encoding.dense, numel, 0)
                 if self.plan.delta:
                     message, size = deltas.read_header(headers[src, code], numel, dtype.itemsize)
-                    header = (message, dtype)
                     buf = torch.empty(size, dtype=torch.uint8, device=device)
                     stats.elements_changed += message[1]
-                    nbytes += size + (0 if message[0] == deltas.Encoding.dense else numel * (dtype.itemsize + 1))
+                    nbytes += size + (0 if message[0] == deltas.Encoding.dense else numel + message[1] * 16)
                 else:
                     buf = torch.empty(numel, dtype=dtype, device=device)
                     nbytes += numel * dtype.itemsize
                 stats.dense_received += numel * dtype.itemsize
-                handle.append((self.group.recv([buf], src, message_tag(index, code)), buf, segs, header))
+                handle.append((self.group.recv([buf], src, message_tag(index, code)), buf, segs, message, dtype))
                 stats.bytes_received += buf.numel() * buf.element_size()
             pending.append(handle)
             live.append(nbytes)

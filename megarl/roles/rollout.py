@@ -20,9 +20,10 @@ def world_sync_metrics(s) -> Dict[str, float]:
     over what a full sync receives: 1 for full, the delta's share otherwise)."""
     from megarl.runtime.devices import group_device
 
-    peaks = torch.tensor([s.peak_extra_bytes, s.delta_copy_bytes], dtype=torch.float64, device=group_device())
-    sums = torch.tensor([s.bytes_received, s.dense_received], dtype=torch.float64, device=group_device())
-    if dist.is_initialized():
+    peaks = torch.tensor([s.peak_extra_bytes, s.delta_copy_bytes], dtype=torch.float64)
+    sums = torch.tensor([s.bytes_received, s.dense_received], dtype=torch.float64)
+    if dist.is_initialized():  # NCCL's collectives take device tensors
+        peaks, sums = peaks.to(group_device()), sums.to(group_device())
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         dist.all_reduce(sums)
     (peak, copy), (received, dense) = peaks.tolist(), sums.tolist()

@@ -18,6 +18,7 @@ import transformers
 from safetensors.torch import load_file
 
 from megarl.config import ModelConfig
+from megarl.hybrid import SyncStats
 from megarl.config.schema import RolloutLayoutConfig
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.roles.rollout import Rollout
@@ -105,7 +106,7 @@ def test_colocated_without_cuda_says_so(monkeypatch):
 class RecordingEngine(RolloutEngine):
     def __init__(self, log):
         self.log = log
-        self.resharder = types.SimpleNamespace(last=types.SimpleNamespace(seconds=0.5, bytes_received=64))
+        self.resharder = types.SimpleNamespace(last=SyncStats(seconds=0.5, bytes_received=64))
 
     def generate(self, prompts, sampling):
         self.log.append("generate")
@@ -144,7 +145,8 @@ def test_role_resumes_kv_cache_after_the_offload():
     role.generate([[1]], SamplingParams())
     role.release_memory()
     assert log == ["resume_weights", "update_weights", "offload", "resume_kv_cache", "generate", "release", "reload"]
-    assert metrics == {"sync/seconds": 0.5, "sync/bytes_received": 64, "time/offload_s": 0.25}
+    assert metrics == {"sync/seconds": 0.5, "sync/bytes_received": 64, "time/offload_s": 0.25,
+                       "sync/peak_extra_mb": 0.0, "sync/delta_copy_mb": 0.0}  # whole tensors: no dense base
 
 
 def test_kv_cache_hook_is_a_no_op_by_default():
