@@ -296,3 +296,22 @@ def test_context_parallel_actor(tmp_path):
     assert rows[0]["rollout/logp_max_abs_diff"] <= 1e-5
     assert rows[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert all(math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("placement", [(), SPLIT], ids=["colocated", "split"])
+def test_delta_weight_sync_trains_as_full(tmp_path, placement):
+    """parallel.rollout.weight_sync=delta through megarl train, bf16 rollout of the fp32 actor: the
+    rollout's weights equal a full sync's at every step, so the samples, rewards and the rollout's
+    log-probs do too (a single differing bf16 bit would move them); after the first sync it
+    receives a fraction of full's bytes, its peak extra memory and the sender's copy are logged."""
+    common = (*placement, "parallel.rollout.dtype=bfloat16", "algorithm.rollout_correction=token_tis",
+              "trainer.train_steps=4")
+    full = history(tmp_path / "full", *common)
+    delta = history(tmp_path / "delta", *common, "parallel.rollout.weight_sync=delta")
+    for key in ("reward/mean", "rollout/logp_max_abs_diff", "rollout_correction/kl", "actor/loss"):
+        assert [r[key] for r in delta] == [r[key] for r in full], key
+    assert all(r["sync/bytes_fraction"] == 1.0 for r in full)
+    # every sync logged is after the first; the warmup's first step has lr 0: nothing changes
+    assert delta[0]["sync/bytes_fraction"] == 0 and all(0 < r["sync/bytes_fraction"] < 1.0 for r in delta[1:])
+    assert all(0 < r["sync/peak_extra_mb"] <= 256 and r["sync/delta_copy_mb"] > 0 for r in delta)
+    assert all(r["sync/delta_copy_mb"] == 0 for r in full)

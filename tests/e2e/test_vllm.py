@@ -48,7 +48,9 @@ def test_colocated_learns_as_the_native_engine(colocated, native):
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
-    return history(tmp_path_factory.mktemp("vllm-split"), *VLLM, *SPLIT, STEPS)
+    """With parallel.rollout.weight_sync=delta: exact, so the curve is full sync's (an fp32 rollout
+    changes nearly every element, so most messages fall back to dense)."""
+    return history(tmp_path_factory.mktemp("vllm-split"), *VLLM, *SPLIT, STEPS, "parallel.rollout.weight_sync=delta")
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +64,5 @@ def test_split_one_step_off(split, native_split):
           f"last 10% mean reward {mean(split[-10:]):.4f}, native {mean(native_split[-10:]):.4f}")
     assert first["rollout/logp_max_abs_diff"] <= 1e-4
     assert abs(mean(split[-10:]) - mean(native_split[-10:])) <= 0.03
+    assert all(0 < r["sync/bytes_fraction"] <= 1 and r["sync/delta_copy_mb"] > 0 for r in split)
+    assert all(r["sync/bytes_over_shard_max"] == 0 for r in split)  # what a full sync would move: the shard
