@@ -109,6 +109,7 @@ def main(work: str) -> None:
     attempt("fixed/value_head", critic_forward)
     vllm_case(worker, cfg)
     lora_case(worker, cfg, batch_of(out["sampled"]))
+    delta_case(worker, cfg)
 
 
 
@@ -250,6 +251,40 @@ def lora_case(worker, cfg, batch: Batch) -> None:
         record["peft_on_host"] = all(not gpu_shaped.is_cuda(t) for t in whole.values())
 
     attempt("fixed/lora", run)
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps(record), flush=True)
+
+
+def delta_case(worker, cfg) -> None:
+    """parallel.rollout.weight_sync=delta on the CUDA-shaped devices: the micro-DP resharder (tp=2 ->
+    t_g=1) into bf16 generation tensors, full and delta side by side over three small steps of
+    the weights: headers, payloads and positions stay on the device (the host paths refuse CUDA
+    tensors), and the two agree bit for bit."""
+    from megarl.engines.train_state import build_train_state
+    from megarl.hybrid import regroup
+    from megarl.hybrid.executor import Resharder
+    from megarl.hybrid.shards import ModelSpec
+    from megarl.models import megatron_args_from_hf
+
+    record = {"case": "delta", "error": None}
+
+    def run():
+        args = megatron_args_from_hf(cfg.model.hf_config)
+        state = build_train_state(cfg.model, cfg.optimizer, worker.groups, 2)
+        model, rg = ModelSpec.from_args(args), regroup(worker.groups.layout, 1, 1, 1, 0)
+        full, delta = (Resharder.create(model, rg, state.model, 64 << 10, out_dtype=torch.bfloat16, delta=d)
+                       for d in (False, True))
+        record["equal"], record["fraction"] = [], []
+        for step in range(4):
+            with torch.no_grad():
+                for p in (p for c in state.model for p in c.parameters()):
+                    p.add_(1e-6 * torch.sign(torch.sin(p * 1e4 + step)))
+            a, b = full.sync(), delta.sync()
+            record["equal"].append(all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a))
+            record["fraction"].append(delta.last.bytes_received / max(1, delta.last.dense_received))
+        record["on_device"] = all(gpu_shaped.is_cuda(t) for t in b.values())
+
+    attempt("fixed/delta", run)
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps(record), flush=True)
 

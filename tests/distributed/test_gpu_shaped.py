@@ -25,6 +25,7 @@ def results(tmp_path_factory, monkeypatch_module):
     found = {r["case"]: r["error"] for r in records}
     found["vllm_details"] = next(r for r in records if r["case"] == "vllm")
     found["lora_details"] = next(r for r in records if r["case"] == "lora")
+    found["delta_details"] = next(r for r in records if r["case"] == "delta")
     return found
 
 
@@ -36,7 +37,8 @@ def monkeypatch_module():
 
 def test_verbs_run_on_the_device_as_written(results):
     fixed = {k: v for k, v in results.items() if k.startswith("fixed/")}
-    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head", "fixed/vllm", "fixed/lora"}
+    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head", "fixed/vllm", "fixed/lora",
+                          "fixed/delta"}
     assert all(v is None for v in fixed.values()), fixed
 
 
@@ -63,6 +65,14 @@ def test_lora_on_the_device(results):
     assert r["grad_norm"] > 0 and r["adapters_moved_log_probs"] > 0, r
     assert 0 < r["moved_again"] < r["moved"], r
     assert r["peft_tensors"] == 2 * 7 * 2 and r["peft_on_host"], r  # A and B of 7 parts, 2 layers
+
+
+def test_delta_sync_on_the_device(results):
+    """weight_sync=delta's encode and apply run on the device (the host fast paths refuse CUDA
+    tensors), and after each step equal the full sync bit for bit, sending a fraction after the first."""
+    r = results["delta_details"]
+    assert r["error"] is None and r["on_device"] and all(r["equal"]), r
+    assert r["fraction"][0] == 1.0 and all(0 < f < 0.5 for f in r["fraction"][1:]), r
 
 
 @pytest.mark.parametrize("case", sorted(FAULTS))
