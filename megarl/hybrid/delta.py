@@ -356,10 +356,6 @@ class LastSent:
             del self.copies[key]
         self.used.clear()
 
-    def clear(self) -> None:
-        self.copies.clear()
-        self.used.clear()
-
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.copies.values())

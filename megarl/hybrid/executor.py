@@ -178,11 +178,6 @@ class Resharder:
         dist.all_reduce(codes, op=dist.ReduceOp.MAX)
         return [_CODE_DTYPES.get(c, d) for c, d in zip(codes.tolist(), self.dtypes)]
 
-    def forget(self) -> None:
-        """The generation tensors lost their values (freed, not parked): the next sync sends whole
-        messages. Collective in effect: every rank of the world must call it alike."""
-        self.sent.clear()
-
     # -- which tensors moved since the last sync: every rank must agree, so flags are all-reduced
     def _changed(self, force: bool) -> torch.Tensor:
         flags = torch.zeros(len(self.plan.model.tensors), dtype=torch.int32)
