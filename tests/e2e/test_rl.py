@@ -203,6 +203,10 @@ def test_one_step_off_staleness(tmp_path):
     (["optimizer.adam_beta2=1.0", "algorithm.top_p=0"], ConfigError,
      "optimizer.adam_beta2=1.0 must be >= 0 and < 1; algorithm.top_p=0.0 must be > 0 and <= 1"),
     (["optimizer.clip_grad=nan"], ConfigError, "optimizer.clip_grad=nan must be >= 0"),
+    # weight sync
+    (["parallel.rollout.weight_sync=xor"], ConfigError, "parallel.rollout.weight_sync='xor' must be one of"),
+    (["parallel.rollout.engine=sglang", "parallel.rollout.weight_sync=delta"], ConfigError,
+     "parallel.rollout.weight_sync=delta: engine=sglang takes whole tensors"),
     # placement and the asynchronous loop
     (["trainer.placement=apart"], ConfigError, "trainer.placement='apart' must be one of"),
     (["trainer.placement=split"], ConfigError, "parallel.rollout.nproc >= 1"),
