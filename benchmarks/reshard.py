@@ -145,6 +145,7 @@ def encodings(new, old) -> dict:
     from megarl.hybrid import delta as deltas
 
     out = {}
+    deltas.encode(new[:64], old[:64], force=deltas.Encoding.gaps)  # numba compiles (or loads) its kernels first
     for kind in deltas.Encoding:
         if kind == deltas.Encoding.dense:
             continue

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Dict, Hashable, Optional, Sequence, Tuple
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from megarl.hybrid import delta_host as host
 
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INTS = {2: np.int16, 4: np.int32, 8: np.int64}
@@ -83,7 +85,8 @@ def _escapes(gaps: torch.Tensor) -> int:
     """Escape bytes :func:`encode_gaps` writes for ``gaps``."""
     if not gaps.numel() or int(gaps.max()) < _ESCAPE:
         return 0
-    return int((gaps // _ESCAPE).sum())
+    long = gaps[gaps >= _ESCAPE]  # few: most changed elements are near the previous one
+    return int((long // _ESCAPE).sum())
 
 
 def encode_gaps(gaps: torch.Tensor) -> torch.Tensor:
@@ -92,9 +95,12 @@ def encode_gaps(gaps: torch.Tensor) -> torch.Tensor:
         g = gaps.numpy()
         if not g.size or g.max() < _ESCAPE:  # no escapes: a byte per gap
             return _from_numpy(g.astype(np.uint8))
-        runs = g // _ESCAPE + 1
-        out = np.full(int(runs.sum()), _ESCAPE, dtype=np.uint8)
-        out[np.cumsum(runs) - 1] = g % _ESCAPE
+        long = np.flatnonzero(g >= _ESCAPE)  # the few gaps that take escapes
+        runs = np.zeros(g.size, dtype=np.int64)
+        runs[long] = g[long] // _ESCAPE
+        final = np.arange(g.size) + np.cumsum(runs)  # each gap's last byte
+        out = np.full(g.size + int(runs[long].sum()), _ESCAPE, dtype=np.uint8)
+        out[final] = g - _ESCAPE * runs
         return _from_numpy(out)
     runs = gaps // _ESCAPE + 1
     out = torch.full((int(runs.sum()),), _ESCAPE, dtype=torch.uint8, device=gaps.device)
@@ -102,14 +108,21 @@ def encode_gaps(gaps: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_gaps(data: torch.Tensor) -> torch.Tensor:
-    """Positions (int64) from :func:`encode_gaps`' bytes."""
+def decode_gaps(data: torch.Tensor, escapes: Optional[int] = None) -> torch.Tensor:
+    """Positions (int64) from :func:`encode_gaps`' bytes (``escapes``: their escape bytes, when known;
+    with none each byte is a gap)."""
     if data.device.type == "cpu":
         d = data.numpy()
+        if host.AVAILABLE and escapes is not None:
+            return _from_numpy(host.decode_gaps(d, d.size - escapes))
+        if escapes == 0:
+            return _from_numpy(np.cumsum(d, dtype=np.int64) + np.arange(1, d.size + 1) - 1)
         final = np.flatnonzero(d != _ESCAPE)
         escapes = final - np.arange(final.size)  # escape bytes before each final byte
         gaps = _ESCAPE * np.diff(escapes, prepend=0) + d[final]
         return _from_numpy(np.cumsum(gaps + 1) - 1)
+    if escapes == 0:
+        return torch.cumsum(data.long() + 1, 0) - 1
     escape = data == _ESCAPE
     final = (~escape).nonzero().view(-1)
     escapes = torch.cumsum(escape.long(), 0)[final]
@@ -162,6 +175,12 @@ def _from_numpy(array: np.ndarray) -> torch.Tensor:
     if not array.size:
         return torch.empty(0, dtype=torch.from_numpy(array[:0].copy()).dtype)
     return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A NumPy array over a host tensor the engine owns, through DLPack: ``Tensor.numpy()`` would
+    mark its storage not resizable for good, and the engines free their weights by resizing it."""
+    return np.from_dlpack(tensor)
 
 
 def _count(mask: torch.Tensor) -> int:
@@ -229,7 +248,12 @@ def encode(new: torch.Tensor, last: Optional[torch.Tensor], force: Optional[Enco
     dtype and size; None: dense); ``force``: that encoding whatever its size (benchmarks)."""
     numel, itemsize = new.numel(), new.element_size()
     escapes, where = 0, None
-    if last is None or last.numel() != numel or last.dtype != new.dtype:
+    fresh = last is None or last.numel() != numel or last.dtype != new.dtype
+    if not fresh and new.device.type == "cpu" and host.AVAILABLE and force in (None, Encoding.gaps):
+        out = _encode_host(new, last, force)
+        if out is not None:
+            return out
+    if fresh:
         kind, nnz, payload, scratch = Encoding.dense, numel, new.view(torch.uint8), 0
     else:
         changed, where, nnz, scratch = _compare(new, last, itemsize, force)
@@ -259,10 +283,41 @@ def encode(new: torch.Tensor, last: Optional[torch.Tensor], force: Optional[Enco
             offset = _prefix_bytes(kind, numel, nnz, escapes)
             payload[:prefix.numel()] = prefix
             payload[prefix.numel():offset] = 0
-            payload[offset:] = new.index_select(0, where).view(torch.uint8)
+            torch.index_select(new, 0, where, out=payload[offset:].view(new.dtype))
     header = torch.tensor([int(kind), nnz, escapes], dtype=torch.int64, device=new.device)
     values = None if where is None else payload[payload.numel() - nnz * itemsize:].view(new.dtype)
     return Encoded(header, payload, kind, nnz, scratch, numel * itemsize, where, values)
+
+
+def _encode_host(new: torch.Tensor, last: torch.Tensor, force: Optional[Encoding]) -> Optional[Encoded]:
+    """:func:`encode` of host tensors by the compiled passes (``delta_host``): a vectorised count
+    of the changes, then (unless dense is smaller) one pass that gathers their positions and
+    values, and the gap bytes written from the positions. None when bitmask or indices is smaller
+    (the NumPy passes build those)."""
+    numel, itemsize = new.numel(), new.element_size()
+    ints = (_bits(new).numpy(), _bits(last).numpy())
+    nnz = int(host.count(*ints))
+    kind = force or choose(numel, nnz, itemsize, 0)
+    if kind == Encoding.dense:
+        header = torch.tensor([int(kind), nnz, 0], dtype=torch.int64)
+        return Encoded(header, new.view(torch.uint8), kind, nnz, 0, numel * itemsize)
+    if kind != Encoding.gaps:
+        return None
+    positions = np.empty(nnz + 1, np.int32 if numel < 2**31 else np.int64)  # fewer bytes stored per element
+    values = np.empty(nnz + 1, ints[0].dtype)
+    host.changed(*ints, positions, values)
+    escapes = int(host.escapes(positions, nnz))
+    kind = force or choose(numel, nnz, itemsize, escapes)
+    if kind != Encoding.gaps:
+        return None
+    payload = torch.empty(payload_bytes(kind, numel, nnz, itemsize, escapes), dtype=torch.uint8)
+    offset = _prefix_bytes(kind, numel, nnz, escapes)
+    payload[nnz + escapes:offset] = 0
+    host.write_gaps(positions, nnz, payload[:nnz + escapes].numpy())
+    payload[offset:].view(_INT_VIEWS[itemsize]).numpy()[:] = values[:nnz]
+    header = torch.tensor([int(kind), nnz, escapes], dtype=torch.int64)
+    return Encoded(header, payload, kind, nnz, nnz * (positions.itemsize + itemsize), numel * itemsize, None,
+                   payload[offset:].view(new.dtype))
 
 
 def empty_header(device) -> torch.Tensor:
@@ -284,17 +339,38 @@ def decode(message: Tuple[Encoding, int, int], payload: torch.Tensor, dtype: tor
     if kind == Encoding.indices:
         return payload[:nnz * 4].view(torch.int32).long(), values
     if kind == Encoding.gaps:
-        return decode_gaps(payload[:nnz + escapes]), values
+        return decode_gaps(payload[:nnz + escapes], escapes), values
     return _positions(unpack_bits(payload[:(numel + 7) // 8], numel)), values
 
 
-def _offsets(flat: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """Row-major indices into ``view`` as offsets from its first element in its storage."""
-    out = torch.zeros_like(flat)
+def _collapsed(view: torch.Tensor) -> List[Tuple[int, int]]:
+    """(size, stride) per dim of ``view``, adjacent dims merged where they are contiguous with each
+    other (a range along dim d of a contiguous tensor: two dims, the inner one of stride 1)."""
+    dims: List[Tuple[int, int]] = []
     for size, stride in reversed(list(zip(view.shape, view.stride()))):
-        out += (flat % size) * stride
-        flat = flat // size
-    return out
+        if size == 1:
+            continue
+        if dims and dims[0][1] * dims[0][0] == stride:
+            dims[0] = (dims[0][0] * size, dims[0][1])
+        else:
+            dims.insert(0, (size, stride))
+    return dims
+
+
+def _offsets(flat: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """Row-major indices into ``view`` as offsets from its first element in its storage (one divmod
+    per dim after merging the contiguous ones)."""
+    dims = _collapsed(view)
+    host = flat.device.type == "cpu"
+    index = flat.numpy() if host else flat
+    out = None
+    for size, stride in reversed(dims[1:]):
+        index, within = (np.divmod(index, size) if host else (index // size, index % size))
+        part = within * stride
+        out = part if out is None else out + part
+    last = index * dims[0][1] if dims else index * 0
+    out = last if out is None else out + last
+    return _from_numpy(out) if host else out
 
 
 def _strided(view: torch.Tensor) -> torch.Tensor:
@@ -321,6 +397,15 @@ def apply(message: Tuple[Encoding, int, int], payload: torch.Tensor, dtype: torc
     where, values = decode(message, payload, dtype, sum(sizes))
     starts = np.cumsum([0] + sizes).tolist()
     bounds = torch.searchsorted(where, torch.tensor(starts, device=where.device)).tolist()
+    if where.device.type == "cpu" and host.AVAILABLE and dtype.itemsize in _INT_VIEWS:
+        ints = _INT_VIEWS[dtype.itemsize]
+        positions, vals = where.numpy(), values.view(ints).numpy()
+        for dest, start, lo, hi in zip(dests, starts, bounds, bounds[1:]):
+            if hi > lo:
+                dims = _collapsed(dest) or [(1, 1)]
+                host.scatter(positions, vals, lo, hi, start, _host_array(_strided(dest.detach()).view(ints)),
+                             np.array([d[0] for d in dims], np.int64), np.array([d[1] for d in dims], np.int64))
+        return
     for dest, start, lo, hi in zip(dests, starts, bounds, bounds[1:]):
         if hi == lo:
             continue
@@ -340,14 +425,9 @@ class LastSent:
         self.used: set = set()
 
     def encode(self, key: Hashable, new: torch.Tensor) -> Encoded:
-        last = self.copies.get(key)
-        out = encode(new, last)
-        if last is None or last.numel() != new.numel() or last.dtype != new.dtype:
-            self.copies[key] = new.clone()
-        elif out.where is not None:  # only the changed elements
-            last.index_copy_(0, out.where, out.values)
-        elif out.nnz:
-            last.copy_(new)
+        """``new``: a buffer the caller hands over (it becomes the copy: no copy is made)."""
+        out = encode(new, self.copies.get(key))
+        self.copies[key] = new
         self.used.add(key)
         return out
 

@@ -87,3 +87,55 @@ def test_bf16_at_a_few_percent_sends_a_tenth():
     message = deltas.encode(new, old)
     assert message.kind == Encoding.gaps
     assert message.payload.numel() < 0.08 * new.numel() * 2
+
+
+@pytest.mark.parametrize("view", [lambda t: t[:, 2:5], lambda t: t[1:4, :, 3:6], lambda t: t[:, 3:4, :],
+                                  lambda t: t[2:3], lambda t: t.transpose(0, 1)[3:5], lambda t: t[::2, :, 1:]])
+def test_changed_elements_land_in_strided_views(view):
+    """A delta written into a view of a 3-d tensor (ranges along several dims, size-1 and permuted
+    dims) changes exactly the view's changed elements."""
+    dest = torch.randn(6, 10, 7).to(torch.bfloat16)
+    want = dest.clone()
+    target = view(want)
+    old = view(dest).reshape(-1).clone()
+    new = changed_copy(old, 0.3)
+    target.copy_(new.view(target.shape))
+    message = deltas.encode(new, old, force=Encoding.gaps)
+    header, _ = deltas.read_header(message.header, new.numel(), new.element_size())
+    deltas.apply(header, message.payload, new.dtype, [view(dest)])
+    assert torch.equal(bits(dest), bits(want))
+
+
+@pytest.mark.skipif(not deltas.host.AVAILABLE, reason="numba is not installed (vLLM's CPU build brings it)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("share", [0.0, 0.002, 0.05, 0.3])
+def test_compiled_host_passes_write_the_numpy_passes_bytes(monkeypatch, dtype, share):
+    """The numba single passes and the NumPy passes give the same header and payload, byte for byte,
+    long gaps (escapes) included; and decode the same positions."""
+    old = torch.randn(50_000).to(dtype)
+    new = changed_copy(old, share)
+    new[40_000] = old[40_000] + 1  # after a long unchanged run: escapes
+    compiled = deltas.encode(new, old)
+    monkeypatch.setattr(deltas.host, "AVAILABLE", False)
+    plain = deltas.encode(new, old)
+    assert compiled.kind == plain.kind and torch.equal(compiled.header, plain.header)
+    assert torch.equal(compiled.payload, plain.payload)
+    header, _ = deltas.read_header(plain.header, new.numel(), new.element_size())
+    if header[0] == Encoding.gaps:
+        want = deltas.decode(header, plain.payload, dtype, new.numel())[0]
+        monkeypatch.setattr(deltas.host, "AVAILABLE", True)
+        assert torch.equal(deltas.decode(header, plain.payload, dtype, new.numel())[0], want)
+
+
+def test_a_delta_leaves_the_destination_resizable():
+    """The engines free their weights by resizing the storage to 0 (release_memory): writing a
+    delta into them must not pin it (as Tensor.numpy() would)."""
+    old = torch.randn(4096).to(torch.bfloat16)
+    new = changed_copy(old, 0.05)
+    dest = torch.zeros(2, 4096, dtype=torch.bfloat16)
+    dest[0] = old
+    message = deltas.encode(new, old)
+    header, _ = deltas.read_header(message.header, new.numel(), new.element_size())
+    deltas.apply(header, message.payload, new.dtype, [dest[0]])
+    assert torch.equal(bits(dest[0]), bits(new))
+    dest.untyped_storage().resize_(0)
