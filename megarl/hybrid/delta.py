@@ -114,7 +114,7 @@ def decode_gaps(data: torch.Tensor, escapes: Optional[int] = None) -> torch.Tens
     if data.device.type == "cpu":
         d = data.numpy()
         if host.AVAILABLE and escapes is not None:
-            return _from_numpy(host.decode_gaps(d, d.size - escapes))
+            return _from_numpy(host.kernels().decode_gaps(d, d.size - escapes))
         if escapes == 0:
             return _from_numpy(np.cumsum(d, dtype=np.int64) + np.arange(1, d.size + 1) - 1)
         final = np.flatnonzero(d != _ESCAPE)
@@ -296,7 +296,7 @@ def _encode_host(new: torch.Tensor, last: torch.Tensor, force: Optional[Encoding
     (the NumPy passes build those)."""
     numel, itemsize = new.numel(), new.element_size()
     ints = (_bits(new).numpy(), _bits(last).numpy())
-    nnz = int(host.count(*ints))
+    nnz = int(host.kernels().count(*ints))
     kind = force or choose(numel, nnz, itemsize, 0)
     if kind == Encoding.dense:
         header = torch.tensor([int(kind), nnz, 0], dtype=torch.int64)
@@ -305,15 +305,15 @@ def _encode_host(new: torch.Tensor, last: torch.Tensor, force: Optional[Encoding
         return None
     positions = np.empty(nnz + 1, np.int32 if numel < 2**31 else np.int64)  # fewer bytes stored per element
     values = np.empty(nnz + 1, ints[0].dtype)
-    host.changed(*ints, positions, values)
-    escapes = int(host.escapes(positions, nnz))
+    host.kernels().changed(*ints, positions, values)
+    escapes = int(host.kernels().escapes(positions, nnz))
     kind = force or choose(numel, nnz, itemsize, escapes)
     if kind != Encoding.gaps:
         return None
     payload = torch.empty(payload_bytes(kind, numel, nnz, itemsize, escapes), dtype=torch.uint8)
     offset = _prefix_bytes(kind, numel, nnz, escapes)
     payload[nnz + escapes:offset] = 0
-    host.write_gaps(positions, nnz, payload[:nnz + escapes].numpy())
+    host.kernels().write_gaps(positions, nnz, payload[:nnz + escapes].numpy())
     payload[offset:].view(_INT_VIEWS[itemsize]).numpy()[:] = values[:nnz]
     header = torch.tensor([int(kind), nnz, escapes], dtype=torch.int64)
     return Encoded(header, payload, kind, nnz, nnz * (positions.itemsize + itemsize), numel * itemsize, None,
@@ -399,12 +399,12 @@ def apply(message: Tuple[Encoding, int, int], payload: torch.Tensor, dtype: torc
     bounds = torch.searchsorted(where, torch.tensor(starts, device=where.device)).tolist()
     if where.device.type == "cpu" and host.AVAILABLE and dtype.itemsize in _INT_VIEWS:
         ints = _INT_VIEWS[dtype.itemsize]
-        positions, vals = where.numpy(), values.view(ints).numpy()
+        positions, vals, scatter = where.numpy(), values.view(ints).numpy(), host.kernels().scatter
         for dest, start, lo, hi in zip(dests, starts, bounds, bounds[1:]):
             if hi > lo:
-                dims = _collapsed(dest) or [(1, 1)]
-                host.scatter(positions, vals, lo, hi, start, _host_array(_strided(dest.detach()).view(ints)),
-                             np.array([d[0] for d in dims], np.int64), np.array([d[1] for d in dims], np.int64))
+                dim_sizes, dim_strides = zip(*(_collapsed(dest) or [(1, 1)]))
+                scatter(positions, vals, lo, hi, start, _host_array(_strided(dest.detach()).view(ints)),
+                        np.array(dim_sizes, np.int64), np.array(dim_strides, np.int64))
         return
     for dest, start, lo, hi in zip(dests, starts, bounds, bounds[1:]):
         if hi == lo:
