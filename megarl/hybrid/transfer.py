@@ -278,21 +278,16 @@ class ShardReceiver(_Side):
                 deltas.apply(message, buf.view(torch.uint8), dtype, list(dests(segs)))
             live.pop(0)
 
-        def post_headers(index):
-            """The delta headers of bucket ``index``, posted a bucket ahead of its payloads."""
-            if not self.plan.delta or index >= len(self.plan.buckets):
-                return {}
-            pairs = self._pairs(self.plan.buckets[index], lambda s: s.src if s.dst == self.rank else None)
-            return {(src, code): (header, self.group.recv([header], src, message_tag(index, code, header=True)))
-                    for (src, code), header in ((pair, deltas.empty_header(device)) for pair in pairs)}
-
-        upcoming = post_headers(0)
         for index, bucket in enumerate(self.plan.buckets):
             pairs = self._pairs(bucket, lambda s: s.src if s.dst == self.rank else None)
-            headers, upcoming = upcoming, post_headers(index + 1)  # each message's size comes first
-            for _, work in headers.values():
-                work.wait()
-            headers = {pair: header for pair, (header, _) in headers.items()}
+            headers = {}
+            if self.plan.delta:  # each message's size comes first
+                works = []
+                for (src, code) in pairs:
+                    headers[src, code] = deltas.empty_header(device)
+                    works.append(self.group.recv([headers[src, code]], src, message_tag(index, code, header=True)))
+                for work in works:
+                    work.wait()
             handle, nbytes = [], 0
             for (src, code), segs in pairs.items():
                 dtype = _CODE_DTYPES[code]
