@@ -2,7 +2,9 @@
 single passes over a message, compiled by numba where it is installed (vLLM's CPU build brings it;
 ``pip install numba`` elsewhere). Without numba, ``AVAILABLE`` is False and the codec runs its
 NumPy passes (several whole-message passes each); device tensors never come here. numba itself is
-imported on the first delta encoded or applied on the host (:func:`kernels`), not with megarl.
+imported on the first delta encoded or applied on the host (:func:`kernels`), not with megarl: vLLM
+0.32's workers fail to start in a process that has imported numba (its kernel dispatcher trips over
+llvmlite's objects), and the engines start before the first sync.
 
 The wire format is the codec's: for each changed element, ``gap // 255`` escape bytes (255) and
 one byte ``gap % 255``, then the changed values in order. The arrays are integer views of the

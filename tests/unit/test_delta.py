@@ -139,3 +139,17 @@ def test_a_delta_leaves_the_destination_resizable():
     deltas.apply(header, message.payload, new.dtype, [dest[0]])
     assert torch.equal(bits(dest[0]), bits(new))
     dest.untyped_storage().resize_(0)
+
+
+def test_megarl_imports_numba_only_with_the_first_host_delta():
+    """vLLM 0.32's workers fail to start in a process that has imported numba (its kernel
+    dispatcher trips over llvmlite's objects): the engines start before the first sync, so the
+    codec imports numba on the first host delta, never with megarl."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megarl.hybrid.delta, megarl.hybrid.transfer, megarl.hybrid.executor, "
+            "megarl.rollout.vllm_engine, megarl.rollout.native; print('numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
