@@ -290,7 +290,7 @@ def encode(new: torch.Tensor, last: Optional[torch.Tensor], force: Optional[Enco
 
 
 def _encode_host(new: torch.Tensor, last: torch.Tensor, force: Optional[Encoding]) -> Optional[Encoded]:
-    """:func:`encode` of host tensors by the compiled passes (``delta_host``): a vectorised count
+    """:func:`encode` of host tensors by the compiled passes (``delta_kernels``): a vectorised count
     of the changes, then (unless dense is smaller) one pass that gathers their positions and
     values, and the gap bytes written from the positions. None when bitmask or indices is smaller
     (the NumPy passes build those)."""
@@ -361,16 +361,16 @@ def _offsets(flat: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """Row-major indices into ``view`` as offsets from its first element in its storage (one divmod
     per dim after merging the contiguous ones)."""
     dims = _collapsed(view)
-    host = flat.device.type == "cpu"
-    index = flat.numpy() if host else flat
+    on_host = flat.device.type == "cpu"
+    index = flat.numpy() if on_host else flat
     out = None
     for size, stride in reversed(dims[1:]):
-        index, within = (np.divmod(index, size) if host else (index // size, index % size))
+        index, within = (np.divmod(index, size) if on_host else (index // size, index % size))
         part = within * stride
         out = part if out is None else out + part
     last = index * dims[0][1] if dims else index * 0
     out = last if out is None else out + last
-    return _from_numpy(out) if host else out
+    return _from_numpy(out) if on_host else out
 
 
 def _strided(view: torch.Tensor) -> torch.Tensor:
