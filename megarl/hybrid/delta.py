@@ -31,6 +31,7 @@ prints their sizes and times beside zlib's on the same messages.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -233,8 +234,6 @@ class Encoded:
     nnz: int
     scratch_bytes: int  # temporaries of the encode (mask, positions), for peak accounting
     message_bytes: int  # the dense message encoded
-    where: Optional[torch.Tensor] = None  # positions of the changed elements (not dense)
-    values: Optional[torch.Tensor] = None  # their new values
 
     @property
     def transient_bytes(self) -> int:
@@ -247,9 +246,9 @@ def encode(new: torch.Tensor, last: Optional[torch.Tensor], force: Optional[Enco
     """``new`` (flat, contiguous) against ``last`` (the previous message for the same ranges, same
     dtype and size; None: dense); ``force``: that encoding whatever its size (benchmarks)."""
     numel, itemsize = new.numel(), new.element_size()
-    escapes, where = 0, None
+    escapes = 0
     fresh = last is None or last.numel() != numel or last.dtype != new.dtype
-    if not fresh and new.device.type == "cpu" and host.AVAILABLE and force in (None, Encoding.gaps):
+    if not fresh and new.device.type == "cpu" and host.AVAILABLE:
         out = _encode_host(new, last, force)
         if out is not None:
             return out
@@ -266,6 +265,7 @@ def encode(new: torch.Tensor, last: Optional[torch.Tensor], force: Optional[Enco
             escapes = _escapes(gaps) if kind == Encoding.gaps else 0
             if kind == Encoding.gaps:
                 kind = force or choose(numel, nnz, itemsize, escapes)
+            escapes = escapes if kind == Encoding.gaps else 0  # the header carries escapes of gaps only
         if kind == Encoding.dense:
             payload, escapes, where = new.view(torch.uint8), 0, None
         else:
@@ -285,39 +285,50 @@ def encode(new: torch.Tensor, last: Optional[torch.Tensor], force: Optional[Enco
             payload[prefix.numel():offset] = 0
             torch.index_select(new, 0, where, out=payload[offset:].view(new.dtype))
     header = torch.tensor([int(kind), nnz, escapes], dtype=torch.int64, device=new.device)
-    values = None if where is None else payload[payload.numel() - nnz * itemsize:].view(new.dtype)
-    return Encoded(header, payload, kind, nnz, scratch, numel * itemsize, where, values)
+    return Encoded(header, payload, kind, nnz, scratch, numel * itemsize)
 
 
 def _encode_host(new: torch.Tensor, last: torch.Tensor, force: Optional[Encoding]) -> Optional[Encoded]:
-    """:func:`encode` of host tensors by the compiled passes (``delta_kernels``): a vectorised count
-    of the changes, then (unless dense is smaller) one pass that gathers their positions and
-    values, and the gap bytes written from the positions. None when bitmask or indices is smaller
-    (the NumPy passes build those)."""
+    """:func:`encode` of host tensors by the compiled passes (``delta_kernels``): one pass writes the
+    bitmask and the changed values into a message-sized buffer laid out as a bitmask payload, and the
+    chosen encoding is taken from it (the bitmask payload as it is, the gaps or positions derived
+    from the mask, or the message itself when dense is smaller). The buffer's pages are touched only
+    as far as the pass writes (the scratch counted). None for messages of under 64 elements (the
+    NumPy passes)."""
     numel, itemsize = new.numel(), new.element_size()
-    ints = (_bits(new).numpy(), _bits(last).numpy())
-    nnz = int(host.kernels().count(*ints))
-    kind = force or choose(numel, nnz, itemsize, 0)
+    if numel < 64:
+        return None
+    kernels, ints = host.kernels(), _INT_VIEWS[itemsize]
+    head = _prefix_bytes(Encoding.bitmask, numel, 0, 0)  # the mask: one uint64 per 64 elements
+    buf = torch.empty(numel * itemsize, dtype=torch.uint8)
+    mask = buf[:head].numpy().view(np.uint64)
+    values = buf[head:head + (numel * itemsize - head) // itemsize * itemsize].view(ints)
+    nnz, escapes = kernels.bitmask(_bits(new).numpy(), _bits(last).numpy(), mask, values.numpy())
+    scratch = head + values.numel() * itemsize if nnz < 0 else head + nnz * itemsize
+    if nnz < 0:  # more changed than a bitmask payload holds: dense is smaller
+        if force not in (None, Encoding.dense):
+            return None
+        kind, nnz, escapes = Encoding.dense, numel, 0
+    else:
+        kind = force or choose(numel, nnz, itemsize, escapes)
     if kind == Encoding.dense:
         header = torch.tensor([int(kind), nnz, 0], dtype=torch.int64)
-        return Encoded(header, new.view(torch.uint8), kind, nnz, 0, numel * itemsize)
-    if kind != Encoding.gaps:
-        return None
-    positions = np.empty(nnz + 1, np.int32 if numel < 2**31 else np.int64)  # fewer bytes stored per element
-    values = np.empty(nnz + 1, ints[0].dtype)
-    host.kernels().changed(*ints, positions, values)
-    escapes = int(host.kernels().escapes(positions, nnz))
-    kind = force or choose(numel, nnz, itemsize, escapes)
-    if kind != Encoding.gaps:
-        return None
-    payload = torch.empty(payload_bytes(kind, numel, nnz, itemsize, escapes), dtype=torch.uint8)
-    offset = _prefix_bytes(kind, numel, nnz, escapes)
-    payload[nnz + escapes:offset] = 0
-    host.kernels().write_gaps(positions, nnz, payload[:nnz + escapes].numpy())
-    payload[offset:].view(_INT_VIEWS[itemsize]).numpy()[:] = values[:nnz]
-    header = torch.tensor([int(kind), nnz, escapes], dtype=torch.int64)
-    return Encoded(header, payload, kind, nnz, nnz * (positions.itemsize + itemsize), numel * itemsize, None,
-                   payload[offset:].view(new.dtype))
+        return Encoded(header, new.view(torch.uint8), kind, nnz, scratch, numel * itemsize)
+    if kind == Encoding.bitmask:
+        payload, scratch = buf[:head + nnz * itemsize], 0  # the payload is the buffer
+    else:
+        payload = torch.empty(payload_bytes(kind, numel, nnz, itemsize, escapes), dtype=torch.uint8)
+        offset = _prefix_bytes(kind, numel, nnz, escapes)
+        if kind == Encoding.gaps:
+            kernels.mask_gaps(mask, payload[:nnz + escapes].numpy())
+            start = nnz + escapes
+        else:
+            payload[:nnz * 4].view(torch.int32).copy_(torch.from_numpy(kernels.mask_positions(mask, nnz)))
+            start = nnz * 4
+        payload[start:offset] = 0
+        payload[offset:].view(ints).copy_(values[:nnz])
+    header = torch.tensor([int(kind), nnz, escapes if kind == Encoding.gaps else 0], dtype=torch.int64)
+    return Encoded(header, payload, kind, nnz, scratch, numel * itemsize)
 
 
 def empty_header(device) -> torch.Tensor:
@@ -340,14 +351,17 @@ def decode(message: Tuple[Encoding, int, int], payload: torch.Tensor, dtype: tor
         return payload[:nnz * 4].view(torch.int32).long(), values
     if kind == Encoding.gaps:
         return decode_gaps(payload[:nnz + escapes], escapes), values
+    if payload.device.type == "cpu" and host.AVAILABLE:
+        mask = payload[:_prefix_bytes(kind, numel, nnz, escapes)].numpy().view(np.uint64)
+        return _from_numpy(host.kernels().mask_positions(mask, nnz)), values
     return _positions(unpack_bits(payload[:(numel + 7) // 8], numel)), values
 
 
-def _collapsed(view: torch.Tensor) -> List[Tuple[int, int]]:
-    """(size, stride) per dim of ``view``, adjacent dims merged where they are contiguous with each
+def _collapsed(shape: Sequence[int], strides: Sequence[int]) -> List[Tuple[int, int]]:
+    """(size, stride) per dim of a view, adjacent dims merged where they are contiguous with each
     other (a range along dim d of a contiguous tensor: two dims, the inner one of stride 1)."""
     dims: List[Tuple[int, int]] = []
-    for size, stride in reversed(list(zip(view.shape, view.stride()))):
+    for size, stride in reversed(list(zip(shape, strides))):
         if size == 1:
             continue
         if dims and dims[0][1] * dims[0][0] == stride:
@@ -357,10 +371,20 @@ def _collapsed(view: torch.Tensor) -> List[Tuple[int, int]]:
     return dims
 
 
+@functools.lru_cache(maxsize=4096)
+def _geometry(shape: Tuple[int, ...], stride: Tuple[int, ...]) -> Tuple[np.ndarray, np.ndarray]:
+    """The merged (sizes, strides) of a view of this shape and stride as int64 arrays (the host
+    scatter's arguments; a model's views repeat every sync)."""
+    dims = _collapsed(shape, stride) or [(1, 1)]
+    sizes, strides = (np.array(d, np.int64) for d in zip(*dims))
+    sizes.flags.writeable = strides.flags.writeable = False  # shared by every caller
+    return sizes, strides
+
+
 def _offsets(flat: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """Row-major indices into ``view`` as offsets from its first element in its storage (one divmod
     per dim after merging the contiguous ones)."""
-    dims = _collapsed(view)
+    dims = _collapsed(view.shape, view.stride())
     on_host = flat.device.type == "cpu"
     index = flat.numpy() if on_host else flat
     out = None
@@ -402,9 +426,8 @@ def apply(message: Tuple[Encoding, int, int], payload: torch.Tensor, dtype: torc
         positions, vals, scatter = where.numpy(), values.view(ints).numpy(), host.kernels().scatter
         for dest, start, lo, hi in zip(dests, starts, bounds, bounds[1:]):
             if hi > lo:
-                dim_sizes, dim_strides = zip(*(_collapsed(dest) or [(1, 1)]))
                 scatter(positions, vals, lo, hi, start, _host_array(_strided(dest.detach()).view(ints)),
-                        np.array(dim_sizes, np.int64), np.array(dim_strides, np.int64))
+                        *_geometry(tuple(dest.shape), dest.stride()))
         return
     for dest, start, lo, hi in zip(dests, starts, bounds, bounds[1:]):
         if hi == lo:
