@@ -10,26 +10,70 @@ Context parallelism (cp > 1): each rank holds, of every sequence, chunks ``r`` a
 Keys and values are all-gathered over the CP group (autograd-aware: the backward sums each
 rank's key/value gradients back to their owner) and put back in sequence order; each local
 query chunk then attends causally to the keys up to its own end.
+
+Sliding windows and attention sinks, in Megatron's ``TransformerConfig`` terms.
+``window_size=(left, right)``: query position i attends keys i-left..i+right (-1: no bound on
+that side; a causal layer also stops at i; an HF ``sliding_window`` W is (W-1, 0)), on the
+layers ``window_attn_skip_freq`` leaves sliding (Megatron's ``is_layer_window_attention``).
+Positions are those of the query's own sequence: aligned to the end of the keys (KV cache),
+relative to each packed sequence's start, absolute after the CP gather. Keys outside every
+query's window are not read. ``softmax_type='learnable'``: a per-head logit, the parameter
+``softmax_offset`` [heads/tp] (split over TP with the heads, as in Megatron's
+``DotProductAttention``), joins the softmax over the keys as one more column that is dropped
+afterwards; ``'off-by-one'`` fixes that logit at 0. SDPA has no such column, so attention with
+sinks is an explicit matmul-softmax.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group, is_layer_window_attention, make_sharded_tensors_for_checkpoint,
+)
+from megatron.core.utils import divide
 
 from megarl.parallel.context import cp_chunk_starts, gather_sequence
 
+Window = Tuple[Optional[int], Optional[int]]  # (left, right) key offsets from the query; None: unbounded
 
-def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
-    # True where attention is allowed; query i sits at absolute position sk - sq + i.
-    q_pos = torch.arange(sk - sq, sk, device=device).unsqueeze(1)
-    k_pos = torch.arange(sk, device=device).unsqueeze(0)
-    return k_pos <= q_pos  # [sq, sk]
+
+def _layer_window(config, layer_number: int) -> Optional[Window]:
+    """This layer's window, or None for full attention, decided as Megatron decides it
+    (``layer_number`` is 1-based and global, as Megatron's attention passes it)."""
+    window, skip = config.window_size, config.window_attn_skip_freq
+    if window and isinstance(skip, list) and len(skip) < layer_number:
+        raise ValueError(f"window_attn_skip_freq lists {len(skip)} layers but layer {layer_number} needs an "
+                         "entry: give one per layer (1 = sliding window, 0 = full attention)")
+    if not is_layer_window_attention(window, skip, layer_number):
+        return None
+    if len(window) != 2 or any(not isinstance(w, int) or w < -1 for w in window):
+        raise ValueError(f"window_size={window!r} must be (left, right), each -1 (unbounded) or >= 0; "
+                         "an HF sliding_window W is window_size=(W-1, 0)")
+    return tuple(None if w == -1 else w for w in window)
+
+
+def _band(sq: int, sk: int, q_start: int, causal: bool, window: Optional[Window], device) -> Optional[torch.Tensor]:
+    """[1, 1, sq, sk] bool, True where query i (at key position q_start + i) may attend key j:
+    not after it if ``causal``, and inside ``window``; None when nothing is restricted."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return None
+    offset = torch.arange(sk, device=device) - torch.arange(q_start, q_start + sq, device=device).unsqueeze(1)
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left is not None:
+        allowed &= offset >= -left
+    if right is not None:
+        allowed &= offset <= right
+    return allowed.view(1, 1, sq, sk)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -55,9 +99,97 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         # Set by Megatron's qk-clip bookkeeping; SDPA does not expose the logits.
         self.current_max_attn_logits = None
+        self.window = _layer_window(config, layer_number)
+        if config.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"softmax_type='{config.softmax_type}' is not supported: use 'vanilla', "
+                             "'off-by-one' or 'learnable'")
+        self.softmax_type = config.softmax_type
+        self.tp_group = self._tp_group(config, pg_collection)
+        if self.softmax_type == "learnable":
+            self._register_sinks(config)
+
+    @staticmethod
+    def _tp_group(config, pg_collection):
+        """The tensor-parallel group; None on one TP rank without one (a module built outside
+        torch.distributed, as the unit tests do)."""
+        if pg_collection is not None and hasattr(pg_collection, "tp"):
+            return pg_collection.tp
+        if config.tensor_model_parallel_size > 1:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"]).tp
+        return None
+
+    def _register_sinks(self, config) -> None:
+        """``softmax_offset`` [heads/tp]: the sink logits of this rank's heads, Megatron's name,
+        shape and init method. Marked tensor-parallel (dim 0) so that the gradient norm and
+        checkpoints count each rank's heads once. All heads are drawn and this rank's sliced
+        out, so every TP layout starts from the same model; zeros (off-by-one) when Megatron
+        skips initialisation (weights about to be loaded)."""
+        tp, rank = (self.tp_group.size(), self.tp_group.rank()) if self.tp_group is not None else (1, 0)
+        heads = divide(config.num_attention_heads, tp)
+        every = torch.zeros(config.num_attention_heads, dtype=torch.float32)
+        if config.perform_initialization:
+            config.init_method(every)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.softmax_offset = torch.nn.Parameter(
+            every[rank * heads:(rank + 1) * heads].to(device=device, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """``softmax_offset`` split over TP along the heads (as Megatron's ``DotProductAttention``)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+    def _sinks(self, q) -> Optional[torch.Tensor]:
+        """The sink logit of each local query head [np], or None (plain softmax)."""
+        if self.softmax_type == "learnable":
+            return self.softmax_offset
+        if self.softmax_type == "off-by-one":
+            return q.new_zeros(q.shape[1])
+        return None
+
+    def _span(self, q_start: int, sq: int, sk: int, causal: bool) -> Tuple[int, int]:
+        """Keys [lo, hi) that queries at key positions q_start..q_start+sq-1 can see: causal
+        ones none after the last query, windowed ones none outside the window. The rest is
+        never read (a decode step with a window reads the window, not the whole cache)."""
+        lo, hi = 0, (q_start + sq if causal else sk)
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                lo = max(lo, q_start - left)
+            if right is not None:
+                hi = min(hi, q_start + sq + right)
+        return lo, hi
+
+    def _attend_at(self, q, k, v, q_start: int, causal: bool, allowed=None):
+        """Attention of queries at key positions q_start.. of k and v: q [b, np, sq, hn],
+        k [b, ng, sk, hn], v [b, ng, sk, hv]; allowed: bool [b, 1, sq, sk] (True = may attend)
+        or None. Returns [b, np, sq, hv]."""
+        sq, sk = q.shape[2], k.shape[2]
+        lo, hi = self._span(q_start, sq, sk, causal)
+        k, v = k[:, :, lo:hi], v[:, :, lo:hi]
+        q_start, sk = q_start - lo, hi - lo
+        if allowed is not None:
+            allowed = allowed[..., lo:hi]
+        if allowed is None and self.window is None and (not causal or q_start == sk - sq):
+            return self._attend(q, k, v, None, causal)  # SDPA's own causal mask (or none)
+        band = _band(sq, sk, q_start, causal, self.window, q.device)
+        if allowed is None:
+            allowed = band
+        elif band is not None:
+            allowed = allowed & band
+        return self._attend(q, k, v, allowed, False)
 
     def _attend(self, q, k, v, mask, causal: bool):
         # q: [b, np, sq, hn], k: [b, ng, sk, hn], v: [b, ng, sk, hv]
+        sinks = self._sinks(q)
+        if sinks is not None:
+            if causal:
+                mask = _band(q.shape[2], k.shape[2], k.shape[2] - q.shape[2], True, None, q.device)
+            return self._attend_with_sinks(q, k, v, mask, sinks)
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and q.shape[2] == 1 and not causal and (mask is None or mask.shape[1] == 1):
             # a decode step: a group's query heads act as its queries, so K/V (the whole cache) are
@@ -74,9 +206,28 @@ class SDPACoreAttention(MegatronModule):
             if sq == sk:
                 return F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, dropout_p=self._dropout(), scale=self.softmax_scale)
-            mask = _causal_mask(sq, sk, q.device)
+            mask = _band(sq, sk, sk - sq, True, None, q.device)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self._dropout(), scale=self.softmax_scale)
+
+    def _attend_with_sinks(self, q, k, v, mask, sinks):
+        """softmax([scores, sink]) without the sink column, times V (Megatron's ``SoftmaxOne``).
+        Each KV group's query heads are the rows of one matrix, so K/V are read in place (head
+        order as repeat_interleave's). The softmax runs in at least fp32, as Megatron's
+        (``attention_softmax_in_fp32``); a query whose keys are all masked gets all its weight
+        on the sink and outputs zeros."""
+        b, np_, sq, hn = q.shape
+        ng, sk = k.shape[1], k.shape[2]
+        groups = np_ // ng
+        scale = self.softmax_scale if self.softmax_scale is not None else hn ** -0.5
+        scores = torch.matmul(q.reshape(b, ng, groups * sq, hn), k.transpose(2, 3)).view(b, ng, groups, sq, sk)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))  # [b|1, 1, 1, sq, sk]
+        column = sinks.to(scores.dtype).view(1, ng, groups, 1, 1).expand(b, ng, groups, sq, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+        probs = F.dropout(probs, self._dropout()).to(v.dtype)
+        return torch.matmul(probs.reshape(b, ng, groups * sq, sk), v).view(b, np_, sq, v.shape[3])
 
     def _dropout(self) -> float:
         return self.dropout_p if self.training else 0.0
@@ -93,14 +244,10 @@ class SDPACoreAttention(MegatronModule):
             return self._forward_packed(query, key, value, packed_seq_params, causal)
         if self.cp_group is not None:
             return self._forward_cp(query, key, value, attention_mask, causal)
-        # query: [sq, b, np, hn]; key/value: [sk, b, ng, hn]
-        allowed = None
-        if attention_mask is not None:
-            allowed = ~attention_mask.bool()  # Megatron masks are True where attention is blocked
-            if causal:
-                allowed = allowed & _causal_mask(query.shape[0], key.shape[0], query.device)
+        # query: [sq, b, np, hn]; key/value: [sk, b, ng, hn]; the queries are the last sq positions
+        allowed = None if attention_mask is None else ~attention_mask.bool()  # Megatron's: True = blocked
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = self._attend(q, k, v, allowed, causal)  # [b, np, sq, hv]
+        out = self._attend_at(q, k, v, key.shape[0] - query.shape[0], causal, allowed)  # [b, np, sq, hv]
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)  # [sq, b, np*hv]
 
@@ -117,7 +264,7 @@ class SDPACoreAttention(MegatronModule):
             q = query[q0:q1].transpose(0, 1).unsqueeze(0)
             k = key[k0:k1].transpose(0, 1).unsqueeze(0)
             v = value[k0:k1].transpose(0, 1).unsqueeze(0)
-            out[q0:q1] = self._attend(q, k, v, None, causal)[0].transpose(0, 1)
+            out[q0:q1] = self._attend_at(q, k, v, (k1 - k0) - (q1 - q0), causal)[0].transpose(0, 1)
         return out.reshape(out.shape[0], -1)  # [t, np*hv]
 
     def _forward_cp(self, query, key, value, attention_mask, causal: bool):
@@ -132,22 +279,17 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         outs = []
         for i, start in enumerate(starts):
-            # Keys past this chunk's end are all in its future: attend to the prefix, with the
-            # causal mask aligned to the prefix's end.
-            end = start + chunk if causal else seq
-            allowed = None
-            if attention_mask is not None:
-                allowed = ~attention_mask[:, :, i * chunk:(i + 1) * chunk, :end].bool()
-                if causal:
-                    allowed = allowed & _causal_mask(chunk, end, query.device)
-            args = (q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :end], v[:, :, :end], allowed, causal)
+            # Each chunk attends to the keys it can see (for a causal chunk, the prefix up to its
+            # end), its queries at their absolute positions.
+            allowed = None if attention_mask is None else ~attention_mask[:, :, i * chunk:(i + 1) * chunk].bool()
+            args = (q[:, :, i * chunk:(i + 1) * chunk], k, v, start, causal, allowed)
             if torch.is_grad_enabled():
                 # SDPA would save the chunk's causal mask as floats for the backward, O(s²/cp) per
                 # layer (benchmarks/long_context.py); recomputing the attention in the backward
                 # keeps only q, k, v, which are held anyway
-                outs.append(torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False))
+                outs.append(torch.utils.checkpoint.checkpoint(self._attend_at, *args, use_reentrant=False))
             else:
-                outs.append(self._attend(*args))
+                outs.append(self._attend_at(*args))
         out = torch.cat(outs, dim=2)  # [b, np, s/cp, hv]
         b = query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], b, -1)  # [s/cp, b, np*hv]
@@ -169,11 +311,10 @@ class SDPACoreAttention(MegatronModule):
             if length == 0:
                 continue
             chunk, starts = cp_chunk_starts(length, cp, rank)
+            k = key[seq_start:seq_start + length].transpose(0, 1).unsqueeze(0)
+            v = value[seq_start:seq_start + length].transpose(0, 1).unsqueeze(0)
             for start in starts:
-                end = start + chunk if causal else length
                 q = query[local:local + chunk].transpose(0, 1).unsqueeze(0)
-                k = key[seq_start:seq_start + end].transpose(0, 1).unsqueeze(0)
-                v = value[seq_start:seq_start + end].transpose(0, 1).unsqueeze(0)
-                out[local:local + chunk] = self._attend(q, k, v, None, causal)[0].transpose(0, 1)
+                out[local:local + chunk] = self._attend_at(q, k, v, start, causal)[0].transpose(0, 1)
                 local += chunk
         return out.reshape(out.shape[0], -1)  # [t/cp, np*hv]

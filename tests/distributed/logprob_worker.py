@@ -4,8 +4,10 @@
 full-vocabulary log_softmax on every rank.
 ``cp`` (world > 1): SDPACoreAttention at cp = world size (Megatron's load-balanced chunks, K/V
 all-gathered) against the same attention at cp = 1 on the whole sequence, in float64: outputs
-and the gradients of q, k and v, padded (with and without an explicit mask) and packed; and
-megarl's CP split against megatron-core's ``get_batch_on_this_cp_rank``.
+and the gradients of q, k and v, padded (with and without an explicit mask) and packed, plain and
+with a sliding window and learnable sinks (whose gradient, summed over the CP ranks as the
+data-parallel reduction does, equals cp = 1's); and megarl's CP split against megatron-core's
+``get_batch_on_this_cp_rank``.
 """
 
 import json
@@ -57,33 +59,45 @@ def cp_check(rank: int, cp: int) -> dict:
 
     group = dist.group.WORLD
 
-    def attention(cp_size: int):
+    def attention(cp_size: int, **extra):
         config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                    kv_channels=16, attention_dropout=0.0, context_parallel_size=cp_size,
-                                   use_cpu_initialization=True)
+                                   use_cpu_initialization=True, **extra)
         return SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
-                                 pg_collection=ProcessGroupCollection(cp=group) if cp_size > 1 else None)
+                                 pg_collection=ProcessGroupCollection(cp=group) if cp_size > 1 else None).double()
 
-    full_attn, cp_attn = attention(1), attention(cp)
     gen = torch.Generator().manual_seed(1)
+    # a window of 3 crosses the CP chunks (2 tokens each); sinks of either sign
+    slide = dict(window_size=(2, 0), softmax_type="learnable")
+    pairs = {"": (attention(1), attention(cp)), "_window_sinks": (attention(1, **slide), attention(cp, **slide))}
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64) * 2
+    with torch.no_grad():
+        for attn in pairs["_window_sinks"]:
+            attn.softmax_offset.copy_(sinks)
     diffs = {}
 
     def compare(name, shapes, lengths, dim_seq, **kwargs):
-        """cp=1 on whole tensors vs cp on this rank's share; forward and q/k/v gradients."""
+        """cp=1 on whole tensors vs cp on this rank's share; forward and q/k/v (and sink) gradients."""
         tensors = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
         grad_out = torch.randn(*shapes[0][:-2], shapes[0][-2] * shapes[0][-1], generator=gen, dtype=torch.float64)
-        leaves = [t.clone().requires_grad_() for t in tensors]
-        ref = full_attn(*leaves, kwargs.get("mask"), packed_seq_params=kwargs.get("params"))
-        ref.backward(grad_out)
-        mine = [split_for_rank(t, lengths, cp, rank, dim_seq).requires_grad_() for t in tensors]
-        mask = kwargs.get("mask")
-        local_mask = None if mask is None else split_for_rank(mask, lengths, cp, rank, 2)  # queries only
-        out = cp_attn(*mine, local_mask, packed_seq_params=kwargs.get("params"))
-        out.backward(split_for_rank(grad_out, lengths, cp, rank, dim_seq))
-        worst = (out - split_for_rank(ref, lengths, cp, rank, dim_seq)).abs().max()
-        for got, leaf in zip(mine, leaves):
-            worst = max(worst, (got.grad - split_for_rank(leaf.grad, lengths, cp, rank, dim_seq)).abs().max())
-        diffs[name] = worst.item()
+        for suffix, (full_attn, cp_attn) in pairs.items():
+            full_attn.zero_grad(), cp_attn.zero_grad()
+            leaves = [t.clone().requires_grad_() for t in tensors]
+            ref = full_attn(*leaves, kwargs.get("mask"), packed_seq_params=kwargs.get("params"))
+            ref.backward(grad_out)
+            mine = [split_for_rank(t, lengths, cp, rank, dim_seq).requires_grad_() for t in tensors]
+            mask = kwargs.get("mask")
+            local_mask = None if mask is None else split_for_rank(mask, lengths, cp, rank, 2)  # queries only
+            out = cp_attn(*mine, local_mask, packed_seq_params=kwargs.get("params"))
+            out.backward(split_for_rank(grad_out, lengths, cp, rank, dim_seq))
+            worst = (out - split_for_rank(ref, lengths, cp, rank, dim_seq)).abs().max()
+            for got, leaf in zip(mine, leaves):
+                worst = max(worst, (got.grad - split_for_rank(leaf.grad, lengths, cp, rank, dim_seq)).abs().max())
+            if suffix:
+                summed = cp_attn.softmax_offset.grad.clone()
+                dist.all_reduce(summed, group=group)
+                worst = max(worst, (summed - full_attn.softmax_offset.grad).abs().max())
+            diffs[name + suffix] = worst.item()
 
     seq, b = 4 * cp, 3
     sbhd = [(seq, b, 4, 16), (seq, b, 2, 16), (seq, b, 2, 16)]

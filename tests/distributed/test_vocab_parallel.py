@@ -1,7 +1,8 @@
 """Log-probs and entropy from vocabulary-parallel logits equal full-vocabulary log_softmax
 (padding excluded, temperature applied), values and gradients, at tp = 1, 2 and 4; <= 1e-5.
 In the same sessions, context-parallel core attention at cp = 2 and 4 equals cp = 1 (float64,
-forward and q/k/v gradients, padded, masked and packed): <= 1e-12."""
+forward and q/k/v gradients, padded, masked and packed; plain, and with a sliding window and
+learnable sinks, whose gradient summed over the CP ranks equals cp = 1's): <= 1e-12."""
 
 import json
 
