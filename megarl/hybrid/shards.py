@@ -141,6 +141,8 @@ def _model_tensors(args: MegatronModelArgs, vocab_multiple: int) -> List[TensorS
             shared = kw["moe_shared_expert_intermediate_size"]
             add("mlp.shared_experts.linear_fc1.weight", (2 * shared, h), 0, blocks=2)
             add("mlp.shared_experts.linear_fc2.weight", (h, shared), 1)
+        if kw.get("moe_shared_expert_gate"):
+            add("mlp.shared_experts.gate_weight", (1, h))
     out.append(TensorSpec("decoder.final_layernorm.weight", (h,), None, stage="last"))
     if not args.tie_word_embeddings:
         out.append(TensorSpec("output_layer.weight", (vocab, h), 0, stage="last"))

@@ -58,7 +58,8 @@ def forward_flops(args: MegatronModelArgs) -> ForwardFlops:
     dense_mlp = 3 * h * kw["ffn_hidden_size"]
     experts = kw.get("num_moe_experts") or 0
     moe_mlp = (h * experts + kw.get("moe_router_topk", 0) * 3 * h * kw.get("moe_ffn_hidden_size", 0)
-               + 3 * h * (kw.get("moe_shared_expert_intermediate_size") or 0))
+               + 3 * h * (kw.get("moe_shared_expert_intermediate_size") or 0)
+               + (h if kw.get("moe_shared_expert_gate") else 0))
     layers = kw["num_layers"]
     moe_layers = sum(kw["moe_layer_freq"]) if experts else 0
     params = layers * attn_params + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp

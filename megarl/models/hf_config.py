@@ -109,6 +109,14 @@ DEEPSEEK_V3: Dict[str, Row] = {
 # Rows whose null is meaningful and must reach Megatron (its default would differ).
 KEEP_NULL = {"q_lora_rank"}
 
+QWEN2_MOE: Dict[str, Row] = {
+    **MOE,
+    "add_qkv_bias": lambda hf: bool(_get(hf, "qkv_bias", default=True)),
+    # one shared expert, its output scaled by sigmoid(shared_expert_gate(x)): Megatron's gate
+    "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "moe_shared_expert_gate": lambda hf: True,
+}
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -120,11 +128,13 @@ class Architecture:
 
 ARCHITECTURES: Dict[str, Architecture] = {
     "llama": Architecture(COMMON),
+    "mistral": Architecture(COMMON),  # Llama's tensors; its sliding window is refused in FIELDS
     "qwen2": Architecture({**COMMON, "add_qkv_bias": lambda hf: True}),
     "qwen3": Architecture({**COMMON, "qk_layernorm": lambda hf: True}),
     # transformers' Mixtral always renormalises the top-k (it has no norm_topk_prob)
     "mixtral": Architecture({**COMMON, **MOE, "moe_router_pre_softmax": lambda hf: False}),
     "qwen3_moe": Architecture({**COMMON, **MOE, "qk_layernorm": lambda hf: True}),
+    "qwen2_moe": Architecture({**COMMON, **QWEN2_MOE}),
     "deepseek_v3": Architecture({**COMMON, **DEEPSEEK_V3}, mla=True),
 }
 
@@ -159,7 +169,31 @@ def _qwen_no_window(hf) -> bool:
     return all(t == "full_attention" for t in types)
 
 
-def _qwen3_moe_top1_ok(hf) -> bool:
+def _qwen2_moe_no_window(hf) -> bool:
+    """As :func:`_qwen_no_window` for transformers' Qwen2-MoE, whose default ``layer_types``
+    slide every other layer (the 1st, 3rd, ...) below max_window_layers."""
+    if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return True
+    below = _get(hf, "max_window_layers", default=28)
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 and i < below else "full_attention"
+                                       for i in range(hf["num_hidden_layers"])]
+    return all(t == "full_attention" for t in types)
+
+
+def _shared_expert_ok(hf) -> bool:
+    """transformers' Qwen2-MoE builds a shared expert (and its gate) in every MoE layer, one of
+    intermediate size 0 too (zero-sized tensors): megarl maps only a real one."""
+    return not _get(hf, "num_experts", default=0) or _get(hf, "shared_expert_intermediate_size", default=1) > 0
+
+
+def _window_covers_positions(hf) -> bool:
+    """Mistral slides every layer by ``sliding_window`` W (a query sees its W latest keys): no
+    effect when W >= max_position_embeddings, the longest sequence megarl runs."""
+    window = hf.get("sliding_window")
+    return window is None or window >= _get(hf, "max_position_embeddings", default=4096)
+
+
+def _softmax_top1_ok(hf) -> bool:
     """Renormalised top-1 softmax routing weighs the chosen expert by exactly 1; Megatron refuses
     top-1 softmax routing without pre-softmax (TransformerConfig.__post_init__)."""
     experts = _get(hf, "num_local_experts", "num_experts", default=0)
@@ -180,6 +214,8 @@ def _group_scores_ok(hf) -> bool:
 
 
 _NO_WINDOW = "megarl has no sliding-window attention; set use_sliding_window=false"
+_TOP1_NORM = Only(_softmax_top1_ok, "with num_experts_per_tok=1, only false (Megatron cannot route "
+                  "softmax top-1 with weight 1)")
 
 BASE_FIELDS: Dict[str, Union[str, Only]] = {
     **{k: INERT for k in (
@@ -214,6 +250,12 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
         "mlp_bias": Only(_at("mlp_bias", False), "only false"),
         "pretraining_tp": INERT,  # split matmuls in older transformers, same result; unused in 5.x
     },
+    "mistral": {
+        **BASE_FIELDS,
+        "sliding_window": Only(_window_covers_positions,
+                               "megarl has no sliding-window attention; set sliding_window to null (or "
+                               "to at least max_position_embeddings, where it has no effect)"),
+    },
     "qwen2": {
         **BASE_FIELDS, **_QWEN_DENSE,
         "attention_bias": INERT,  # transformers' Qwen2 always biases q/k/v and never o_proj
@@ -238,8 +280,18 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
         "max_window_layers": INERT,  # transformers' Qwen3-MoE slides every layer or none
         **{k: MAPPED for k in ("num_local_experts", "num_experts", "num_experts_per_tok",
                                "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers")},
-        "norm_topk_prob": Only(_qwen3_moe_top1_ok, "with num_experts_per_tok=1, only false (Megatron "
-                               "cannot route softmax top-1 with weight 1)"),
+        "norm_topk_prob": _TOP1_NORM,
+    },
+    "qwen2_moe": {
+        **BASE_FIELDS, **_ROUTER_AUX,
+        "attention_bias": INERT,  # transformers' Qwen2-MoE biases q/k/v by qkv_bias, never o_proj
+        "sliding_window": Only(_qwen2_moe_no_window, _NO_WINDOW),
+        "use_sliding_window": MAPPED, "max_window_layers": MAPPED, "layer_types": MAPPED,
+        **{k: MAPPED for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                               "decoder_sparse_step", "mlp_only_layers", "qkv_bias")},
+        "shared_expert_intermediate_size": Only(
+            _shared_expert_ok, "only > 0: megarl builds the shared expert and its gate of every MoE layer"),
+        "norm_topk_prob": _TOP1_NORM,
     },
     "deepseek_v3": {
         **BASE_FIELDS, **_ROUTER_AUX,
@@ -337,8 +389,8 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
             kwargs[name] = value
     check_fields(hf)
     if not kwargs.get("num_moe_experts"):  # absent or 0: a dense model
-        for name in MOE:
-            kwargs.pop(name, None)
+        for name in [k for k in kwargs if k in MOE or k.startswith("moe_")]:
+            kwargs.pop(name)
     rope = _rope(hf)
     rope_type = rope["rope_type"]
     rope_scaling = None

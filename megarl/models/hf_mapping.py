@@ -177,16 +177,48 @@ def _dense_mlp(norm_key: str, norm_te: Optional[str], hf_mlp: str = "model.layer
     ]
 
 
-def _experts(expert: str, gate: str, up: str, down: str) -> List[Rule]:
-    return [
-        R("mlp.experts.experts.linear_fc1.weight", (expert + gate, expert + up), GateUp(), experts=True),
-        R("mlp.experts.experts.linear_fc2.weight", expert + down, experts=True),
+@dataclass(frozen=True)
+class MoENames:
+    """HF names of a family's MoE block, after ``model.layers.{L}.``: the block, its routed
+    experts' gate/up/down projections, its shared experts and the shared experts' gate, if any."""
+
+    block: str = "mlp."
+    experts: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared: str = "shared_experts."
+    shared_gate: str = "shared_expert_gate.weight"
+
+
+MOE_NAMES: Dict[str, MoENames] = {
+    "mixtral": MoENames(block="block_sparse_moe.", experts=("w1", "w3", "w2")),
+    "qwen2_moe": MoENames(shared="shared_expert."),  # one shared expert, singular
+}
+
+
+def _moe(args: MegatronModelArgs) -> List[Rule]:
+    """Router, routed experts, expert bias, shared experts and their gate of an MoE layer."""
+    kw, names = args.config_kwargs, MOE_NAMES.get(args.model_type, MoENames())
+    block = "model.layers.{L}." + names.block
+    expert = block + "experts.{E}."
+    gate, up, down = (expert + p + ".weight" for p in names.experts)
+    rules = [
+        R("mlp.router.weight", block + "gate.weight"),
+        R("mlp.experts.experts.linear_fc1.weight", (gate, up), GateUp(), experts=True),
+        R("mlp.experts.experts.linear_fc2.weight", down, experts=True),
     ]
+    if kw.get("moe_router_enable_expert_bias"):
+        rules.append(R("mlp.router.expert_bias", block + "gate.e_score_correction_bias"))
+    if kw.get("moe_shared_expert_intermediate_size"):
+        shared = block + names.shared
+        rules += [R("mlp.shared_experts.linear_fc1.weight", (shared + "gate_proj.weight", shared + "up_proj.weight"), GateUp()),
+                  R("mlp.shared_experts.linear_fc2.weight", shared + "down_proj.weight")]
+    if kw.get("moe_shared_expert_gate"):  # Megatron's [1, hidden] gate weight is HF's Linear(hidden, 1)
+        rules.append(R("mlp.shared_experts.gate_weight", block + names.shared_gate))
+    return rules
 
 
 def layer_rules(args: MegatronModelArgs, layer: int) -> List[Rule]:
     """Rules of decoder layer ``layer`` (dense or MoE by the config's layer pattern)."""
-    kw, model_type = args.config_kwargs, args.model_type
+    kw = args.config_kwargs
     moe = bool(kw.get("num_moe_experts")) and kw["moe_layer_freq"][layer] == 1
     # The pre-MLP norm: the local GQA spec renames it to TE's fused name
     # (``sharded_state_dict_keys_map``), the local MLA spec does not; TE fuses it into a dense
@@ -197,21 +229,7 @@ def layer_rules(args: MegatronModelArgs, layer: int) -> List[Rule]:
     if not moe:
         return rules + _dense_mlp(norm_key, fused if args.mla else None)
     rules.append(R(norm_key, "model.layers.{L}.post_attention_layernorm.weight", te=None if args.mla else apart))
-    if model_type == "mixtral":
-        moe_prefix = "model.layers.{L}.block_sparse_moe."
-        rules.append(R("mlp.router.weight", moe_prefix + "gate.weight"))
-        rules += _experts(moe_prefix + "experts.{E}.", "w1.weight", "w3.weight", "w2.weight")
-        return rules
-    mlp = "model.layers.{L}.mlp."
-    rules.append(R("mlp.router.weight", mlp + "gate.weight"))
-    rules += _experts(mlp + "experts.{E}.", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
-    if kw.get("moe_router_enable_expert_bias"):
-        rules.append(R("mlp.router.expert_bias", mlp + "gate.e_score_correction_bias"))
-    if kw.get("moe_shared_expert_intermediate_size"):
-        shared = mlp + "shared_experts."
-        rules += [R("mlp.shared_experts.linear_fc1.weight", (shared + "gate_proj.weight", shared + "up_proj.weight"), GateUp()),
-                  R("mlp.shared_experts.linear_fc2.weight", shared + "down_proj.weight")]
-    return rules
+    return rules + _moe(args)
 
 
 def global_rules(args: MegatronModelArgs, vocab_multiple: int) -> List[Rule]:
@@ -276,7 +294,7 @@ def build_plan(args: MegatronModelArgs, vocab_multiple: int) -> Plan:
     return plan
 
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 
 _MTP = re.compile(r"^model\.layers\.(\d+)\.")
 

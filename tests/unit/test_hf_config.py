@@ -18,11 +18,11 @@ from megarl.models.hf_config import (
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = sorted((REPO / "configs" / "models").glob("*.json"))
-SIX = {"llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"}
+FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"}
 
 MOE_FIELDS = {
     "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
-    "moe_router_pre_softmax", "moe_aux_loss_coeff", "moe_shared_expert_intermediate_size",
+    "moe_router_pre_softmax", "moe_aux_loss_coeff", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
     "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
     "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype", "moe_router_bias_update_rate",
 }
@@ -47,6 +47,12 @@ def llama(**over):
     kw = dict(head_dim=24)
     kw.update(over)
     return transformers.LlamaConfig(**common_kwargs(**kw)).to_dict()
+
+
+def mistral(**over):
+    kw = dict(head_dim=32, sliding_window=None)  # head_dim != hidden / heads, as in Mistral-Nemo
+    kw.update(over)
+    return transformers.MistralConfig(**common_kwargs(**kw)).to_dict()
 
 
 def qwen2(**over):
@@ -74,6 +80,14 @@ def mixtral(**over):
     return transformers.MixtralConfig(**common_kwargs(**kw)).to_dict()
 
 
+def qwen2_moe(**over):
+    kw = dict(num_hidden_layers=6, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+              shared_expert_intermediate_size=56, mlp_only_layers=[1], decoder_sparse_step=2,
+              router_aux_loss_coef=0.0123)
+    kw.update(over)
+    return transformers.Qwen2MoeConfig(**common_kwargs(**kw)).to_dict()
+
+
 def deepseek_v3(**over):
     kw = dict(num_hidden_layers=5, num_key_value_heads=6, first_k_dense_replace=2, q_lora_rank=48,
               kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=12, v_head_dim=20,
@@ -84,8 +98,8 @@ def deepseek_v3(**over):
     return transformers.DeepseekV3Config(**common_kwargs(**kw)).to_dict()
 
 
-BUILDERS = {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
-            "mixtral": mixtral, "deepseek_v3": deepseek_v3}
+BUILDERS = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
+            "qwen2_moe": qwen2_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3}
 
 
 def expected_common(hf):
@@ -260,6 +274,66 @@ def test_qwen3_moe_hub_style_num_experts_key():
     assert megatron_args_from_hf(hf).config_kwargs["num_moe_experts"] == 6
 
 
+def test_qwen2_moe_mapping():
+    hf = qwen2_moe()
+    assert hf["qkv_bias"] is True and hf["norm_topk_prob"] is False  # Qwen2MoeConfig's defaults
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    kw = args.config_kwargs
+    assert kw["kv_channels"] == 96 // 6
+    assert kw["add_qkv_bias"] is True
+    assert "qk_layernorm" not in kw
+    assert kw["num_moe_experts"] == 6 == args.num_experts
+    assert kw["moe_router_topk"] == 3
+    assert kw["moe_ffn_hidden_size"] == 48
+    assert kw["ffn_hidden_size"] == 200                          # the dense layers of mlp_only_layers
+    assert kw["moe_aux_loss_coeff"] == pytest.approx(0.0123)
+    assert kw["moe_router_pre_softmax"] is True                  # softmax, top-k, no renormalisation
+    assert kw["moe_layer_freq"] == [0, 0, 0, 1, 0, 1]
+    assert kw["moe_shared_expert_intermediate_size"] == 56
+    assert kw["moe_shared_expert_gate"] is True
+    assert not MLA_FIELDS & set(kw)
+
+
+def test_qwen2_moe_options():
+    kw = megatron_args_from_hf(qwen2_moe(qkv_bias=False, norm_topk_prob=True, decoder_sparse_step=1,
+                                         mlp_only_layers=[])).config_kwargs
+    assert kw["add_qkv_bias"] is False
+    assert kw["moe_router_pre_softmax"] is False
+    assert kw["moe_layer_freq"] == [1] * 6
+    for shared in (56, 0):  # no experts: every layer a dense MLP, as in transformers, and no shared expert
+        args = megatron_args_from_hf(qwen2_moe(num_experts=0, shared_expert_intermediate_size=shared))
+        assert args.num_experts is None
+        assert not MOE_FIELDS & set(args.config_kwargs), MOE_FIELDS & set(args.config_kwargs)
+    with pytest.raises(UnsupportedModelError, match="shared_expert_intermediate_size=0"):
+        megatron_args_from_hf(qwen2_moe(shared_expert_intermediate_size=0))
+
+
+def test_mistral_mapping():
+    hf = mistral()
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    check_dense(args)
+    kw = args.config_kwargs
+    assert kw["kv_channels"] == 32 != 96 // 6
+    assert kw["add_qkv_bias"] is False
+    assert "qk_layernorm" not in kw
+    assert megatron_args_from_hf(mistral(head_dim=None)).config_kwargs["kv_channels"] == 96 // 6
+
+
+@pytest.mark.parametrize("window", [None, 777, 4096])
+def test_mistral_sliding_window_without_effect_is_accepted(window):
+    """A window of at least max_position_embeddings (777 here) never drops a key."""
+    assert megatron_args_from_hf(mistral(sliding_window=window)).config_kwargs == \
+        megatron_args_from_hf(mistral()).config_kwargs
+
+
+@pytest.mark.parametrize("window", [776, 16])
+def test_mistral_sliding_window_is_refused_by_name(window):
+    with pytest.raises(UnsupportedModelError, match=f"sliding_window={window} .*set sliding_window to null"):
+        megatron_args_from_hf(mistral(sliding_window=window))
+
+
 def test_mixtral_mapping():
     hf = mixtral()
     assert "norm_topk_prob" not in hf
@@ -381,7 +455,7 @@ def test_unsupported_model_type():
         megatron_args_from_hf({**llama(), "model_type": "gpt2"})
     message = str(err.value)
     assert "gpt2" in message
-    for name in SIX:
+    for name in FAMILIES:
         assert name in message
     assert isinstance(err.value, ValueError)
 
@@ -410,7 +484,7 @@ def test_old_style_rope_scaling_type_key():
         megatron_args_from_hf(hf)
 
 
-@pytest.mark.parametrize("model_type", sorted(SIX))
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_missing_required_key(model_type):
     hf = BUILDERS[model_type]()
     del hf["num_hidden_layers"]
@@ -462,17 +536,16 @@ def test_input_dict_not_mutated():
     assert hf == snapshot
 
 
-def test_architectures_are_the_six():
-    assert set(ARCHITECTURES) == SIX
-    assert len(ARCHITECTURES) == 6
+def test_architectures_are_the_families():
+    assert set(ARCHITECTURES) == FAMILIES
     assert [t for t, a in ARCHITECTURES.items() if a.mla] == ["deepseek_v3"]
     assert set(MOE) <= MOE_FIELDS
 
 
 def test_repo_model_configs_cover_all_architectures():
-    assert len(MODEL_CONFIGS) >= 6
+    assert len(MODEL_CONFIGS) >= len(FAMILIES)
     types = {json.loads(p.read_text())["model_type"] for p in MODEL_CONFIGS}
-    assert types == SIX
+    assert types == FAMILIES
 
 
 @pytest.mark.parametrize("path", MODEL_CONFIGS, ids=[p.stem for p in MODEL_CONFIGS])
@@ -485,7 +558,7 @@ def test_repo_model_config_maps(path):
     assert kw["hidden_size"] == hf["hidden_size"]
     assert kw["num_attention_heads"] == hf["num_attention_heads"]
     assert args.vocab_size == hf["vocab_size"]
-    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "deepseek_v3"}
+    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"}
     if moe:
         assert kw["num_moe_experts"] == (hf.get("num_local_experts") or hf.get("num_experts")
                                          or hf.get("n_routed_experts"))

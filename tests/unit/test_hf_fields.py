@@ -15,10 +15,12 @@ from megarl.models.hf_config import FIELDS, INERT, MAPPED, Only, UnsupportedMode
 
 CLASSES = {
     "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "mixtral": transformers.MixtralConfig,
     "qwen3_moe": transformers.Qwen3MoeConfig,
+    "qwen2_moe": transformers.Qwen2MoeConfig,
     "deepseek_v3": transformers.DeepseekV3Config,
 }
 
@@ -31,6 +33,7 @@ COMMON_BAD = {
 }
 BAD = {
     "llama": {**COMMON_BAD, "mlp_bias": {"mlp_bias": True}},
+    "mistral": {**COMMON_BAD, "sliding_window": {"sliding_window": 4096, "max_position_embeddings": 32768}},
     "qwen2": {k: v for k, v in {**COMMON_BAD, "sliding_window": SLIDING_QWEN}.items() if k != "attention_bias"},
     "qwen3": {**COMMON_BAD, "sliding_window": SLIDING_QWEN},
     "mixtral": {**COMMON_BAD, "sliding_window": {"sliding_window": 4096},
@@ -38,6 +41,13 @@ BAD = {
                 "router_jitter_noise": {"router_jitter_noise": 0.01}},
     "qwen3_moe": {**COMMON_BAD, "sliding_window": {"use_sliding_window": True, "sliding_window": 16},
                   "norm_topk_prob": {"norm_topk_prob": True, "num_experts_per_tok": 1}},
+    "qwen2_moe": {  # transformers' Qwen2-MoE ignores attention_bias (qkv_bias biases q/k/v)
+        **{k: v for k, v in COMMON_BAD.items() if k != "attention_bias"},
+        # the default layer_types: layers 0, 2, ... below max_window_layers slide
+        "sliding_window": {"use_sliding_window": True, "sliding_window": 16, "layer_types": None},
+        "shared_expert_intermediate_size": {"shared_expert_intermediate_size": 0},
+        "norm_topk_prob": {"norm_topk_prob": True, "num_experts_per_tok": 1},
+    },
     "deepseek_v3": {
         **COMMON_BAD,
         "num_key_value_heads": {"num_key_value_heads": 64},
@@ -57,8 +67,27 @@ def class_fields(cls) -> set:
     return set(cls().to_dict()) | params | set(getattr(cls, "attribute_map", {}))
 
 
+# Transformers defaults megarl refuses by design, and what makes them runnable.
+REFUSED_DEFAULTS = {
+    # MistralConfig() slides a 4096-token window over 131072 positions (Mistral-7B-v0.1); the
+    # later Mistral releases have sliding_window null.
+    "mistral": {"sliding_window": None},
+}
+
+
 def default_config(model_type: str) -> dict:
-    return json.loads(json.dumps(CLASSES[model_type]().to_dict()))  # as a config.json reads back
+    """The config class's defaults, as a config.json reads back, with REFUSED_DEFAULTS applied."""
+    return {**json.loads(json.dumps(CLASSES[model_type]().to_dict())), **REFUSED_DEFAULTS.get(model_type, {})}
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED_DEFAULTS))
+def test_refused_defaults_are_refused_by_name(model_type):
+    hf = json.loads(json.dumps(CLASSES[model_type]().to_dict()))
+    for name in REFUSED_DEFAULTS[model_type]:
+        with pytest.raises(UnsupportedModelError, match=f"config field {name}="):
+            megatron_args_from_hf(hf)
+        hf[name] = REFUSED_DEFAULTS[model_type][name]
+    megatron_args_from_hf(hf)
 
 
 @pytest.mark.parametrize("model_type", sorted(CLASSES))
@@ -106,6 +135,25 @@ def test_unknown_field_warns_with_its_name():
 ])
 def test_qwen_sliding_window_settings_that_slide_no_layer_are_accepted(over):
     megatron_args_from_hf({**default_config("qwen2"), **over})
+
+
+@pytest.mark.parametrize("over", [
+    {"use_sliding_window": False, "sliding_window": 4096},  # Qwen1.5-MoE hub style
+    {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 0, "layer_types": None},
+    {"use_sliding_window": True, "sliding_window": 4096, "layer_types": ["full_attention"] * 24},
+])
+def test_qwen2_moe_sliding_window_settings_that_slide_no_layer_are_accepted(over):
+    megatron_args_from_hf({**default_config("qwen2_moe"), **over})
+
+
+def test_qwen2_moe_default_layer_types_slide_every_other_layer():
+    hf = {**default_config("qwen2_moe"), "use_sliding_window": True, "sliding_window": 4096,
+          "max_window_layers": 1, "layer_types": None, "num_hidden_layers": 4}
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):  # layer 0 slides
+        megatron_args_from_hf(hf)
+    assert transformers.Qwen2MoeConfig(**{k: hf[k] for k in ("use_sliding_window", "sliding_window",
+                                                              "max_window_layers", "num_hidden_layers")}
+                                       ).layer_types[0] == "sliding_attention"
 
 
 def test_cli_refuses_before_launching(tmp_path, capsys):

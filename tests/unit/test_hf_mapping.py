@@ -17,8 +17,9 @@ from megarl.models.hf_mapping import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG_FOR = {"llama": "tiny-llama", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3", "mixtral": "tiny-mixtral",
-              "qwen3_moe": "tiny-qwen3-moe", "deepseek_v3": "tiny-deepseek-v3"}
+CONFIG_FOR = {"llama": "tiny-llama", "mistral": "tiny-mistral", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
+              "mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3-moe", "qwen2_moe": "tiny-qwen2-moe",
+              "deepseek_v3": "tiny-deepseek-v3"}
 
 
 @pytest.mark.parametrize("shape", [(48, 8), (48,)])

@@ -26,7 +26,8 @@ from megarl.rollout.sglang_engine import colocated_rollout, request_params, writ
 from megarl.rollout.types import RolloutEngine, SamplingParams
 from megarl.transports.nccl_broadcast import hf_bucket_plan
 
-NAMES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3"]
+NAMES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
+         "tiny-deepseek-v3"]
 
 
 @pytest.mark.parametrize("name", NAMES)

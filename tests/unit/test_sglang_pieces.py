@@ -20,7 +20,8 @@ from megarl.hybrid.hf_names import HFNames, assemble, checkpoint_key
 from megarl.rollout.sglang_engine import require_sglang
 from megarl.transports.cuda_ipc import buckets, flatten, payloads_by_name, unflatten
 
-NAMES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3"]
+NAMES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
+         "tiny-deepseek-v3"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -24,7 +24,8 @@ from megarl.models.hf_mapping import layer_rules
 from megarl.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3"]
+MODELS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
+          "tiny-deepseek-v3"]
 # Parameters each leaf module registers (RMSNorm: no biases; add_bias_linear is off).
 PARAMS = {
     "TELayerNormColumnParallelLinear": ("layer_norm_weight", "weight"),
@@ -89,7 +90,7 @@ def _keys(spec, config, prefix: str = "") -> set:
     if submodules is None:
         qkv_bias = prefix.endswith("linear_qkv.") and config.add_qkv_bias
         return {prefix + p for p in PARAMS[_name(module)] + (("bias",) if qkv_bias else ())}
-    keys = set()
+    keys = {prefix + "gate_weight"} if _shared_gate(module, config) else set()
     for field in dataclasses.fields(submodules):
         if _unused(_name(module), field.name, config):
             continue
@@ -97,6 +98,13 @@ def _keys(spec, config, prefix: str = "") -> set:
     for old, new in getattr(submodules, "sharded_state_dict_keys_map", {}).items():
         keys = {prefix + new + k[len(prefix + old):] if k.startswith(prefix + old) else k for k in keys}
     return keys
+
+
+def _shared_gate(module, config) -> bool:
+    """The shared experts' sigmoid gate, a parameter SharedExpertMLP registers itself."""
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    return module is SharedExpertMLP and config.moe_shared_expert_gate
 
 
 def _unused(module: str, field: str, config) -> bool:
@@ -131,7 +139,8 @@ def test_te_names_differ_where_expected(te_specs):
     assert "pre_mlp_layernorm.weight" in _keys(specs[1], config)  # kept apart before an MoE layer
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe",
+                                  "tiny-qwen2-moe", "tiny-mixtral"])
 @pytest.mark.parametrize("te", [True, False], ids=["transformer_engine", "local"])
 def test_lora_targets_are_linears_of_the_spec(te_specs, name, te):
     """Every linear megarl.models.lora adapts (attention only for MoE models, which it allows) is a

@@ -19,9 +19,11 @@ from megarl.hybrid.names import FUSED_NORMS, canonical_name, check_planned, plan
 from megarl.hybrid.shards import LocalTensor, Placement
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
-from tests.unit.test_te_key_names import PARAMS, ROOT, _config, _name, _unused, te_specs  # noqa: F401 (a fixture)
+from tests.unit.test_te_key_names import (  # noqa: F401 (te_specs: a fixture)
+    PARAMS, ROOT, _config, _name, _shared_gate, _unused, te_specs,
+)
 
-MODELS = ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3-moe", "tiny-mixtral"]
+MODELS = ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe"]
 LAYOUTS = [Layout(), Layout(tp=2, pp=2, dp=2), Layout(tp=2, pp=2, dp=2, ep=2, etp=1), Layout(tp=2, pp=2, vpp=2)]
 
 
@@ -45,7 +47,7 @@ def _layer_names(spec, config, local_experts: int, prefix: str = "") -> set:
     if submodules is None:
         qkv_bias = prefix.endswith("linear_qkv.") and config.add_qkv_bias
         return {prefix + p for p in PARAMS[_name(module)] + (("bias",) if qkv_bias else ())}
-    names = set()
+    names = {prefix + "gate_weight"} if _shared_gate(module, config) else set()
     for field in dataclasses.fields(submodules):
         if not _unused(_name(module), field.name, config):
             names |= _layer_names(getattr(submodules, field.name), config, local_experts, f"{prefix}{field.name}.")
