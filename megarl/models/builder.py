@@ -203,6 +203,7 @@ def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelA
             share_embeddings_and_output_weights=args.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=args.config_kwargs["rotary_base"],
+            rotary_percent=args.rotary_percent,
             rope_scaling=bool(rope),
             rope_scaling_factor=rope.get("factor", 8.0),
             pg_collection=groups.pg,

@@ -83,12 +83,15 @@ def _group_limit_is_noop(hf) -> bool:
     return hf["topk_group"] >= hf["n_group"]
 
 
-DEEPSEEK_V3: Dict[str, Row] = {
+# DeepSeek-V3's routing (shared by GLM-4.5): sigmoid scores plus e_score_correction_bias (Megatron's
+# router expert_bias) choose the experts, routed_scaling_factor scales their weights, optionally
+# group-limited; n_shared_experts shared experts of moe_intermediate_size each.
+SIGMOID_MOE: Dict[str, Row] = {
     **MOE,
     "moe_ffn_hidden_size": "moe_intermediate_size",
     "moe_shared_expert_intermediate_size": lambda hf: hf["n_shared_experts"] * hf["moe_intermediate_size"],
-    # transformers' DeepseekV3 always routes on sigmoid scores plus e_score_correction_bias
-    # (scoring_func / topk_method other than that are refused in FIELDS).
+    # transformers' DeepseekV3 and Glm4Moe always route on sigmoid scores plus
+    # e_score_correction_bias (DeepSeek's scoring_func / topk_method otherwise are refused in FIELDS).
     "moe_router_score_function": lambda hf: "sigmoid",
     "moe_router_enable_expert_bias": lambda hf: True,
     "moe_router_topk_scaling_factor": lambda hf: _get(hf, "routed_scaling_factor", default=1.0),
@@ -97,6 +100,10 @@ DEEPSEEK_V3: Dict[str, Row] = {
     "moe_router_pre_softmax": lambda hf: True,
     "moe_router_dtype": lambda hf: "fp32",
     "moe_router_bias_update_rate": lambda hf: 1e-3,
+}
+
+DEEPSEEK_V3: Dict[str, Row] = {
+    **SIGMOID_MOE,
     "q_lora_rank": "q_lora_rank",  # null: a plain q_proj (DeepSeek-V2-Lite, Moonlight); see KEEP_NULL
     "kv_lora_rank": "kv_lora_rank",
     "qk_head_dim": "qk_nope_head_dim",
@@ -118,12 +125,32 @@ QWEN2_MOE: Dict[str, Row] = {
 }
 
 
+GLM4_MOE: Dict[str, Row] = {
+    **SIGMOID_MOE,
+    # transformers' Glm4Moe biases q/k/v by attention_bias and never o_proj
+    "add_qkv_bias": lambda hf: bool(_get(hf, "attention_bias", default=False)),
+    # per-head RMSNorm (of head_dim) on q and k before the rope, as Megatron's qk_layernorm
+    "qk_layernorm": lambda hf: bool(_get(hf, "use_qk_norm", default=False)),
+}
+
+
+def _partial_rotary_factor(hf) -> float:
+    """GLM-4.5 rotates the first ``int(head_dim * factor)`` channels of each head (half-split
+    rotate_half within them) and passes the rest; Megatron's ``rotary_percent`` does exactly that
+    (RotaryEmbedding, rope_utils._apply_rotary_pos_emb_bshd). transformers reads the factor from
+    rope_parameters, which takes a top-level partial_rotary_factor when it has none; Glm4MoeConfig
+    defaults it to 0.5."""
+    return float(_get(_rope(hf), "partial_rotary_factor", default=_get(hf, "partial_rotary_factor", default=0.5)))
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How one HF ``model_type`` maps onto Megatron."""
 
     rows: Dict[str, Row]
     mla: bool = False
+    # the fraction of each head's channels the rope rotates (a GPTModel argument); None: all
+    rotary_percent: Optional[Callable[[Mapping[str, Any]], float]] = None
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -136,6 +163,7 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "qwen3_moe": Architecture({**COMMON, **MOE, "qk_layernorm": lambda hf: True}),
     "qwen2_moe": Architecture({**COMMON, **QWEN2_MOE}),
     "deepseek_v3": Architecture({**COMMON, **DEEPSEEK_V3}, mla=True),
+    "glm4_moe": Architecture({**COMMON, **GLM4_MOE}, rotary_percent=_partial_rotary_factor),
 }
 
 
@@ -323,6 +351,27 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
                                "transformers' DeepseekV3 makes every layer from first_k_dense_replace on MoE"),
         "ep_size": INERT, "aux_loss_alpha": INERT, "seq_aux": INERT,
     },
+    "glm4_moe": {
+        **BASE_FIELDS,
+        "output_router_logits": INERT,  # Glm4Moe computes no aux loss (moe_aux_loss_coeff 0)
+        "attention_bias": MAPPED,  # transformers' Glm4Moe biases q/k/v by it, never o_proj
+        **{k: MAPPED for k in (
+            "use_qk_norm", "partial_rotary_factor", "n_routed_experts", "num_local_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
+            "routed_scaling_factor", "topk_group")},
+        "n_shared_experts": Only(lambda hf: _get(hf, "n_shared_experts", default=1) > 0,
+                                 "only > 0: transformers' Glm4Moe builds a shared expert of "
+                                 "n_shared_experts * moe_intermediate_size in every MoE layer"),
+        "norm_topk_prob": Only(_sigmoid_normalisation_ok,
+                               "Megatron renormalises the sigmoid top-k scores exactly when "
+                               "num_experts_per_tok > 1: set norm_topk_prob to match"),
+        "n_group": Only(_group_scores_ok,
+                        "Megatron ranks expert groups by their top num_experts_per_tok//topk_group "
+                        "scores, transformers by their top 2: they agree when that is 2 or "
+                        "topk_group >= n_group"),
+        # Multi-token-prediction layers: transformers does not run them, megarl skips their tensors.
+        "num_nextn_predict_layers": INERT, "num_mtp_layers": INERT,
+    },
 }
 
 
@@ -351,6 +400,7 @@ class MegatronModelArgs:
     tie_word_embeddings: bool
     mla: bool
     rope_scaling: Optional[Dict[str, Any]] = None
+    rotary_percent: float = 1.0  # the fraction of each head's channels the rope rotates
     hf_config: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -394,6 +444,14 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
     rope = _rope(hf)
     rope_type = rope["rope_type"]
     rope_scaling = None
+    rotary_percent = 1.0 if arch.rotary_percent is None else arch.rotary_percent(hf)
+    if not 0.0 < rotary_percent <= 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={rotary_percent} is not supported: only 0 < it <= 1")
+    if rotary_percent < 1.0 and rope_type != "default":
+        # Megatron scales the partial rope's frequencies only as llama3; unchecked against transformers
+        raise UnsupportedModelError(
+            f"rope_type '{rope_type}' with partial_rotary_factor={rotary_percent} ({model_type}) is not "
+            f"supported; only 'default' rope with a partial rotary factor")
     if arch.mla:
         kwargs["rope_type"] = "rope" if rope_type == "default" else rope_type
         if rope_type == "yarn":
@@ -424,6 +482,7 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
         tie_word_embeddings=bool(_get(hf, "tie_word_embeddings", default=False)),
         mla=arch.mla,
         rope_scaling=rope_scaling,
+        rotary_percent=rotary_percent,
         hf_config=hf,
     )
 

@@ -294,14 +294,14 @@ def build_plan(args: MegatronModelArgs, vocab_multiple: int) -> Plan:
     return plan
 
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
 
 _MTP = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def skipped_hf_names(args: MegatronModelArgs, names: Sequence[str]) -> List[str]:
-    """HF tensors megarl does not convert: DeepSeek's multi-token-prediction layers (indices
-    past num_hidden_layers), which transformers itself does not load either."""
+    """HF tensors megarl does not convert: DeepSeek's and GLM-4.5's multi-token-prediction layers
+    (indices past num_hidden_layers), which transformers itself does not load either."""
     num_layers = args.config_kwargs["num_layers"]
     return [n for n in names if (m := _MTP.match(n)) and int(m.group(1)) >= num_layers]
 
