@@ -18,7 +18,7 @@ from megarl.models.hf_config import (
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = sorted((REPO / "configs" / "models").glob("*.json"))
-FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"}
+FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe"}
 
 MOE_FIELDS = {
     "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -98,8 +98,16 @@ def deepseek_v3(**over):
     return transformers.DeepseekV3Config(**common_kwargs(**kw)).to_dict()
 
 
+def glm4_moe(**over):
+    kw = dict(num_hidden_layers=5, first_k_dense_replace=2, n_shared_experts=2, moe_intermediate_size=36,
+              n_routed_experts=8, num_experts_per_tok=4, routed_scaling_factor=1.75, n_group=4, topk_group=2,
+              attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.25, tie_word_embeddings=False)
+    kw.update(over)
+    return transformers.Glm4MoeConfig(**common_kwargs(**kw)).to_dict()
+
+
 BUILDERS = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
-            "qwen2_moe": qwen2_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3}
+            "qwen2_moe": qwen2_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe}
 
 
 def expected_common(hf):
@@ -307,6 +315,86 @@ def test_qwen2_moe_options():
         assert not MOE_FIELDS & set(args.config_kwargs), MOE_FIELDS & set(args.config_kwargs)
     with pytest.raises(UnsupportedModelError, match="shared_expert_intermediate_size=0"):
         megatron_args_from_hf(qwen2_moe(shared_expert_intermediate_size=0))
+
+
+def test_glm4_moe_mapping():
+    hf = glm4_moe()
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    kw = args.config_kwargs
+    assert args.mla is False and not MLA_FIELDS & set(kw)
+    assert kw["kv_channels"] == 96 // 6 and kw["num_query_groups"] == 2   # GQA, not MLA
+    assert kw["add_qkv_bias"] is True                                     # q/k/v only; o_proj never
+    assert kw["qk_layernorm"] is True
+    assert args.rotary_percent == 0.25 == hf["rope_parameters"]["partial_rotary_factor"]
+    assert kw["num_moe_experts"] == 8 == args.num_experts
+    assert kw["moe_router_topk"] == 4
+    assert kw["moe_ffn_hidden_size"] == 36
+    assert kw["ffn_hidden_size"] == 200                                  # the first_k_dense_replace layers
+    assert kw["moe_shared_expert_intermediate_size"] == 2 * 36
+    assert "moe_shared_expert_gate" not in kw
+    assert kw["moe_layer_freq"] == [0, 0, 1, 1, 1]
+    assert kw["moe_router_score_function"] == "sigmoid"
+    assert kw["moe_router_enable_expert_bias"] is True
+    assert kw["moe_router_topk_scaling_factor"] == 1.75
+    assert (kw["moe_router_num_groups"], kw["moe_router_group_topk"]) == (4, 2)
+    assert kw["moe_router_dtype"] == "fp32"
+    assert kw["moe_aux_loss_coeff"] == 0.0                               # Glm4Moe has no aux loss
+
+
+def test_glm4_moe_options():
+    kw = megatron_args_from_hf(glm4_moe(attention_bias=False, use_qk_norm=False, n_group=1, topk_group=1)).config_kwargs
+    assert kw["add_qkv_bias"] is False and kw["qk_layernorm"] is False
+    assert "moe_router_num_groups" not in kw and "moe_router_group_topk" not in kw
+    with pytest.raises(UnsupportedModelError, match="n_shared_experts=0"):
+        megatron_args_from_hf(glm4_moe(n_shared_experts=0))
+
+
+@pytest.mark.parametrize("where,expected", [
+    ({}, 0.5),                                                             # Glm4MoeConfig's default
+    ({"partial_rotary_factor": 0.25}, 0.25),                               # hub style: a top-level key
+    ({"rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 1.0}, "partial_rotary_factor": 0.5}, 1.0),
+])
+def test_glm4_moe_partial_rotary_factor_as_transformers_reads_it(where, expected):
+    hf = {k: v for k, v in glm4_moe().items() if k not in ("partial_rotary_factor", "rope_parameters")}
+    hf.update(where)
+    assert megatron_args_from_hf(hf).rotary_percent == expected
+    assert transformers.Glm4MoeConfig(**hf).rope_parameters["partial_rotary_factor"] == expected
+    assert megatron_args_from_hf(llama()).rotary_percent == 1.0
+
+
+def test_glm4_moe_partial_rope_matches_megatron_rotary_percent():
+    """transformers' Glm4Moe rope (the first int(head_dim * factor) channels, rotate_half within
+    them) equals Megatron's RotaryEmbedding(rotary_percent) + apply_rotary_pos_emb."""
+    import torch
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.models.glm4_moe import modeling_glm4_moe as glm
+
+    hf = glm4_moe(partial_rotary_factor=0.25, head_dim=32)
+    config = transformers.Glm4MoeConfig(**hf)
+    seq, heads, dim = 11, 3, 32
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, seq, dim, dtype=torch.float64)
+    cos, sin = glm.Glm4MoeRotaryEmbedding(config)(q, torch.arange(seq)[None])
+    expected, _ = glm.apply_rotary_pos_emb(q, q, cos.double(), sin.double())
+    args = megatron_args_from_hf(hf)
+    rope = RotaryEmbedding(kv_channels=dim, rotary_percent=args.rotary_percent,
+                           rotary_base=args.config_kwargs["rotary_base"], use_cpu_initialization=True)
+    half = rope.get_freqs_non_repeated(seq).double()  # get_emb without its move to the GPU
+    freqs = torch.cat((half, half), dim=-1)[:, None, None, :]  # [seq, 1, 1, rotary dim], not interleaved
+    assert freqs.shape[-1] == int(dim * 0.25)
+    got = _apply_rotary_pos_emb_bshd(q.permute(2, 0, 1, 3), freqs).permute(1, 2, 0, 3)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert torch.equal(got[..., 8:], q[..., 8:])  # the rest passes unrotated
+
+
+def test_glm4_moe_partial_rope_with_scaling_is_refused():
+    hf = glm4_moe(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                   "partial_rotary_factor": 0.5})
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5"):
+        megatron_args_from_hf(hf)
 
 
 def test_mistral_mapping():
@@ -558,7 +646,7 @@ def test_repo_model_config_maps(path):
     assert kw["hidden_size"] == hf["hidden_size"]
     assert kw["num_attention_heads"] == hf["num_attention_heads"]
     assert args.vocab_size == hf["vocab_size"]
-    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"}
+    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe"}
     if moe:
         assert kw["num_moe_experts"] == (hf.get("num_local_experts") or hf.get("num_experts")
                                          or hf.get("n_routed_experts"))

@@ -22,6 +22,7 @@ CLASSES = {
     "qwen3_moe": transformers.Qwen3MoeConfig,
     "qwen2_moe": transformers.Qwen2MoeConfig,
     "deepseek_v3": transformers.DeepseekV3Config,
+    "glm4_moe": transformers.Glm4MoeConfig,
 }
 
 # Per model_type, one refused setting for each Only field: {field: overrides that make it bite}.
@@ -32,6 +33,12 @@ COMMON_BAD = {
     "quantization_config": {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
 }
 BAD = {
+    "glm4_moe": {  # transformers' Glm4Moe biases q/k/v by attention_bias, never o_proj
+        **{k: v for k, v in COMMON_BAD.items() if k != "attention_bias"},
+        "n_shared_experts": {"n_shared_experts": 0},
+        "norm_topk_prob": {"norm_topk_prob": False},
+        "n_group": {"n_group": 8, "topk_group": 4, "num_experts_per_tok": 4},
+    },
     "llama": {**COMMON_BAD, "mlp_bias": {"mlp_bias": True}},
     "mistral": {**COMMON_BAD, "sliding_window": {"sliding_window": 4096, "max_position_embeddings": 32768}},
     "qwen2": {k: v for k, v in {**COMMON_BAD, "sliding_window": SLIDING_QWEN}.items() if k != "attention_bias"},
@@ -154,6 +161,26 @@ def test_qwen2_moe_default_layer_types_slide_every_other_layer():
     assert transformers.Qwen2MoeConfig(**{k: hf[k] for k in ("use_sliding_window", "sliding_window",
                                                               "max_window_layers", "num_hidden_layers")}
                                        ).layer_types[0] == "sliding_attention"
+
+
+def test_glm4_moe_hub_style_keys_are_known():
+    """GLM-4.5's config.json style (transformers 4.x): top-level rope_theta and
+    partial_rotary_factor, head_dim, num_nextn_predict_layers; no field is unknown."""
+    hf = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+          "attention_dropout": 0.0, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
+          "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "partial_rotary_factor": 0.5,
+          "initializer_range": 0.02, "intermediate_size": 10944, "max_position_embeddings": 131072,
+          "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1,
+          "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+          "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46,
+          "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+          "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.54.0",
+          "use_cache": True, "use_qk_norm": False, "vocab_size": 151552}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args = megatron_args_from_hf(hf)
+    assert args.rotary_percent == 0.5 and args.config_kwargs["kv_channels"] == 128
+    assert args.config_kwargs["rotary_base"] == 1000000
 
 
 def test_cli_refuses_before_launching(tmp_path, capsys):

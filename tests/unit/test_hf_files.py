@@ -26,7 +26,7 @@ def fill(directory: Path, *names: str) -> Path:
 @pytest.mark.parametrize("model_type, cls", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
                                              ("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
                                              ("mixtral", "MixtralForCausalLM"), ("mistral", "MistralForCausalLM"),
-                                             ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                             ("qwen2_moe", "Qwen2MoeForCausalLM"), ("glm4_moe", "Glm4MoeForCausalLM"),
                                              ("deepseek_v3", "DeepseekV3ForCausalLM")])
 def test_architecture_per_model_type(model_type, cls):
     assert causal_lm_architecture(model_type) == cls

@@ -19,7 +19,7 @@ from megarl.models.hf_mapping import (
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_FOR = {"llama": "tiny-llama", "mistral": "tiny-mistral", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
               "mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3-moe", "qwen2_moe": "tiny-qwen2-moe",
-              "deepseek_v3": "tiny-deepseek-v3"}
+              "deepseek_v3": "tiny-deepseek-v3", "glm4_moe": "tiny-glm4-moe"}
 
 
 @pytest.mark.parametrize("shape", [(48, 8), (48,)])
@@ -68,13 +68,16 @@ def test_table_names_exactly_what_transformers_writes(model_type, tmp_path):
     assert len(plan.hf_names()) == len(on_disk)  # no HF tensor feeds two Megatron tensors
 
 
-def test_mtp_layers_are_skipped_and_names_checked():
-    config = json.loads((ROOT / "configs/models/tiny-deepseek-v3.json").read_text())
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-glm4-moe"])
+def test_mtp_layers_are_skipped_and_names_checked(name):
+    config = json.loads((ROOT / f"configs/models/{name}.json").read_text())
     args = megatron_args_from_hf(config)
     plan = build_plan(args, 128)
-    names = plan.hf_names() + ["model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight"]
+    mtp = ["model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight", "model.layers.4.mlp.gate.weight",
+           "model.layers.4.shared_head.norm.weight"]
+    names = plan.hf_names() + mtp
     skipped = skipped_hf_names(args, names)
-    assert skipped == ["model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight"]
+    assert skipped == mtp
     check_names(plan, names, skipped, "ckpt")  # accepted
     with pytest.raises(ConversionError, match="unexpected.*model.layers.4.eh_proj.weight"):
         check_names(plan, names, [], "ckpt")

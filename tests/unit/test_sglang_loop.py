@@ -27,7 +27,7 @@ from megarl.rollout.types import RolloutEngine, SamplingParams
 from megarl.transports.nccl_broadcast import hf_bucket_plan
 
 NAMES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
-         "tiny-deepseek-v3"]
+         "tiny-deepseek-v3", "tiny-glm4-moe"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -21,7 +21,7 @@ from megarl.rollout.sglang_engine import require_sglang
 from megarl.transports.cuda_ipc import buckets, flatten, payloads_by_name, unflatten
 
 NAMES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
-         "tiny-deepseek-v3"]
+         "tiny-deepseek-v3", "tiny-glm4-moe"]
 
 
 @pytest.mark.parametrize("name", NAMES)

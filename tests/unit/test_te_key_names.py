@@ -25,7 +25,7 @@ from megarl.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
-          "tiny-deepseek-v3"]
+          "tiny-deepseek-v3", "tiny-glm4-moe"]
 # Parameters each leaf module registers (RMSNorm: no biases; add_bias_linear is off).
 PARAMS = {
     "TELayerNormColumnParallelLinear": ("layer_norm_weight", "weight"),
@@ -140,7 +140,7 @@ def test_te_names_differ_where_expected(te_specs):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe",
-                                  "tiny-qwen2-moe", "tiny-mixtral"])
+                                  "tiny-qwen2-moe", "tiny-mixtral", "tiny-glm4-moe"])
 @pytest.mark.parametrize("te", [True, False], ids=["transformer_engine", "local"])
 def test_lora_targets_are_linears_of_the_spec(te_specs, name, te):
     """Every linear megarl.models.lora adapts (attention only for MoE models, which it allows) is a

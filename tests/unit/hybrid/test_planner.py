@@ -15,8 +15,8 @@ from megarl.parallel import Layout
 
 MODELS = {n: ModelSpec.from_args(megatron_args_from_hf(f"configs/models/{n}.json"))
           for n in ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe",
-                    "tiny-mixtral", "tiny-deepseek-v3"]}
-MOE_MODELS = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v3"]
+                    "tiny-mixtral", "tiny-deepseek-v3", "tiny-glm4-moe"]}
+MOE_MODELS = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-glm4-moe"]
 
 
 def split_only(layers: int = 4, hidden: int = 64) -> ModelSpec:

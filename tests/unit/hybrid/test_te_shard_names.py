@@ -23,7 +23,7 @@ from tests.unit.test_te_key_names import (  # noqa: F401 (te_specs: a fixture)
     PARAMS, ROOT, _config, _name, _shared_gate, _unused, te_specs,
 )
 
-MODELS = ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe"]
+MODELS = ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe", "tiny-glm4-moe"]
 LAYOUTS = [Layout(), Layout(tp=2, pp=2, dp=2), Layout(tp=2, pp=2, dp=2, ep=2, etp=1), Layout(tp=2, pp=2, vpp=2)]
 
 
