@@ -113,7 +113,8 @@ def plain_megatron_model(hf_dir: Path, groups):
                     vocab_size=padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by),
                     max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
                     share_embeddings_and_output_weights=args.tie_word_embeddings, position_embedding_type="rope",
-                    rotary_base=args.config_kwargs["rotary_base"], pg_collection=groups.pg)
+                    rotary_base=args.config_kwargs["rotary_base"], rotary_percent=args.rotary_percent,
+                    pg_collection=groups.pg)
 
 
 INTEROP = ["tiny-llama", "tiny-qwen3-moe"]

@@ -17,7 +17,7 @@ from tests.distributed.launch import ROOT, torchrun
 WORKER = "tests/distributed/convert_worker.py"
 TOL = 1e-4
 DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
-MOE = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-qwen2-moe"]
+MOE = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-qwen2-moe", "tiny-glm4-moe"]
 # Variants that exercise shared transforms: vocabulary padding (250 -> 256) and tied embeddings.
 VARIANTS = {"tiny-llama": {"vocab_size": 250}, "tiny-qwen2": {"tie_word_embeddings": True}}
 # DeepSeek-V3 variants (a repo config plus overrides) for the MLA and routing settings megarl maps
@@ -47,6 +47,10 @@ def make_hf_model(name: str, out: Path) -> None:
     config.update(overrides)
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    with torch.no_grad():  # transformers starts the expert-choice bias at 0: give it values that matter
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.05 * torch.randn_like(buffer))
     model.save_pretrained(out)
 
 
@@ -103,6 +107,15 @@ def test_deepseek_variants_were_covered(results, work):
     tags = {r.get("tag") for r in results[2]}
     assert {"tiny-deepseek-v3-qnull-t2p1e1w2", "tiny-deepseek-v3-qnull-t1p2e2w4",
             "tiny-deepseek-v3-groups-t1p1e1w1", "tiny-deepseek-v3-unnormed-t1p1e1w1"} <= tags
+
+
+def test_expert_bias_and_glm4_moe_layouts_were_covered(results, work):
+    from safetensors import safe_open
+    for name in ("tiny-deepseek-v3", "tiny-glm4-moe"):
+        with safe_open(next((work / "hf" / name).glob("*.safetensors")), "pt") as f:
+            assert f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").abs().min() > 0, name
+    tags = {r.get("tag") for r in results[2]}
+    assert {f"tiny-glm4-moe-{t}" for t in ("t1p1e1w1", "t2p1e1w2", "t1p2e1w2", "t1p1e2w2")} <= tags
 
 
 def test_tied_and_padded_variants_were_covered(work):
