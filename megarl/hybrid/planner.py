@@ -11,6 +11,7 @@ every rank receive the whole model from its model-parallel group and slice after
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Tuple
@@ -267,21 +268,28 @@ def plan_reshard(model: ModelSpec, regrouping: Regrouping, mode: str = "micro_dp
 
 def bucket_segments(model: ModelSpec, remote: List[Segment], bucket_elems: int) -> List[List[Segment]]:
     """Transfers in buckets that move at most ``bucket_elems`` elements into and out of any one
-    rank (send plus receive buffers); larger ranges are cut along their dim."""
-    remote = sorted(remote, key=lambda s: (s.tensor, s.dst, s.start))
+    rank (send plus receive buffers); larger ranges are cut along their dim. The copies of one
+    range to several ranks (rollout replicas, the members of a micro-DP group) share a bucket, so
+    that a sender whose messages to them are alike packs (and delta-encodes) them once. Each copy
+    counts on its sender as if packed apart (its messages to the others may differ)."""
+    remote = sorted(remote, key=lambda s: (s.tensor, s.start, s.stop, s.dst))
     buckets: List[List[Segment]] = [[]]
     load: Dict[int, int] = defaultdict(int)
-    for seg in remote:
-        spec = model.tensors[seg.tensor]
-        row = spec.slice_numel(1)
-        step = max(1, bucket_elems // 2 // row)  # both ends of a piece fit in one bucket
-        for start in range(seg.start, seg.stop, step):
-            piece = Segment(seg.tensor, seg.src, seg.dst, start, min(seg.stop, start + step))
-            size = row * (piece.stop - piece.start)
-            if buckets[-1] and max(load[piece.src], load[piece.dst]) + size > bucket_elems:
+    for (tensor, lo, hi), copies in itertools.groupby(remote, key=lambda s: (s.tensor, s.start, s.stop)):
+        copies = list(copies)
+        row = model.tensors[tensor].slice_numel(1)
+        step = max(1, bucket_elems // 2 // len(copies) // row)  # every end of the copies fits in one bucket
+        for start in range(lo, hi, step):
+            pieces = [Segment(c.tensor, c.src, c.dst, start, min(hi, start + step)) for c in copies]
+            size = row * (pieces[0].stop - pieces[0].start)
+            adds: Dict[int, int] = defaultdict(int)
+            for piece in pieces:
+                adds[piece.src] += size
+                adds[piece.dst] += size
+            if buckets[-1] and any(load[rank] + n > bucket_elems for rank, n in adds.items()):
                 buckets.append([])
                 load.clear()
-            buckets[-1].append(piece)
-            load[piece.src] += size
-            load[piece.dst] += size
+            buckets[-1].extend(pieces)
+            for rank, n in adds.items():
+                load[rank] += n
     return [b for b in buckets if b]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.hybrid import delta as deltas
-from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view, message_tag, pack
+from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view, message_tag, pack, pack_delta
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
@@ -93,7 +93,10 @@ def plan_transfer(model: ModelSpec, train: Layout, gen: Layout, bucket_elems: in
                 if not holders:
                     raise AssertionError(f"no training rank holds {spec.key}")
                 same = [h for h in holders if replica(train, h) == reads] or holders
-                segments.append(Segment(target.spec, same[v % len(same)], train.world_size + v, lo, hi))
+                # a range several ranks hold: chosen by the reader's tp rank, so every rollout
+                # replica reads it from the same rank, which packs (and encodes) it once for all
+                pick = same[gen.coords(v)["tp"] % len(same)]
+                segments.append(Segment(target.spec, pick, train.world_size + v, lo, hi))
     return TransferPlan(model, train, gen, {r: train_at.local_tensors(r) for r in range(train.world_size)},
                         shards, bucket_segments(model, segments, bucket_elems), static, delta)
 
@@ -194,15 +197,15 @@ class ShardSender(_Side):
                 key = (index, code, tuple((s.tensor, s.start, s.stop) for s in segs))
                 if key not in packed:  # the same ranges to several rollout replicas: packed (and encoded) once
                     dtype = _CODE_DTYPES[code]
-                    buf, merged = pack(self.train, self.fillers, model, segs, dtype, self.device)
-                    scratch = max(scratch, merged)
                     if self.plan.delta:
-                        message = self.sent.encode(key, buf)
-                        scratch = max(scratch, message.transient_bytes)
+                        message, merged = pack_delta(self.sent, key, self.train, self.fillers, model, segs, dtype,
+                                                     self.device)
+                        scratch = max(scratch, merged, message.transient_bytes)
                         bufs += [message.header, message.payload]
                     else:
-                        message = buf
-                        bufs.append(buf)
+                        message, merged = pack(self.train, self.fillers, model, segs, dtype, self.device)
+                        scratch = max(scratch, merged)
+                        bufs.append(message)
                     packed[key] = message
                 message = packed[key]
                 if self.plan.delta:
