@@ -118,6 +118,39 @@ QWEN2_MOE: Dict[str, Row] = {
 }
 
 
+def _sliding(hf) -> list:
+    """1 for each layer transformers' GptOss slides (``layer_types``; by default the 1st, 3rd, ...)."""
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                       for i in range(hf["num_hidden_layers"])]
+    return [1 if t == "sliding_attention" else 0 for t in types]
+
+
+def _gpt_oss_window(hf):
+    """HF's sliding_window W lets query i see keys i-W+1..i (masking_utils: kv > q - W):
+    Megatron's window_size (W-1, 0) on the layers ``window_attn_skip_freq`` marks 1."""
+    if hf.get("sliding_window") is None or not any(_sliding(hf)):
+        return None
+    return (hf["sliding_window"] - 1, 0)
+
+
+GPT_OSS: Dict[str, Row] = {
+    **MOE,
+    "moe_ffn_hidden_size": "intermediate_size",
+    "moe_layer_freq": lambda hf: [1] * hf["num_hidden_layers"],
+    # transformers' GptOss: top-k of the router's logits, then a softmax over those k
+    "moe_router_pre_softmax": lambda hf: False,
+    "add_qkv_bias": lambda hf: True,
+    "add_bias_linear": lambda hf: True,  # q/k/v/o, the router and the experts all carry a bias
+    "softmax_type": lambda hf: "learnable",  # self_attn.sinks: one sink logit per head
+    "window_size": _gpt_oss_window,
+    "window_attn_skip_freq": lambda hf: _sliding(hf) if _gpt_oss_window(hf) else None,
+    # experts: gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate * sigmoid(1.702 gate)
+    "activation_func": lambda hf: "quick_gelu",
+    "activation_func_clamp_value": lambda hf: float(hf["swiglu_limit"]),
+    "glu_linear_offset": lambda hf: 1.0,
+}
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How one HF ``model_type`` maps onto Megatron."""
@@ -136,6 +169,7 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "qwen3_moe": Architecture({**COMMON, **MOE, "qk_layernorm": lambda hf: True}),
     "qwen2_moe": Architecture({**COMMON, **QWEN2_MOE}),
     "deepseek_v3": Architecture({**COMMON, **DEEPSEEK_V3}, mla=True),
+    "gpt_oss": Architecture({**COMMON, **GPT_OSS, "layernorm_epsilon": lambda hf: _get(hf, "rms_norm_eps", default=1e-5)}),
 }
 
 
@@ -322,6 +356,26 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
         "moe_layer_freq": Only(_at("moe_layer_freq", 1),
                                "transformers' DeepseekV3 makes every layer from first_k_dense_replace on MoE"),
         "ep_size": INERT, "aux_loss_alpha": INERT, "seq_aux": INERT,
+    },
+    "gpt_oss": {
+        **BASE_FIELDS, **_ROUTER_AUX,
+        # transformers' GptOss does not read hidden_act: its experts always run the clamped SwiGLU
+        "hidden_act": INERT,
+        "attention_bias": Only(_at("attention_bias", True),
+                               "only true: transformers' GptOss attention biases q/k/v/o (megarl maps them)"),
+        **{k: MAPPED for k in ("num_local_experts", "num_experts", "sliding_window", "layer_types",
+                               "swiglu_limit")},
+        "num_experts_per_tok": Only(lambda hf: hf["num_experts_per_tok"] > 1,
+                                    "Megatron cannot route softmax top-1 with weight 1 (GptOss softmaxes "
+                                    "the top-k logits); use 2 or more"),
+        # transformers' GptOss defaults to YaRN; megarl maps YaRN only for MLA (DeepSeek-V3) so far:
+        # Megatron's GPT YaRN embedding is unchecked here (it moves its frequencies to CUDA)
+        "rope_parameters": Only(lambda hf: _rope(hf)["rope_type"] == "default",
+                                "only rope_type 'default' (plain RoPE): megarl does not map YaRN "
+                                "for gpt_oss yet"),
+        # Megatron's quick_gelu hard-codes x * sigmoid(1.702 x)
+        "swiglu_alpha": Only(_at("swiglu_alpha", 1.702),
+                             "only 1.702: Megatron's quick_gelu fixes x * sigmoid(1.702 x)"),
     },
 }
 

@@ -18,6 +18,10 @@ WORKER = "tests/distributed/convert_worker.py"
 TOL = 1e-4
 DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
 MOE = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-qwen2-moe"]
+# MoE with biased experts (GptOss): Megatron splits those only with etp=1, so tp > 1 needs ep > 1
+# (the worker sets etp=1 whenever ep > 1, and loads these at tp = ep = world size). Its sliding
+# window (8) is shorter than the test sequences (12 tokens), and its swiglu_limit (0.1) clamps.
+BIASED_MOE = ["tiny-gpt-oss"]
 # Variants that exercise shared transforms: vocabulary padding (250 -> 256) and tied embeddings.
 VARIANTS = {"tiny-llama": {"vocab_size": 250}, "tiny-qwen2": {"tie_word_embeddings": True}}
 # DeepSeek-V3 variants (a repo config plus overrides) for the MLA and routing settings megarl maps
@@ -33,8 +37,10 @@ DERIVED = {
                                                        "n_group": 1, "topk_group": 1}),
 }
 SPECS = {  # world size -> name@tp,pp,ep
-    1: [f"{n}@1,1,1" for n in DENSE + MOE] + ["tiny-deepseek-v3-groups@1,1,1", "tiny-deepseek-v3-unnormed@1,1,1"],
-    2: [f"{n}@2,1,1" for n in DENSE + MOE] + [f"{n}@1,2,1" for n in DENSE + MOE] + [f"{n}@1,1,2" for n in MOE]
+    1: [f"{n}@1,1,1" for n in DENSE + MOE + BIASED_MOE]
+    + ["tiny-deepseek-v3-groups@1,1,1", "tiny-deepseek-v3-unnormed@1,1,1"],
+    2: [f"{n}@2,1,1" for n in DENSE + MOE] + [f"{n}@1,2,1" for n in DENSE + MOE + BIASED_MOE]
+    + [f"{n}@1,1,2" for n in MOE + BIASED_MOE] + [f"{n}@2,1,2" for n in BIASED_MOE]
     + ["tiny-deepseek-v3-qnull@2,1,1"],
     4: [f"{n}@2,2,1" for n in DENSE[:3]] + [f"{n}@2,1,2" for n in MOE[:2]] + ["tiny-deepseek-v3@1,2,2"]
     + ["tiny-deepseek-v3-qnull@1,2,2"],
@@ -47,6 +53,11 @@ def make_hf_model(name: str, out: Path) -> None:
     config.update(overrides)
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    if base in BIASED_MOE:  # transformers initialises the expert biases to zero: make them count
+        with torch.no_grad():
+            for param in model.parameters():
+                if not param.any():
+                    param.normal_(0.0, 0.1)
     model.save_pretrained(out)
 
 
@@ -57,7 +68,7 @@ def parse(output: str):
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     work = tmp_path_factory.mktemp("convert")
-    for name in DENSE + MOE + list(DERIVED):
+    for name in DENSE + MOE + BIASED_MOE + list(DERIVED):
         make_hf_model(name, work / "hf" / name)
     converted = []
     for world, specs in SPECS.items():

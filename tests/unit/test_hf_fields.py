@@ -22,6 +22,7 @@ CLASSES = {
     "qwen3_moe": transformers.Qwen3MoeConfig,
     "qwen2_moe": transformers.Qwen2MoeConfig,
     "deepseek_v3": transformers.DeepseekV3Config,
+    "gpt_oss": transformers.GptOssConfig,
 }
 
 # Per model_type, one refused setting for each Only field: {field: overrides that make it bite}.
@@ -58,6 +59,14 @@ BAD = {
         "topk_method": {"topk_method": "greedy"},
         "moe_layer_freq": {"moe_layer_freq": 2},
     },
+    "gpt_oss": {  # transformers' GptOss ignores hidden_act (its experts' clamped SwiGLU is fixed)
+        **{k: v for k, v in COMMON_BAD.items() if k not in ("hidden_act", "attention_bias")},
+        "attention_bias": {"attention_bias": False},
+        "swiglu_alpha": {"swiglu_alpha": 1.5},
+        "num_experts_per_tok": {"num_experts_per_tok": 1},
+        "rope_parameters": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096}},
+    },
 }
 
 
@@ -72,6 +81,8 @@ REFUSED_DEFAULTS = {
     # MistralConfig() slides a 4096-token window over 131072 positions (Mistral-7B-v0.1); the
     # later Mistral releases have sliding_window null.
     "mistral": {"sliding_window": None},
+    # GptOssConfig() uses YaRN (gpt-oss-20b/120b), which megarl does not map for gpt_oss yet
+    "gpt_oss": {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
 }
 
 
