@@ -185,6 +185,34 @@ def test_cli_refuses_before_launching(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+@pytest.mark.parametrize("over,layout,named", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                          "original_max_position_embeddings": 4096}}, [], "rope_parameters="),
+    ({"swiglu_alpha": 1.5}, [], "swiglu_alpha=1.5"),
+    ({}, ["--tp", "2", "--ep", "2", "--etp", "2"], "etp=2 must be 1"),  # biased experts
+])
+def test_cli_refuses_gpt_oss_settings_before_launching(tmp_path, capsys, over, layout, named):
+    import torch
+    from safetensors.torch import save_file
+
+    from megarl.cli import main
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = json.loads(open("configs/models/tiny-gpt-oss.json").read())
+    (hf / "config.json").write_text(json.dumps({**config, **over}))
+    save_file({"unread": torch.zeros(1)}, hf / "model.safetensors")
+    if layout:  # names are checked before the layout: give the real ones (empty)
+        from megarl.models.hf_config import megatron_args_from_hf
+        from megarl.models.hf_mapping import build_plan
+
+        save_file({n: torch.zeros(1) for n in build_plan(megatron_args_from_hf(hf), 128).hf_names()},
+                  hf / "model.safetensors")
+    assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "out"), *layout, "--nproc", "4"]) == 2
+    assert named in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 def test_train_refuses_in_its_prepare_step(tmp_path, capsys):
     from megarl.cli import main
 
