@@ -112,7 +112,7 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
     activation = {"silu": F.silu, "quick_gelu": quick_gelu}[kwargs.pop("activation_func", "silu")]
     bias = kwargs.pop("add_bias_linear", False)
     cls = MLATransformerConfig if args.mla else TransformerConfig
-    return cls(
+    config = cls(
         **kwargs,
         **layout.megatron_sizes(),
         sequence_parallel=layout.sequence_parallel and layout.tp > 1,
@@ -143,6 +143,11 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
         recompute_method="uniform" if model_cfg.recompute_granularity == Recompute.full else None,
         recompute_num_layers=1 if model_cfg.recompute_granularity == Recompute.full else None,
     )
+    # A GPT model's YaRN settings are no TransformerConfig fields: GPTModel's YaRN embedding and
+    # the attention's concentration factor (mscale) read them off the config as attributes.
+    for name, value in (args.yarn or {}).items():
+        setattr(config, name, value)
+    return config
 
 
 def _local_replacements() -> dict:
@@ -213,7 +218,7 @@ def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelA
             pre_process=first,
             post_process=last,
             share_embeddings_and_output_weights=args.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if args.yarn else "rope",
             rotary_base=args.config_kwargs["rotary_base"],
             rope_scaling=bool(rope),
             rope_scaling_factor=rope.get("factor", 8.0),

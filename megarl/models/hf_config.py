@@ -247,6 +247,36 @@ def _group_scores_ok(hf) -> bool:
     return _group_limit_is_noop(hf) or hf["num_experts_per_tok"] // hf["topk_group"] == 2
 
 
+def _gpt_oss_rope_ok(hf) -> bool:
+    """Plain RoPE, or YaRN as Megatron's ``YarnRotaryEmbedding`` computes it: frequencies from
+    factor, beta_fast/beta_slow (default 32/1), original_max_position_embeddings and truncate
+    (``yarn_correction_range_round_to_int``); cos/sin scaled by 0.1·ln(factor)+1, or by the
+    mscale/mscale_all_dim ratio where both are set, as transformers infers attention_factor."""
+    rope = _rope(hf)
+    if rope["rope_type"] == "default":
+        return True
+    return (rope["rope_type"] == "yarn" and rope.get("factor") is not None
+            and rope.get("attention_factor") is None and float(rope.get("partial_rotary_factor", 1.0)) == 1.0
+            and "original_max_position_embeddings" in rope)
+
+
+def yarn_settings(hf) -> Dict[str, Any]:
+    """Megatron's ``yarn_*`` settings of a GPT (non-MLA) model for an HF YaRN rope, exactly as
+    transformers' ``_compute_yarn_parameters`` computes its frequencies and attention factor."""
+    rope = _rope(hf)
+    both = bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
+    return {
+        "yarn_rotary_scaling_factor": float(rope["factor"]),
+        "yarn_original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "yarn_beta_fast": float(rope.get("beta_fast") or 32),
+        "yarn_beta_slow": float(rope.get("beta_slow") or 1),
+        # None, None: Megatron's concentration factor is then 0.1·ln(factor)+1, transformers' default
+        "yarn_mscale": float(rope["mscale"]) if both else None,
+        "yarn_mscale_all_dim": float(rope["mscale_all_dim"]) if both else None,
+        "yarn_correction_range_round_to_int": bool(rope.get("truncate", True)),
+    }
+
+
 _NO_WINDOW = "megarl has no sliding-window attention; set use_sliding_window=false"
 _TOP1_NORM = Only(_softmax_top1_ok, "with num_experts_per_tok=1, only false (Megatron cannot route "
                   "softmax top-1 with weight 1)")
@@ -370,9 +400,9 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
                                     "the top-k logits); use 2 or more"),
         # transformers' GptOss defaults to YaRN; megarl maps YaRN only for MLA (DeepSeek-V3) so far:
         # Megatron's GPT YaRN embedding is unchecked here (it moves its frequencies to CUDA)
-        "rope_parameters": Only(lambda hf: _rope(hf)["rope_type"] == "default",
-                                "only rope_type 'default' (plain RoPE): megarl does not map YaRN "
-                                "for gpt_oss yet"),
+        "rope_parameters": Only(_gpt_oss_rope_ok,
+                                "rope_type 'default', or 'yarn' with a factor, no attention_factor "
+                                "and partial_rotary_factor 1 (what Megatron's YaRN embedding computes)"),
         # Megatron's quick_gelu hard-codes x * sigmoid(1.702 x)
         "swiglu_alpha": Only(_at("swiglu_alpha", 1.702),
                              "only 1.702: Megatron's quick_gelu fixes x * sigmoid(1.702 x)"),
@@ -406,6 +436,7 @@ class MegatronModelArgs:
     mla: bool
     rope_scaling: Optional[Dict[str, Any]] = None
     hf_config: Dict[str, Any] = field(default_factory=dict)
+    yarn: Optional[Dict[str, Any]] = None  # Megatron's yarn_* settings of a GPT (non-MLA) YaRN rope
 
     @property
     def num_experts(self) -> Optional[int]:
@@ -448,6 +479,7 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
     rope = _rope(hf)
     rope_type = rope["rope_type"]
     rope_scaling = None
+    yarn = None
     if arch.mla:
         kwargs["rope_type"] = "rope" if rope_type == "default" else rope_type
         if rope_type == "yarn":
@@ -467,6 +499,8 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
                     f"rope_parameters.{key}={rope[key]} is not supported: Megatron's llama3 rope "
                     f"scaling fixes it to {value}")
         rope_scaling = rope
+    elif rope_type == "yarn" and model_type == "gpt_oss":  # its FIELDS row checked the parameters
+        yarn = yarn_settings(hf)
     elif rope_type != "default":
         raise UnsupportedModelError(
             f"rope_type '{rope_type}' ({model_type}) is not supported; supported: 'default', 'llama3'")
@@ -479,6 +513,7 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
         mla=arch.mla,
         rope_scaling=rope_scaling,
         hf_config=hf,
+        yarn=yarn,
     )
 
 

@@ -353,12 +353,31 @@ def test_gpt_oss_settings_megatron_cannot_reproduce_are_refused_by_name(field, v
         megatron_args_from_hf(gpt_oss(**{field: value}))
 
 
-def test_gpt_oss_yarn_is_refused_by_name():
-    """transformers' GptOss default rope (YaRN) is not mapped (see docs/architectures.md)."""
+def test_gpt_oss_yarn():
+    """transformers' GptOss default rope (gpt-oss-20b's): YaRN, untruncated; Megatron's GPT YaRN
+    embedding takes it through yarn_* attributes (no TransformerConfig fields)."""
     hf = gpt_oss(rope_parameters=None)
-    assert hf["rope_parameters"]["rope_type"] == "yarn"
-    with pytest.raises(UnsupportedModelError, match="rope_parameters=.*yarn.*only rope_type 'default'"):
-        megatron_args_from_hf(hf)
+    assert hf["rope_parameters"]["rope_type"] == "yarn" and hf["rope_parameters"]["truncate"] is False
+    args = megatron_args_from_hf(hf)
+    assert args.yarn == {"yarn_rotary_scaling_factor": 32.0, "yarn_original_max_position_embeddings": 4096,
+                         "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": None,
+                         "yarn_mscale_all_dim": None, "yarn_correction_range_round_to_int": False}
+    assert args.config_kwargs["rotary_base"] == hf["rope_parameters"]["rope_theta"]
+    assert args.rope_scaling is None and not set(args.yarn) & set(args.config_kwargs)
+    both = megatron_args_from_hf(gpt_oss(rope_parameters={**hf["rope_parameters"], "mscale": 0.7,
+                                                          "mscale_all_dim": 0.5})).yarn
+    assert (both["yarn_mscale"], both["yarn_mscale_all_dim"]) == (0.7, 0.5)
+    one = megatron_args_from_hf(gpt_oss(rope_parameters={**hf["rope_parameters"], "mscale": 0.7})).yarn
+    assert one["yarn_mscale"] is None  # transformers uses the ratio only when both are set
+    assert megatron_args_from_hf(llama()).yarn is None
+
+
+@pytest.mark.parametrize("extra", [{"attention_factor": 1.0}, {"partial_rotary_factor": 0.5},
+                                   {"rope_type": "dynamic"}])
+def test_gpt_oss_rope_megatron_cannot_reproduce_is_refused_by_name(extra):
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 64}
+    with pytest.raises(UnsupportedModelError, match="config field rope_parameters="):
+        megatron_args_from_hf(gpt_oss(rope_parameters={**rope, **extra}))
 
 
 def test_mistral_mapping():

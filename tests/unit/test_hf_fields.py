@@ -65,7 +65,8 @@ BAD = {
         "swiglu_alpha": {"swiglu_alpha": 1.5},
         "num_experts_per_tok": {"num_experts_per_tok": 1},
         "rope_parameters": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
-                                                "original_max_position_embeddings": 4096}},
+                                                "original_max_position_embeddings": 4096,
+                                                "attention_factor": 1.0}},
     },
 }
 
@@ -81,8 +82,6 @@ REFUSED_DEFAULTS = {
     # MistralConfig() slides a 4096-token window over 131072 positions (Mistral-7B-v0.1); the
     # later Mistral releases have sliding_window null.
     "mistral": {"sliding_window": None},
-    # GptOssConfig() uses YaRN (gpt-oss-20b/120b), which megarl does not map for gpt_oss yet
-    "gpt_oss": {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
 }
 
 
@@ -187,7 +186,8 @@ def test_cli_refuses_before_launching(tmp_path, capsys):
 
 @pytest.mark.parametrize("over,layout,named", [
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
-                          "original_max_position_embeddings": 4096}}, [], "rope_parameters="),
+                          "original_max_position_embeddings": 4096, "attention_factor": 1.0}}, [],
+     "rope_parameters="),
     ({"swiglu_alpha": 1.5}, [], "swiglu_alpha=1.5"),
     ({}, ["--tp", "2", "--ep", "2", "--etp", "2"], "etp=2 must be 1"),  # biased experts
 ])
