@@ -398,8 +398,8 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
         "num_experts_per_tok": Only(lambda hf: hf["num_experts_per_tok"] > 1,
                                     "Megatron cannot route softmax top-1 with weight 1 (GptOss softmaxes "
                                     "the top-k logits); use 2 or more"),
-        # transformers' GptOss defaults to YaRN; megarl maps YaRN only for MLA (DeepSeek-V3) so far:
-        # Megatron's GPT YaRN embedding is unchecked here (it moves its frequencies to CUDA)
+        # transformers' GptOss defaults to YaRN (gpt-oss-20b/120b's): Megatron's GPT YaRN embedding
+        # (args.yarn, see yarn_settings); what it cannot compute is refused
         "rope_parameters": Only(_gpt_oss_rope_ok,
                                 "rope_type 'default', or 'yarn' with a factor, no attention_factor "
                                 "and partial_rotary_factor 1 (what Megatron's YaRN embedding computes)"),
