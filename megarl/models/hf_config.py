@@ -403,6 +403,8 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
         "rope_parameters": Only(_gpt_oss_rope_ok,
                                 "rope_type 'default', or 'yarn' with a factor, no attention_factor "
                                 "and partial_rotary_factor 1 (what Megatron's YaRN embedding computes)"),
+        # keys of OpenAI's own gpt-oss config.json that transformers' GptOss does not read
+        "experts_per_token": INERT, "initial_context_length": INERT,
         # Megatron's quick_gelu hard-codes x * sigmoid(1.702 x)
         "swiglu_alpha": Only(_at("swiglu_alpha", 1.702),
                              "only 1.702: Megatron's quick_gelu fixes x * sigmoid(1.702 x)"),

@@ -372,6 +372,15 @@ def test_gpt_oss_yarn():
     assert megatron_args_from_hf(llama()).yarn is None
 
 
+def test_gpt_oss_openai_keys_transformers_ignores_are_inert():
+    import warnings
+
+    hf = {**gpt_oss(), "experts_per_token": 3, "initial_context_length": 4096}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert megatron_args_from_hf(hf).config_kwargs["moe_router_topk"] == 3
+
+
 @pytest.mark.parametrize("extra", [{"attention_factor": 1.0}, {"partial_rotary_factor": 0.5},
                                    {"rope_type": "dynamic"}])
 def test_gpt_oss_rope_megatron_cannot_reproduce_is_refused_by_name(extra):
