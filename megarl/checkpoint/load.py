@@ -125,7 +125,8 @@ def _region(sh) -> tuple:
 
 
 def _expected_hf_shapes(sh, item: Item) -> List[tuple]:
-    shape = tuple(sh.global_shape[sh.prepend_axis_num:])
+    # experts stacked on both sides (GptOss): the HF tensors hold every expert
+    shape = tuple(sh.global_shape[0 if item.rule.stacked else sh.prepend_axis_num:])
     return [tuple(t.shape) for t in item.rule.transform.to_hf(torch.empty(shape, device="meta"))]
 
 
@@ -146,6 +147,10 @@ def _read_slice(sh, items: List[Item], hf: HFCheckpoint) -> torch.Tensor:
     item = _item_for(sh, items)
     region = _region(sh)
     transform = item.rule.transform
+    if item.rule.stacked:  # this shard's expert (the leading axis) from each stacked HF tensor
+        expert = sh.global_offset[0]
+        one = transform.to_mcore([hf.read(name, (slice(expert, expert + 1),)) for name in item.hf_names])
+        return one[0][region]
     if transform is IDENTITY:
         return hf.read(item.hf_names[0], region)
     rows, rest = region[0], region[1:]

@@ -11,7 +11,7 @@ import torch
 
 from megarl.models.hf_mapping import build_plan
 from megarl.hybrid.shards import LocalTensor, TensorSpec
-from megarl.models.hf_config import MegatronModelArgs
+from megarl.models.hf_config import MegatronModelArgs, UnsupportedModelError
 
 NamedTensors = List[Tuple[str, torch.Tensor]]
 
@@ -44,6 +44,14 @@ class HFNames:
     def __init__(self, args: MegatronModelArgs, vocab_multiple: int = 128):
         self.mla = args.mla
         plan = build_plan(args, vocab_multiple)
+        stacked = next((item for item in plan.items if item.rule.stacked), None)
+        if stacked is not None:
+            # one HF tensor holds every expert of a layer (GptOss's experts.gate_up_proj): the
+            # engines' weight sync hands over one expert at a time, which has no HF name
+            raise UnsupportedModelError(
+                f"{args.model_type}: syncing weights to SGLang/vLLM is not supported, its HF checkpoint "
+                f"stacks all experts in one tensor ('{stacked.hf_names[0]}'); use rollout.engine=native, "
+                f"or convert the checkpoint offline (megarl convert)")
         self.items = {(item.mcore_key, item.expert): item for item in plan.items}
 
     def __call__(self, key: str, tensor: torch.Tensor) -> NamedTensors:

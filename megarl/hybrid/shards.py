@@ -94,6 +94,9 @@ def _model_tensors(args: MegatronModelArgs, vocab_multiple: int) -> List[TensorS
     h, heads = kw["hidden_size"], kw["num_attention_heads"]
     vocab = padded_vocab_size(args.vocab_size, vocab_multiple)
     out = [TensorSpec("embedding.word_embeddings.weight", (vocab, h), 0, stage="first")]
+    bias = bool(kw.get("add_bias_linear"))  # GptOss: q/k/v/o, router and experts
+    if bias and (not kw.get("num_moe_experts") or 0 in kw["moe_layer_freq"]):
+        raise NotImplementedError("biased dense MLPs are not planned (no supported family has them)")
     for layer in range(kw["num_layers"]):
         def add(suffix, shape, dim=None, blocks=1, expert=None, buffer=False):
             out.append(TensorSpec(f"decoder.layers.{layer}.{suffix}", tuple(shape), dim, blocks,
@@ -117,12 +120,16 @@ def _model_tensors(args: MegatronModelArgs, vocab_multiple: int) -> List[TensorS
             d, groups = kw["kv_channels"], kw["num_query_groups"]
             qkv = (heads + 2 * groups) * d  # grouped [q of group; k; v]: tp splits whole groups
             add(attn + "linear_qkv.weight", (qkv, h), 0)
-            if kw.get("add_qkv_bias"):
+            if kw.get("add_qkv_bias") or bias:
                 add(attn + "linear_qkv.bias", (qkv,), 0)
             if kw.get("qk_layernorm"):
                 add(attn + "q_layernorm.weight", (d,))
                 add(attn + "k_layernorm.weight", (d,))
+            if kw.get("softmax_type") == "learnable":  # attention sinks: one logit per head
+                add(attn + "core_attention.softmax_offset", (heads,), 0)
             add(attn + "linear_proj.weight", (h, heads * d), 1)
+            if bias:  # a row-parallel layer's bias is whole on every tp rank
+                add(attn + "linear_proj.bias", (h,))
         add("pre_mlp_layernorm.weight", (h,))
         num_experts = kw.get("num_moe_experts") or 0
         if not num_experts or kw["moe_layer_freq"][layer] == 0:
@@ -131,12 +138,17 @@ def _model_tensors(args: MegatronModelArgs, vocab_multiple: int) -> List[TensorS
             add("mlp.linear_fc2.weight", (h, ffn), 1)
             continue
         add("mlp.router.weight", (num_experts, h))
+        if bias:
+            add("mlp.router.bias", (num_experts,))
         if kw.get("moe_router_enable_expert_bias"):
             add("mlp.router.expert_bias", (num_experts,), buffer=True)
         ffn = kw["moe_ffn_hidden_size"]
         for e in range(num_experts):
             add(f"mlp.experts.local_experts.{e}.linear_fc1.weight", (2 * ffn, h), 0, blocks=2, expert=e)
             add(f"mlp.experts.local_experts.{e}.linear_fc2.weight", (h, ffn), 1, expert=e)
+            if bias:
+                add(f"mlp.experts.local_experts.{e}.linear_fc1.bias", (2 * ffn,), 0, blocks=2, expert=e)
+                add(f"mlp.experts.local_experts.{e}.linear_fc2.bias", (h,), expert=e)
         if kw.get("moe_shared_expert_intermediate_size"):
             shared = kw["moe_shared_expert_intermediate_size"]
             add("mlp.shared_experts.linear_fc1.weight", (2 * shared, h), 0, blocks=2)
@@ -240,5 +252,7 @@ class Placement:
                 cache.setdefault((stage, layer, False, 0, "all"), []).append(rank)
                 if stage == "layer" and self.experts_per_rank:
                     cache.setdefault((stage, layer, True, c["ep"], c["etp"]), []).append(rank)
+                    # an expert tensor etp does not split (GptOss's linear_fc2 bias)
+                    cache.setdefault((stage, layer, True, c["ep"], "all"), []).append(rank)
         self._holder_index = cache
         return cache

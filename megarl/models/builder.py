@@ -66,6 +66,12 @@ def check_layout(args: MegatronModelArgs, layout: Layout, model_cfg, training: b
         num_query_groups=kw["num_query_groups"], ffn_hidden_size=kw["ffn_hidden_size"],
         padded_vocab_size=padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by),
         num_experts=args.num_experts, moe_ffn_hidden_size=kw.get("moe_ffn_hidden_size"), training=training)
+    if args.num_experts and kw.get("add_bias_linear") and layout.etp != 1:
+        from megarl.parallel.layout import LayoutError
+
+        raise LayoutError(f"{args.model_type}'s experts carry biases, which Megatron splits only with "
+                          f"expert tensor parallelism off: etp={layout.etp} must be 1 (set parallel.etp=1; "
+                          f"with tp > 1 that needs ep > 1 too)")
 
 
 def _left_for_loading(weight: torch.Tensor) -> None:
@@ -99,15 +105,21 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
         kwargs["moe_grouped_gemm"] = use_te
         if not kwargs.get("moe_aux_loss_coeff"):
             kwargs["moe_router_load_balancing_type"] = "none"
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    # the architecture table names the activation (default SwiGLU's silu) and whether every
+    # linear layer carries a bias (GptOss); both are gated linear units
+    activation = {"silu": F.silu, "quick_gelu": quick_gelu}[kwargs.pop("activation_func", "silu")]
+    bias = kwargs.pop("add_bias_linear", False)
     cls = MLATransformerConfig if args.mla else TransformerConfig
-    return cls(
+    config = cls(
         **kwargs,
         **layout.megatron_sizes(),
         sequence_parallel=layout.sequence_parallel and layout.tp > 1,
         normalization="RMSNorm",
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        activation_func=activation,
+        add_bias_linear=bias,
         hidden_dropout=0.0,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -131,6 +143,11 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
         recompute_method="uniform" if model_cfg.recompute_granularity == Recompute.full else None,
         recompute_num_layers=1 if model_cfg.recompute_granularity == Recompute.full else None,
     )
+    # A GPT model's YaRN settings are no TransformerConfig fields: GPTModel's YaRN embedding and
+    # the attention's concentration factor (mscale) read them off the config as attributes.
+    for name, value in (args.yarn or {}).items():
+        setattr(config, name, value)
+    return config
 
 
 def _local_replacements() -> dict:
@@ -201,7 +218,7 @@ def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelA
             pre_process=first,
             post_process=last,
             share_embeddings_and_output_weights=args.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if args.yarn else "rope",
             rotary_base=args.config_kwargs["rotary_base"],
             rotary_percent=args.rotary_percent,
             rope_scaling=bool(rope),

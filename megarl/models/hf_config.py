@@ -143,6 +143,39 @@ def _partial_rotary_factor(hf) -> float:
     return float(_get(_rope(hf), "partial_rotary_factor", default=_get(hf, "partial_rotary_factor", default=0.5)))
 
 
+def _sliding(hf) -> list:
+    """1 for each layer transformers' GptOss slides (``layer_types``; by default the 1st, 3rd, ...)."""
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                       for i in range(hf["num_hidden_layers"])]
+    return [1 if t == "sliding_attention" else 0 for t in types]
+
+
+def _gpt_oss_window(hf):
+    """HF's sliding_window W lets query i see keys i-W+1..i (masking_utils: kv > q - W):
+    Megatron's window_size (W-1, 0) on the layers ``window_attn_skip_freq`` marks 1."""
+    if hf.get("sliding_window") is None or not any(_sliding(hf)):
+        return None
+    return (hf["sliding_window"] - 1, 0)
+
+
+GPT_OSS: Dict[str, Row] = {
+    **MOE,
+    "moe_ffn_hidden_size": "intermediate_size",
+    "moe_layer_freq": lambda hf: [1] * hf["num_hidden_layers"],
+    # transformers' GptOss: top-k of the router's logits, then a softmax over those k
+    "moe_router_pre_softmax": lambda hf: False,
+    "add_qkv_bias": lambda hf: True,
+    "add_bias_linear": lambda hf: True,  # q/k/v/o, the router and the experts all carry a bias
+    "softmax_type": lambda hf: "learnable",  # self_attn.sinks: one sink logit per head
+    "window_size": _gpt_oss_window,
+    "window_attn_skip_freq": lambda hf: _sliding(hf) if _gpt_oss_window(hf) else None,
+    # experts: gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate * sigmoid(1.702 gate)
+    "activation_func": lambda hf: "quick_gelu",
+    "activation_func_clamp_value": lambda hf: float(hf["swiglu_limit"]),
+    "glu_linear_offset": lambda hf: 1.0,
+}
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How one HF ``model_type`` maps onto Megatron."""
@@ -164,6 +197,7 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "qwen2_moe": Architecture({**COMMON, **QWEN2_MOE}),
     "deepseek_v3": Architecture({**COMMON, **DEEPSEEK_V3}, mla=True),
     "glm4_moe": Architecture({**COMMON, **GLM4_MOE}, rotary_percent=_partial_rotary_factor),
+    "gpt_oss": Architecture({**COMMON, **GPT_OSS, "layernorm_epsilon": lambda hf: _get(hf, "rms_norm_eps", default=1e-5)}),
 }
 
 
@@ -239,6 +273,36 @@ def _group_scores_ok(hf) -> bool:
     (moe_utils.group_limited_topk), transformers' DeepseekV3 by its top 2: the same groups win
     when that is 2, or when every group is kept anyway."""
     return _group_limit_is_noop(hf) or hf["num_experts_per_tok"] // hf["topk_group"] == 2
+
+
+def _gpt_oss_rope_ok(hf) -> bool:
+    """Plain RoPE, or YaRN as Megatron's ``YarnRotaryEmbedding`` computes it: frequencies from
+    factor, beta_fast/beta_slow (default 32/1), original_max_position_embeddings and truncate
+    (``yarn_correction_range_round_to_int``); cos/sin scaled by 0.1·ln(factor)+1, or by the
+    mscale/mscale_all_dim ratio where both are set, as transformers infers attention_factor."""
+    rope = _rope(hf)
+    if rope["rope_type"] == "default":
+        return True
+    return (rope["rope_type"] == "yarn" and rope.get("factor") is not None
+            and rope.get("attention_factor") is None and float(rope.get("partial_rotary_factor", 1.0)) == 1.0
+            and "original_max_position_embeddings" in rope)
+
+
+def yarn_settings(hf) -> Dict[str, Any]:
+    """Megatron's ``yarn_*`` settings of a GPT (non-MLA) model for an HF YaRN rope, exactly as
+    transformers' ``_compute_yarn_parameters`` computes its frequencies and attention factor."""
+    rope = _rope(hf)
+    both = bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
+    return {
+        "yarn_rotary_scaling_factor": float(rope["factor"]),
+        "yarn_original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "yarn_beta_fast": float(rope.get("beta_fast") or 32),
+        "yarn_beta_slow": float(rope.get("beta_slow") or 1),
+        # None, None: Megatron's concentration factor is then 0.1·ln(factor)+1, transformers' default
+        "yarn_mscale": float(rope["mscale"]) if both else None,
+        "yarn_mscale_all_dim": float(rope["mscale_all_dim"]) if both else None,
+        "yarn_correction_range_round_to_int": bool(rope.get("truncate", True)),
+    }
 
 
 _NO_WINDOW = "megarl has no sliding-window attention; set use_sliding_window=false"
@@ -372,6 +436,28 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
         # Multi-token-prediction layers: transformers does not run them, megarl skips their tensors.
         "num_nextn_predict_layers": INERT, "num_mtp_layers": INERT,
     },
+    "gpt_oss": {
+        **BASE_FIELDS, **_ROUTER_AUX,
+        # transformers' GptOss does not read hidden_act: its experts always run the clamped SwiGLU
+        "hidden_act": INERT,
+        "attention_bias": Only(_at("attention_bias", True),
+                               "only true: transformers' GptOss attention biases q/k/v/o (megarl maps them)"),
+        **{k: MAPPED for k in ("num_local_experts", "num_experts", "sliding_window", "layer_types",
+                               "swiglu_limit")},
+        "num_experts_per_tok": Only(lambda hf: hf["num_experts_per_tok"] > 1,
+                                    "Megatron cannot route softmax top-1 with weight 1 (GptOss softmaxes "
+                                    "the top-k logits); use 2 or more"),
+        # transformers' GptOss defaults to YaRN (gpt-oss-20b/120b's): Megatron's GPT YaRN embedding
+        # (args.yarn, see yarn_settings); what it cannot compute is refused
+        "rope_parameters": Only(_gpt_oss_rope_ok,
+                                "rope_type 'default', or 'yarn' with a factor, no attention_factor "
+                                "and partial_rotary_factor 1 (what Megatron's YaRN embedding computes)"),
+        # keys of OpenAI's own gpt-oss config.json that transformers' GptOss does not read
+        "experts_per_token": INERT, "initial_context_length": INERT,
+        # Megatron's quick_gelu hard-codes x * sigmoid(1.702 x)
+        "swiglu_alpha": Only(_at("swiglu_alpha", 1.702),
+                             "only 1.702: Megatron's quick_gelu fixes x * sigmoid(1.702 x)"),
+    },
 }
 
 
@@ -402,6 +488,7 @@ class MegatronModelArgs:
     rope_scaling: Optional[Dict[str, Any]] = None
     rotary_percent: float = 1.0  # the fraction of each head's channels the rope rotates
     hf_config: Dict[str, Any] = field(default_factory=dict)
+    yarn: Optional[Dict[str, Any]] = None  # Megatron's yarn_* settings of a GPT (non-MLA) YaRN rope
 
     @property
     def num_experts(self) -> Optional[int]:
@@ -452,6 +539,7 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
         raise UnsupportedModelError(
             f"rope_type '{rope_type}' with partial_rotary_factor={rotary_percent} ({model_type}) is not "
             f"supported; only 'default' rope with a partial rotary factor")
+    yarn = None
     if arch.mla:
         kwargs["rope_type"] = "rope" if rope_type == "default" else rope_type
         if rope_type == "yarn":
@@ -471,6 +559,8 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
                     f"rope_parameters.{key}={rope[key]} is not supported: Megatron's llama3 rope "
                     f"scaling fixes it to {value}")
         rope_scaling = rope
+    elif rope_type == "yarn" and model_type == "gpt_oss":  # its FIELDS row checked the parameters
+        yarn = yarn_settings(hf)
     elif rope_type != "default":
         raise UnsupportedModelError(
             f"rope_type '{rope_type}' ({model_type}) is not supported; supported: 'default', 'llama3'")
@@ -484,6 +574,7 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
         rope_scaling=rope_scaling,
         rotary_percent=rotary_percent,
         hf_config=hf,
+        yarn=yarn,
     )
 
 

@@ -81,6 +81,32 @@ class QKV(Transform):
 
 
 @dataclass(frozen=True)
+class StackedExperts(Transform):
+    """All experts of a layer in one HF tensor (GptOss), leading axis the expert on both sides.
+
+    ``transpose``: HF keeps an expert's matrix as ``x @ W`` ([in, out], nn.Linear's transpose);
+    ``interleaved``: HF's fused gate/up alternates gate and up columns (``[..., ::2]`` is the
+    gate), Megatron's ``linear_fc1`` stacks ``[gate; up]``. Works on any leading slice of
+    experts, and for biases (``transpose=False``)."""
+
+    transpose: bool = False
+    interleaved: bool = False
+
+    def to_mcore(self, hf):
+        (tensor,) = hf
+        if self.interleaved:
+            tensor = torch.cat([tensor[..., ::2], tensor[..., 1::2]], dim=-1)
+        return tensor.transpose(-1, -2).contiguous() if self.transpose else tensor
+
+    def to_hf(self, mcore):
+        tensor = mcore.transpose(-1, -2) if self.transpose else mcore
+        if self.interleaved:
+            gate, up = torch.chunk(tensor, 2, dim=-1)
+            tensor = torch.stack([gate, up], dim=-1).flatten(-2)
+        return [tensor.contiguous()]
+
+
+@dataclass(frozen=True)
 class VocabPad(Transform):
     """Embedding / output rows padded with zeros from ``vocab`` to ``padded`` (TP-friendly)."""
 
@@ -109,6 +135,8 @@ class Rule:
     transform: Transform = IDENTITY
     experts: bool = False  # the Megatron tensor stacks the experts of a layer on a leading axis
     te: Optional[str] = None  # the key under the Transformer Engine layer spec, where it differs
+    # the HF tensor stacks the experts too (one item per layer, not per expert; GptOss)
+    stacked: bool = False
 
     def names(self) -> Tuple[str, ...]:
         """Every key this tensor goes by (local spec first)."""
@@ -122,8 +150,9 @@ class Rule:
         return [n.format(L=layer, E=expert) for n in self.hf]
 
 
-def R(mcore: str, hf, transform: Transform = IDENTITY, experts: bool = False, te: Optional[str] = None) -> Rule:
-    return Rule(mcore, hf if isinstance(hf, tuple) else (hf,), transform, experts, te)
+def R(mcore: str, hf, transform: Transform = IDENTITY, experts: bool = False, te: Optional[str] = None,
+      stacked: bool = False) -> Rule:
+    return Rule(mcore, hf if isinstance(hf, tuple) else (hf,), transform, experts, te, stacked)
 
 
 def _qkv(args: MegatronModelArgs) -> QKV:
@@ -138,8 +167,13 @@ def _gqa_attention(args: MegatronModelArgs) -> List[Rule]:
         R("self_attention.linear_qkv.weight", tuple(attn + p + "_proj.weight" for p in "qkv"), _qkv(args)),
         R("self_attention.linear_proj.weight", attn + "o_proj.weight"),
     ]
-    if args.config_kwargs.get("add_qkv_bias"):
+    kw = args.config_kwargs
+    if kw.get("add_qkv_bias") or kw.get("add_bias_linear"):
         rules.append(R("self_attention.linear_qkv.bias", tuple(attn + p + "_proj.bias" for p in "qkv"), _qkv(args)))
+    if kw.get("add_bias_linear"):
+        rules.append(R("self_attention.linear_proj.bias", attn + "o_proj.bias"))
+    if kw.get("softmax_type") == "learnable":  # GptOss's attention sinks, one logit per head
+        rules.append(R("self_attention.core_attention.softmax_offset", attn + "sinks"))
     if args.config_kwargs.get("qk_layernorm"):
         rules += [R("self_attention.q_layernorm.weight", attn + "q_norm.weight"),
                   R("self_attention.k_layernorm.weight", attn + "k_norm.weight")]
@@ -186,12 +220,27 @@ class MoENames:
     experts: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared: str = "shared_experts."
     shared_gate: str = "shared_expert_gate.weight"
+    router: str = "gate"
+    # all experts in one tensor per projection (GptOss: experts.gate_up_proj [E, H, 2I] with
+    # gate/up interleaved, experts.down_proj [E, I, H], and their biases)
+    stacked: bool = False
 
 
 MOE_NAMES: Dict[str, MoENames] = {
     "mixtral": MoENames(block="block_sparse_moe.", experts=("w1", "w3", "w2")),
     "qwen2_moe": MoENames(shared="shared_expert."),  # one shared expert, singular
+    "gpt_oss": MoENames(router="router", stacked=True),
 }
+
+
+def _stacked_experts(block: str) -> List[Rule]:
+    experts, fc1, fc2 = block + "experts.", "mlp.experts.experts.linear_fc1.", "mlp.experts.experts.linear_fc2."
+    return [
+        R(fc1 + "weight", experts + "gate_up_proj", StackedExperts(transpose=True, interleaved=True), stacked=True),
+        R(fc1 + "bias", experts + "gate_up_proj_bias", StackedExperts(interleaved=True), stacked=True),
+        R(fc2 + "weight", experts + "down_proj", StackedExperts(transpose=True), stacked=True),
+        R(fc2 + "bias", experts + "down_proj_bias", StackedExperts(), stacked=True),
+    ]
 
 
 def _moe(args: MegatronModelArgs) -> List[Rule]:
@@ -200,11 +249,18 @@ def _moe(args: MegatronModelArgs) -> List[Rule]:
     block = "model.layers.{L}." + names.block
     expert = block + "experts.{E}."
     gate, up, down = (expert + p + ".weight" for p in names.experts)
-    rules = [
-        R("mlp.router.weight", block + "gate.weight"),
-        R("mlp.experts.experts.linear_fc1.weight", (gate, up), GateUp(), experts=True),
-        R("mlp.experts.experts.linear_fc2.weight", down, experts=True),
-    ]
+    rules = [R("mlp.router.weight", block + names.router + ".weight")]
+    if kw.get("add_bias_linear"):
+        rules.append(R("mlp.router.bias", block + names.router + ".bias"))
+    if names.stacked:
+        if kw.get("add_bias_linear") is not True:
+            raise UnsupportedModelError(f"{args.model_type}: stacked experts are mapped with their biases only")
+        rules += _stacked_experts(block)
+    else:
+        if kw.get("add_bias_linear"):
+            raise UnsupportedModelError(f"{args.model_type}: no mapping for per-expert biases")
+        rules += [R("mlp.experts.experts.linear_fc1.weight", (gate, up), GateUp(), experts=True),
+                  R("mlp.experts.experts.linear_fc2.weight", down, experts=True)]
     if kw.get("moe_router_enable_expert_bias"):
         rules.append(R("mlp.router.expert_bias", block + "gate.e_score_correction_bias"))
     if kw.get("moe_shared_expert_intermediate_size"):
@@ -294,7 +350,8 @@ def build_plan(args: MegatronModelArgs, vocab_multiple: int) -> Plan:
     return plan
 
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe",
+             "gpt_oss")
 
 _MTP = re.compile(r"^model\.layers\.(\d+)\.")
 

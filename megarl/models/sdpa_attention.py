@@ -131,9 +131,13 @@ class SDPACoreAttention(MegatronModule):
         every = torch.zeros(config.num_attention_heads, dtype=torch.float32)
         if config.perform_initialization:
             config.init_method(every)
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.softmax_offset = torch.nn.Parameter(
-            every[rank * heads:(rank + 1) * heads].to(device=device, dtype=config.params_dtype))
+        mine = every[rank * heads:(rank + 1) * heads]
+        if mine.is_meta:  # built under torch.device("meta") (a pre-flight shape check): no data to copy
+            mine = torch.empty(heads, dtype=config.params_dtype, device="meta")
+        else:
+            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            mine = mine.to(device=device, dtype=config.params_dtype)
+        self.softmax_offset = torch.nn.Parameter(mine)
         set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

@@ -163,26 +163,41 @@ def interop(work: Path, groups) -> None:
         dist.barrier()
 
 
+def biased_experts(ckpt: Path) -> bool:
+    """Experts with biases (GptOss): Megatron splits them only with etp=1, so tp > 1 needs ep > 1."""
+    from megarl.models.hf_config import megatron_args_from_hf
+
+    args = megatron_args_from_hf(ckpt / "hf")
+    return bool(args.num_experts and args.config_kwargs.get("add_bias_linear"))
+
+
 def logits(work: Path) -> None:
     world = dist.get_world_size()
-    groups = build_groups(Layout(tp=world, pp=1, dp=1))
-    set_seed(0, groups)
-    for ckpt in sorted((work / "mc").iterdir()):
-        name = ckpt.name.split("-t")[0]
-        got = megatron_logits(ckpt, groups)
-        record = {"check": "logits", "tag": ckpt.name, "load_tp": world}
-        if dist.get_rank() == 0:
-            ref = hf_logits(work / "hf" / name)
-            vocab = ref.shape[-1]
-            record["max_abs_diff"] = (got[..., :vocab] - ref).abs().max().item()
-            record["ref_scale"] = ref.abs().max().item()
-            if world == 1:
-                rt = work / "rt" / ckpt.name
-                record["round_trip"] = bit_exact(work / "hf" / name, rt)
-                record["round_trip_logits_diff"] = (hf_logits(rt) - ref).abs().max().item()
-        emit(record)
-    interop(work, groups)
-    groups.destroy()
+    ckpts = sorted((work / "mc").iterdir())
+    biased = [c for c in ckpts if biased_experts(c)]
+    for layout, group in ((Layout(tp=world, pp=1, dp=1), [c for c in ckpts if c not in biased]),
+                          (Layout(tp=world, pp=1, dp=1, ep=world, etp=1), biased)):
+        if not group:
+            continue
+        groups = build_groups(layout)
+        set_seed(0, groups)
+        for ckpt in group:
+            name = ckpt.name.split("-t")[0]
+            got = megatron_logits(ckpt, groups)
+            record = {"check": "logits", "tag": ckpt.name, "load_tp": world}
+            if dist.get_rank() == 0:
+                ref = hf_logits(work / "hf" / name)
+                vocab = ref.shape[-1]
+                record["max_abs_diff"] = (got[..., :vocab] - ref).abs().max().item()
+                record["ref_scale"] = ref.abs().max().item()
+                if world == 1:
+                    rt = work / "rt" / ckpt.name
+                    record["round_trip"] = bit_exact(work / "hf" / name, rt)
+                    record["round_trip_logits_diff"] = (hf_logits(rt) - ref).abs().max().item()
+            emit(record)
+        if group is not biased:
+            interop(work, groups)
+        groups.destroy()
 
 
 if __name__ == "__main__":

@@ -18,8 +18,14 @@ WORKER = "tests/distributed/convert_worker.py"
 TOL = 1e-4
 DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
 MOE = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-qwen2-moe", "tiny-glm4-moe"]
+# MoE with biased experts (GptOss): Megatron splits those only with etp=1, so tp > 1 needs ep > 1
+# (the worker sets etp=1 whenever ep > 1, and loads these at tp = ep = world size). Its sliding
+# window (8) is shorter than the test sequences (12 tokens), and its swiglu_limit (0.1) clamps.
+BIASED_MOE = ["tiny-gpt-oss"]
 # Variants that exercise shared transforms: vocabulary padding (250 -> 256) and tied embeddings.
 VARIANTS = {"tiny-llama": {"vocab_size": 250}, "tiny-qwen2": {"tie_word_embeddings": True}}
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+         "truncate": False, "original_max_position_embeddings": 32}
 # DeepSeek-V3 variants (a repo config plus overrides) for the MLA and routing settings megarl maps
 # rather than refuses. Names must not contain "-t" (the worker splits the layout tag there).
 DERIVED = {
@@ -31,11 +37,19 @@ DERIVED = {
     # sigmoid top-1 without renormalisation
     "tiny-deepseek-v3-unnormed": ("tiny-deepseek-v3", {"num_experts_per_tok": 1, "norm_topk_prob": False,
                                                        "n_group": 1, "topk_group": 1}),
+    # GptOss's YaRN (untruncated, as gpt-oss-20b's; and truncated, transformers' default), with
+    # larger weights so that attention, and the rope, matter: plain rope instead moves
+    # transformers' logits by 0.86, truncate by 0.11, the attention factor (mscale) 1 by 0.60
+    "tiny-gpt-oss-yarn": ("tiny-gpt-oss", {"initializer_range": 0.1, "rope_parameters": _YARN}),
+    "tiny-gpt-oss-yarnfloor": ("tiny-gpt-oss", {"initializer_range": 0.1, "rope_parameters": {**_YARN, "truncate": True}}),
 }
 SPECS = {  # world size -> name@tp,pp,ep
-    1: [f"{n}@1,1,1" for n in DENSE + MOE] + ["tiny-deepseek-v3-groups@1,1,1", "tiny-deepseek-v3-unnormed@1,1,1"],
-    2: [f"{n}@2,1,1" for n in DENSE + MOE] + [f"{n}@1,2,1" for n in DENSE + MOE] + [f"{n}@1,1,2" for n in MOE]
-    + ["tiny-deepseek-v3-qnull@2,1,1"],
+    1: [f"{n}@1,1,1" for n in DENSE + MOE + BIASED_MOE]
+    + ["tiny-deepseek-v3-groups@1,1,1", "tiny-deepseek-v3-unnormed@1,1,1", "tiny-gpt-oss-yarn@1,1,1",
+                                                 "tiny-gpt-oss-yarnfloor@1,1,1"],
+    2: [f"{n}@2,1,1" for n in DENSE + MOE] + [f"{n}@1,2,1" for n in DENSE + MOE + BIASED_MOE]
+    + [f"{n}@1,1,2" for n in MOE + BIASED_MOE] + [f"{n}@2,1,2" for n in BIASED_MOE]
+    + ["tiny-deepseek-v3-qnull@2,1,1", "tiny-gpt-oss-yarn@2,1,2"],
     4: [f"{n}@2,2,1" for n in DENSE[:3]] + [f"{n}@2,1,2" for n in MOE[:2]] + ["tiny-deepseek-v3@1,2,2"]
     + ["tiny-deepseek-v3-qnull@1,2,2"],
 }
@@ -51,6 +65,11 @@ def make_hf_model(name: str, out: Path) -> None:
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.05 * torch.randn_like(buffer))
+    if base in BIASED_MOE:  # transformers initialises the expert biases to zero: make them count
+        with torch.no_grad():
+            for param in model.parameters():
+                if not param.any():
+                    param.normal_(0.0, 0.1)
     model.save_pretrained(out)
 
 
@@ -61,7 +80,7 @@ def parse(output: str):
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     work = tmp_path_factory.mktemp("convert")
-    for name in DENSE + MOE + list(DERIVED):
+    for name in DENSE + MOE + BIASED_MOE + list(DERIVED):
         make_hf_model(name, work / "hf" / name)
     converted = []
     for world, specs in SPECS.items():

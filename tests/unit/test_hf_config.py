@@ -18,7 +18,8 @@ from megarl.models.hf_config import (
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = sorted((REPO / "configs" / "models").glob("*.json"))
-FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe"}
+FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe",
+            "gpt_oss"}
 
 MOE_FIELDS = {
     "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -106,8 +107,17 @@ def glm4_moe(**over):
     return transformers.Glm4MoeConfig(**common_kwargs(**kw)).to_dict()
 
 
+def gpt_oss(**over):
+    kw = dict(num_hidden_layers=4, num_local_experts=6, num_experts_per_tok=3, head_dim=20,
+              sliding_window=24, swiglu_limit=5.5, router_aux_loss_coef=0.0123,
+              layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"])
+    kw.update(over)
+    return transformers.GptOssConfig(**common_kwargs(**kw)).to_dict()
+
+
 BUILDERS = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
-            "qwen2_moe": qwen2_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe}
+            "qwen2_moe": qwen2_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
+            "gpt_oss": gpt_oss}
 
 
 def expected_common(hf):
@@ -397,6 +407,78 @@ def test_glm4_moe_partial_rope_with_scaling_is_refused():
         megatron_args_from_hf(hf)
 
 
+def test_gpt_oss_mapping():
+    hf = gpt_oss()
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    kw = args.config_kwargs
+    assert kw["num_moe_experts"] == 6 == args.num_experts
+    assert kw["moe_router_topk"] == 3
+    assert kw["moe_ffn_hidden_size"] == 200                      # GptOss's intermediate_size is the expert's
+    assert kw["moe_layer_freq"] == [1] * 4
+    assert kw["moe_router_pre_softmax"] is False                 # top-k logits, then their softmax
+    assert kw["moe_aux_loss_coeff"] == pytest.approx(0.0123)
+    assert kw["add_qkv_bias"] is True and kw["add_bias_linear"] is True
+    assert kw["softmax_type"] == "learnable"
+    assert kw["window_size"] == (23, 0)                           # HF's window W: the W latest keys
+    assert kw["window_attn_skip_freq"] == [1, 0, 0, 1]
+    assert kw["activation_func"] == "quick_gelu"
+    assert kw["activation_func_clamp_value"] == 5.5
+    assert kw["glu_linear_offset"] == 1.0
+    assert not MLA_FIELDS & set(kw) and not args.mla
+
+
+def test_gpt_oss_default_layer_types_and_no_window():
+    hf = gpt_oss(layer_types=None)
+    assert hf["layer_types"] == ["sliding_attention", "full_attention"] * 2  # transformers' default
+    assert megatron_args_from_hf(hf).config_kwargs["window_attn_skip_freq"] == [1, 0, 1, 0]
+    kw = megatron_args_from_hf(gpt_oss(layer_types=["full_attention"] * 4)).config_kwargs
+    assert "window_size" not in kw and "window_attn_skip_freq" not in kw
+
+
+@pytest.mark.parametrize("field,value", [("swiglu_alpha", 1.5), ("attention_bias", False),
+                                         ("num_experts_per_tok", 1)])
+def test_gpt_oss_settings_megatron_cannot_reproduce_are_refused_by_name(field, value):
+    with pytest.raises(UnsupportedModelError, match=field):
+        megatron_args_from_hf(gpt_oss(**{field: value}))
+
+
+def test_gpt_oss_yarn():
+    """transformers' GptOss default rope (gpt-oss-20b's): YaRN, untruncated; Megatron's GPT YaRN
+    embedding takes it through yarn_* attributes (no TransformerConfig fields)."""
+    hf = gpt_oss(rope_parameters=None)
+    assert hf["rope_parameters"]["rope_type"] == "yarn" and hf["rope_parameters"]["truncate"] is False
+    args = megatron_args_from_hf(hf)
+    assert args.yarn == {"yarn_rotary_scaling_factor": 32.0, "yarn_original_max_position_embeddings": 4096,
+                         "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": None,
+                         "yarn_mscale_all_dim": None, "yarn_correction_range_round_to_int": False}
+    assert args.config_kwargs["rotary_base"] == hf["rope_parameters"]["rope_theta"]
+    assert args.rope_scaling is None and not set(args.yarn) & set(args.config_kwargs)
+    both = megatron_args_from_hf(gpt_oss(rope_parameters={**hf["rope_parameters"], "mscale": 0.7,
+                                                          "mscale_all_dim": 0.5})).yarn
+    assert (both["yarn_mscale"], both["yarn_mscale_all_dim"]) == (0.7, 0.5)
+    one = megatron_args_from_hf(gpt_oss(rope_parameters={**hf["rope_parameters"], "mscale": 0.7})).yarn
+    assert one["yarn_mscale"] is None  # transformers uses the ratio only when both are set
+    assert megatron_args_from_hf(llama()).yarn is None
+
+
+def test_gpt_oss_openai_keys_transformers_ignores_are_inert():
+    import warnings
+
+    hf = {**gpt_oss(), "experts_per_token": 3, "initial_context_length": 4096}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert megatron_args_from_hf(hf).config_kwargs["moe_router_topk"] == 3
+
+
+@pytest.mark.parametrize("extra", [{"attention_factor": 1.0}, {"partial_rotary_factor": 0.5},
+                                   {"rope_type": "dynamic"}])
+def test_gpt_oss_rope_megatron_cannot_reproduce_is_refused_by_name(extra):
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 64}
+    with pytest.raises(UnsupportedModelError, match="config field rope_parameters="):
+        megatron_args_from_hf(gpt_oss(rope_parameters={**rope, **extra}))
+
+
 def test_mistral_mapping():
     hf = mistral()
     args = megatron_args_from_hf(hf)
@@ -646,7 +728,7 @@ def test_repo_model_config_maps(path):
     assert kw["hidden_size"] == hf["hidden_size"]
     assert kw["num_attention_heads"] == hf["num_attention_heads"]
     assert args.vocab_size == hf["vocab_size"]
-    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe"}
+    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"}
     if moe:
         assert kw["num_moe_experts"] == (hf.get("num_local_experts") or hf.get("num_experts")
                                          or hf.get("n_routed_experts"))
@@ -663,10 +745,14 @@ def test_repo_model_config_builds_megatron_config(path):
 
     args = megatron_args_from_hf(path)
     kw = dict(args.config_kwargs)
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
     if not args.mla:
         kw.pop("rotary_base")  # a GPTModel argument outside MLA
+    activation = {"silu": F.silu, "quick_gelu": quick_gelu}[kw.pop("activation_func", "silu")]
+    bias = kw.pop("add_bias_linear", False)
     cls = MLATransformerConfig if args.mla else TransformerConfig
-    config = cls(**kw, use_cpu_initialization=True, normalization="RMSNorm",
-                 gated_linear_unit=True, add_bias_linear=False, activation_func=F.silu)
+    config = cls(**kw, use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
+                 add_bias_linear=bias, activation_func=activation)
     assert config.num_layers == args.config_kwargs["num_layers"]
     assert config.num_moe_experts == args.num_experts

@@ -23,6 +23,7 @@ CLASSES = {
     "qwen2_moe": transformers.Qwen2MoeConfig,
     "deepseek_v3": transformers.DeepseekV3Config,
     "glm4_moe": transformers.Glm4MoeConfig,
+    "gpt_oss": transformers.GptOssConfig,
 }
 
 # Per model_type, one refused setting for each Only field: {field: overrides that make it bite}.
@@ -64,6 +65,15 @@ BAD = {
         "scoring_func": {"scoring_func": "softmax"},
         "topk_method": {"topk_method": "greedy"},
         "moe_layer_freq": {"moe_layer_freq": 2},
+    },
+    "gpt_oss": {  # transformers' GptOss ignores hidden_act (its experts' clamped SwiGLU is fixed)
+        **{k: v for k, v in COMMON_BAD.items() if k not in ("hidden_act", "attention_bias")},
+        "attention_bias": {"attention_bias": False},
+        "swiglu_alpha": {"swiglu_alpha": 1.5},
+        "num_experts_per_tok": {"num_experts_per_tok": 1},
+        "rope_parameters": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096,
+                                                "attention_factor": 1.0}},
     },
 }
 
@@ -198,6 +208,35 @@ def test_cli_refuses_before_launching(tmp_path, capsys):
     save_file({"unread": torch.zeros(1)}, hf / "model.safetensors")  # the config is refused first
     assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "out"), "--nproc", "2"]) == 2
     assert "norm_topk_prob=False" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("over,layout,named", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                          "original_max_position_embeddings": 4096, "attention_factor": 1.0}}, [],
+     "rope_parameters="),
+    ({"swiglu_alpha": 1.5}, [], "swiglu_alpha=1.5"),
+    ({}, ["--tp", "2", "--ep", "2", "--etp", "2"], "etp=2 must be 1"),  # biased experts
+])
+def test_cli_refuses_gpt_oss_settings_before_launching(tmp_path, capsys, over, layout, named):
+    import torch
+    from safetensors.torch import save_file
+
+    from megarl.cli import main
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = json.loads(open("configs/models/tiny-gpt-oss.json").read())
+    (hf / "config.json").write_text(json.dumps({**config, **over}))
+    save_file({"unread": torch.zeros(1)}, hf / "model.safetensors")
+    if layout:  # names are checked before the layout: give the real ones (empty)
+        from megarl.models.hf_config import megatron_args_from_hf
+        from megarl.models.hf_mapping import build_plan
+
+        save_file({n: torch.zeros(1) for n in build_plan(megatron_args_from_hf(hf), 128).hf_names()},
+                  hf / "model.safetensors")
+    assert main(["convert", "hf-to-mcore", str(hf), str(tmp_path / "out"), *layout, "--nproc", "4"]) == 2
+    assert named in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 

@@ -13,13 +13,14 @@ from safetensors import safe_open
 
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.models.hf_mapping import (
-    SUPPORTED, ConversionError, GateUp, QKV, VocabPad, build_plan, check_names, skipped_hf_names,
+    SUPPORTED, ConversionError, GateUp, QKV, StackedExperts, VocabPad, build_plan, check_names, skipped_hf_names,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_FOR = {"llama": "tiny-llama", "mistral": "tiny-mistral", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
               "mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3-moe", "qwen2_moe": "tiny-qwen2-moe",
-              "deepseek_v3": "tiny-deepseek-v3", "glm4_moe": "tiny-glm4-moe"}
+              "deepseek_v3": "tiny-deepseek-v3", "glm4_moe": "tiny-glm4-moe",
+              "gpt_oss": "tiny-gpt-oss"}
 
 
 @pytest.mark.parametrize("shape", [(48, 8), (48,)])
@@ -50,6 +51,28 @@ def test_gate_up_and_vocab_padding_are_exact_inverses():
     assert torch.equal(VocabPad(250, 256).to_hf(padded)[0], emb)
     with pytest.raises(ConversionError, match="251 rows"):
         VocabPad(250, 256).to_mcore([torch.randn(251, 4)])
+
+
+def test_stacked_experts_deinterleave_gate_up_and_are_exact_inverses():
+    """GptOss: x @ gate_up_proj[e] alternates gate and up columns; Megatron's linear_fc1 of
+    expert e computes x @ fc1.T = [gate, up]. Any leading slice of experts converts alike."""
+    experts, hidden, inter = 3, 5, 4
+    torch.manual_seed(0)
+    w, b = torch.randn(experts, hidden, 2 * inter), torch.randn(experts, 2 * inter)
+    x = torch.randn(7, hidden)
+    fc1 = StackedExperts(transpose=True, interleaved=True).to_mcore([w])
+    bias = StackedExperts(interleaved=True).to_mcore([b])
+    assert fc1.shape == (experts, 2 * inter, hidden) and bias.shape == (experts, 2 * inter)
+    for e in range(experts):
+        hf = x @ w[e] + b[e]
+        mc = x @ fc1[e].T + bias[e]
+        assert torch.allclose(mc[:, :inter], hf[:, ::2], atol=1e-6) and torch.allclose(mc[:, inter:], hf[:, 1::2], atol=1e-6)
+    assert torch.equal(StackedExperts(transpose=True, interleaved=True).to_mcore([w[1:2]])[0], fc1[1])
+    assert torch.equal(StackedExperts(transpose=True, interleaved=True).to_hf(fc1)[0], w)
+    assert torch.equal(StackedExperts(interleaved=True).to_hf(bias)[0], b)
+    down = torch.randn(experts, inter, hidden)
+    fc2 = StackedExperts(transpose=True).to_mcore([down])
+    assert torch.equal(fc2[2], down[2].T) and torch.equal(StackedExperts(transpose=True).to_hf(fc2)[0], down)
 
 
 def test_every_architecture_has_a_config_here():

@@ -163,6 +163,14 @@ def test_sink_parameter_megatron_name_shape_and_tp_attributes():
     assert list(make_attn(8, 2, softmax_type="off-by-one").parameters()) == []
 
 
+def test_sinks_build_on_the_meta_device():
+    """check_pretrained's pre-flight builds the model under torch.device("meta") (shapes only)."""
+    with torch.device("meta"):
+        attn = make_attn(8, 2, softmax_type="learnable")
+    assert attn.softmax_offset.is_meta and attn.softmax_offset.shape == (8,)
+    assert attn.softmax_offset.tensor_model_parallel
+
+
 class _Group:
     def __init__(self, size, rank):
         self._size, self._rank = size, rank

@@ -53,6 +53,13 @@ def test_bucket_plan_is_the_hf_checkpoint(name, tmp_path):
     assert dict(planned) == expected
 
 
+def test_bucket_plan_refuses_stacked_experts_by_name():
+    from megarl.models.hf_config import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="gpt_oss"):
+        hf_bucket_plan(megatron_args_from_hf("configs/models/tiny-gpt-oss.json"), torch.bfloat16, 1 << 20)
+
+
 def test_bucket_plan_rejects_a_zero_budget():
     with pytest.raises(ValueError, match="bucket_bytes=0"):
         hf_bucket_plan(megatron_args_from_hf("configs/models/tiny-llama.json"), torch.float32, 0)

@@ -46,6 +46,15 @@ def test_hf_names_match_transformers(name, tmp_path):
     assert {k: tuple(v.shape) for k, v in produced.items()} == expected
 
 
+def test_stacked_experts_are_refused_by_name():
+    """GptOss's checkpoint stacks every expert of a layer in one tensor; the weight sync hands over
+    one expert at a time, so the SGLang/vLLM engines refuse it before any transfer."""
+    from megarl.models.hf_config import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="gpt_oss.*experts.gate_up_proj.*rollout.engine=native"):
+        HFNames(megatron_args_from_hf("configs/models/tiny-gpt-oss.json"))
+
+
 def test_checkpoint_keys():
     assert checkpoint_key("decoder.layers.3.input_layernorm.weight", mla=False) == (
         "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight", None)

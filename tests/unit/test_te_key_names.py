@@ -25,8 +25,9 @@ from megarl.parallel.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
-          "tiny-deepseek-v3", "tiny-glm4-moe"]
-# Parameters each leaf module registers (RMSNorm: no biases; add_bias_linear is off).
+          "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-gpt-oss"]
+# Parameters each leaf module registers (RMSNorm: no biases); with add_bias_linear (GptOss) every
+# linear also has a "bias", and with softmax_type 'learnable' the core attention a "softmax_offset".
 PARAMS = {
     "TELayerNormColumnParallelLinear": ("layer_norm_weight", "weight"),
     "TENorm": ("weight",), "TELinear": ("weight",),
@@ -82,14 +83,21 @@ def _keys(spec, config, prefix: str = "") -> set:
     module = spec.module if isinstance(spec, ModuleSpec) else spec
     if _name(module) is None:  # a function (bias-dropout-add), or nothing
         return set()
+    bias = config.add_bias_linear
     if module is TopKRouter:
-        return {prefix + "weight"} | ({prefix + "expert_bias"} if config.moe_router_enable_expert_bias else set())
+        return ({prefix + "weight"} | ({prefix + "expert_bias"} if config.moe_router_enable_expert_bias else set())
+                | ({prefix + "bias"} if bias else set()))
     if module in (SequentialMLP, TEGroupedMLP):  # both save every expert as "experts.<linear>.weight"
-        return {f"{prefix}experts.{linear}.weight" for linear in ("linear_fc1", "linear_fc2")}
+        return {f"{prefix}experts.{linear}.{p}" for linear in ("linear_fc1", "linear_fc2")
+                for p in (("weight", "bias") if bias else ("weight",))}
     submodules = getattr(spec, "submodules", None)
     if submodules is None:
+        name = _name(module)
+        linear = name.endswith("Linear")
         qkv_bias = prefix.endswith("linear_qkv.") and config.add_qkv_bias
-        return {prefix + p for p in PARAMS[_name(module)] + (("bias",) if qkv_bias else ())}
+        sinks = name.endswith("DotProductAttention") and config.softmax_type == "learnable"
+        extra = (("bias",) if qkv_bias or (linear and bias) else ()) + (("softmax_offset",) if sinks else ())
+        return {prefix + p for p in PARAMS[name] + extra}
     keys = {prefix + "gate_weight"} if _shared_gate(module, config) else set()
     for field in dataclasses.fields(submodules):
         if _unused(_name(module), field.name, config):

@@ -15,8 +15,10 @@ from megarl.parallel import Layout
 
 MODELS = {n: ModelSpec.from_args(megatron_args_from_hf(f"configs/models/{n}.json"))
           for n in ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe",
-                    "tiny-mixtral", "tiny-deepseek-v3", "tiny-glm4-moe"]}
-MOE_MODELS = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-glm4-moe"]
+                    "tiny-mixtral", "tiny-deepseek-v3", "tiny-glm4-moe", "tiny-gpt-oss"]}
+MOE_MODELS = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-glm4-moe",
+              "tiny-gpt-oss"]
+BIASED_EXPERTS = {"tiny-gpt-oss"}  # Megatron builds them only with etp=1: no tp > 1 without ep > 1
 
 
 def split_only(layers: int = 4, hidden: int = 64) -> ModelSpec:
@@ -77,7 +79,8 @@ PAIRS = [((2, 1, 2, 1, 1), (1, 1, 1)), ((2, 2, 1, 1, 1), (1, 2, 1)), ((1, 2, 2, 
 
 
 @pytest.mark.parametrize("name,train,gen", [(n, t, g) for n in MODELS for t, g in PAIRS
-                                            if MODELS[n].num_experts or (t[3] == 1 and g[2] == 1)])
+                                            if (MODELS[n].num_experts or (t[3] == 1 and g[2] == 1))
+                                            and not (n in BIASED_EXPERTS and t[0] > 1 and t[3] == 1)])
 def test_every_generation_element_arrives_once(name, train, gen):
     model = MODELS[name]
     t, p, d, e, cp = train
@@ -113,7 +116,8 @@ LAYOUTS = [Layout(tp=2, dp=2), Layout(pp=2, dp=2), Layout(tp=2, pp=2, vpp=2), La
 
 
 @pytest.mark.parametrize("name,layout", [(n, lay) for n in MODELS for lay in LAYOUTS
-                                         if MODELS[n].num_experts or lay.ep == 1])
+                                         if (MODELS[n].num_experts or lay.ep == 1)
+                                         and not (n in BIASED_EXPERTS and lay.etp != 1)])
 def test_placement_covers_each_tensor_once_per_replica(name, layout):
     model = MODELS[name]
     placement = Placement(model, layout)

@@ -23,7 +23,8 @@ from tests.unit.test_te_key_names import (  # noqa: F401 (te_specs: a fixture)
     PARAMS, ROOT, _config, _name, _shared_gate, _unused, te_specs,
 )
 
-MODELS = ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe", "tiny-glm4-moe"]
+MODELS = ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3-moe", "tiny-mixtral", "tiny-qwen2-moe", "tiny-glm4-moe",
+          "tiny-gpt-oss"]
 LAYOUTS = [Layout(), Layout(tp=2, pp=2, dp=2), Layout(tp=2, pp=2, dp=2, ep=2, etp=1), Layout(tp=2, pp=2, vpp=2)]
 
 
@@ -36,17 +37,25 @@ def _layer_names(spec, config, local_experts: int, prefix: str = "") -> set:
     module = spec.module if isinstance(spec, ModuleSpec) else spec
     if _name(module) is None:  # a function (bias-dropout-add), or nothing
         return set()
+    bias = config.add_bias_linear  # GptOss: every linear, the router and the experts
+    params = ("weight", "bias") if bias else ("weight",)
     if module is TopKRouter:
-        return {prefix + "weight"} | ({prefix + "expert_bias"} if config.moe_router_enable_expert_bias else set())
-    if module is TEGroupedMLP:  # one TE GroupedLinear per linear, a weight per local expert
-        return {f"{prefix}{linear}.weight{e}" for linear in ("linear_fc1", "linear_fc2") for e in range(local_experts)}
-    if module is SequentialMLP:
-        return {f"{prefix}local_experts.{e}.{linear}.weight" for linear in ("linear_fc1", "linear_fc2")
+        return ({prefix + "weight"} | ({prefix + "expert_bias"} if config.moe_router_enable_expert_bias else set())
+                | ({prefix + "bias"} if bias else set()))
+    if module is TEGroupedMLP:  # one TE GroupedLinear per linear, a weight (bias) per local expert
+        return {f"{prefix}{linear}.{p}{e}" for linear in ("linear_fc1", "linear_fc2") for p in params
                 for e in range(local_experts)}
+    if module is SequentialMLP:
+        return {f"{prefix}local_experts.{e}.{linear}.{p}" for linear in ("linear_fc1", "linear_fc2")
+                for p in params for e in range(local_experts)}
     submodules = getattr(spec, "submodules", None)
     if submodules is None:
+        name = _name(module)
         qkv_bias = prefix.endswith("linear_qkv.") and config.add_qkv_bias
-        return {prefix + p for p in PARAMS[_name(module)] + (("bias",) if qkv_bias else ())}
+        sinks = name.endswith("DotProductAttention") and config.softmax_type == "learnable"
+        extra = (("bias",) if qkv_bias or (name.endswith("Linear") and bias) else ()) + (
+            ("softmax_offset",) if sinks else ())
+        return {prefix + p for p in PARAMS[name] + extra}
     names = {prefix + "gate_weight"} if _shared_gate(module, config) else set()
     for field in dataclasses.fields(submodules):
         if not _unused(_name(module), field.name, config):
@@ -76,9 +85,10 @@ def _chunk_names(specs, config, placement: Placement, rank: int, chunk: int) -> 
 def _cases():
     """(model, layout) pairs; expert-parallel layouts for the models that have experts."""
     for name in MODELS:
-        moe = bool(megatron_args_from_hf(str(ROOT / f"configs/models/{name}.json")).num_experts)
+        args = megatron_args_from_hf(str(ROOT / f"configs/models/{name}.json"))
+        moe, biased = bool(args.num_experts), bool(args.config_kwargs.get("add_bias_linear"))
         for layout in LAYOUTS:
-            if moe or layout.ep == 1:
+            if (moe or layout.ep == 1) and not (biased and layout.etp != 1):  # biased experts: etp=1 only
                 yield pytest.param(name, layout, id=f"{name}-{layout}")
 
 
