@@ -118,6 +118,20 @@ QWEN2_MOE: Dict[str, Row] = {
 }
 
 
+def _mistral_window(hf):
+    """transformers' Mistral slides every layer by ``sliding_window`` W: query i sees keys
+    i-W+1..i (masking_utils.sliding_window_overlay: ``kv_idx > q_idx - W``), Megatron's
+    ``window_size=(W-1, 0)``. None (full attention) when W is null or covers
+    max_position_embeddings, the longest sequence megarl runs."""
+    window = hf.get("sliding_window")
+    if window is None or window >= _get(hf, "max_position_embeddings", default=4096):
+        return None
+    if not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"mistral config field sliding_window={window!r} is not supported: "
+                                    "a positive integer or null")
+    return (window - 1, 0)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How one HF ``model_type`` maps onto Megatron."""
@@ -128,7 +142,7 @@ class Architecture:
 
 ARCHITECTURES: Dict[str, Architecture] = {
     "llama": Architecture(COMMON),
-    "mistral": Architecture(COMMON),  # Llama's tensors; its sliding window is refused in FIELDS
+    "mistral": Architecture({**COMMON, "window_size": _mistral_window}),  # Llama's tensors
     "qwen2": Architecture({**COMMON, "add_qkv_bias": lambda hf: True}),
     "qwen3": Architecture({**COMMON, "qk_layernorm": lambda hf: True}),
     # transformers' Mixtral always renormalises the top-k (it has no norm_topk_prob)
@@ -184,13 +198,6 @@ def _shared_expert_ok(hf) -> bool:
     """transformers' Qwen2-MoE builds a shared expert (and its gate) in every MoE layer, one of
     intermediate size 0 too (zero-sized tensors): megarl maps only a real one."""
     return not _get(hf, "num_experts", default=0) or _get(hf, "shared_expert_intermediate_size", default=1) > 0
-
-
-def _window_covers_positions(hf) -> bool:
-    """Mistral slides every layer by ``sliding_window`` W (a query sees its W latest keys): no
-    effect when W >= max_position_embeddings, the longest sequence megarl runs."""
-    window = hf.get("sliding_window")
-    return window is None or window >= _get(hf, "max_position_embeddings", default=4096)
 
 
 def _softmax_top1_ok(hf) -> bool:
@@ -252,9 +259,7 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
     },
     "mistral": {
         **BASE_FIELDS,
-        "sliding_window": Only(_window_covers_positions,
-                               "megarl has no sliding-window attention; set sliding_window to null (or "
-                               "to at least max_position_embeddings, where it has no effect)"),
+        "sliding_window": MAPPED,  # Megatron's window_size (_mistral_window)
     },
     "qwen2": {
         **BASE_FIELDS, **_QWEN_DENSE,
