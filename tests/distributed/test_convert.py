@@ -20,6 +20,7 @@ DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
 MOE = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-qwen2-moe"]
 # Variants that exercise shared transforms: vocabulary padding (250 -> 256) and tied embeddings.
 VARIANTS = {"tiny-llama": {"vocab_size": 250}, "tiny-qwen2": {"tie_word_embeddings": True}}
+SWA = 5  # tiny-mistral-swa's sliding window (the worker's TOKENS are 12)
 # DeepSeek-V3 variants (a repo config plus overrides) for the MLA and routing settings megarl maps
 # rather than refuses. Names must not contain "-t" (the worker splits the layout tag there).
 DERIVED = {
@@ -31,11 +32,13 @@ DERIVED = {
     # sigmoid top-1 without renormalisation
     "tiny-deepseek-v3-unnormed": ("tiny-deepseek-v3", {"num_experts_per_tok": 1, "norm_topk_prob": False,
                                                        "n_group": 1, "topk_group": 1}),
+    # Mistral sliding every layer by a window of 5, shorter than the 12 test tokens
+    "tiny-mistral-swa": ("tiny-mistral", {"sliding_window": SWA}),
 }
 SPECS = {  # world size -> name@tp,pp,ep
     1: [f"{n}@1,1,1" for n in DENSE + MOE] + ["tiny-deepseek-v3-groups@1,1,1", "tiny-deepseek-v3-unnormed@1,1,1"],
     2: [f"{n}@2,1,1" for n in DENSE + MOE] + [f"{n}@1,2,1" for n in DENSE + MOE] + [f"{n}@1,1,2" for n in MOE]
-    + ["tiny-deepseek-v3-qnull@2,1,1"],
+    + ["tiny-deepseek-v3-qnull@2,1,1", "tiny-mistral-swa@2,1,1", "tiny-mistral-swa@1,2,1"],
     4: [f"{n}@2,2,1" for n in DENSE[:3]] + [f"{n}@2,1,2" for n in MOE[:2]] + ["tiny-deepseek-v3@1,2,2"]
     + ["tiny-deepseek-v3-qnull@1,2,2"],
 }
@@ -103,6 +106,27 @@ def test_deepseek_variants_were_covered(results, work):
     tags = {r.get("tag") for r in results[2]}
     assert {"tiny-deepseek-v3-qnull-t2p1e1w2", "tiny-deepseek-v3-qnull-t1p2e2w4",
             "tiny-deepseek-v3-groups-t1p1e1w1", "tiny-deepseek-v3-unnormed-t1p1e1w1"} <= tags
+
+
+def test_sliding_window_variant_was_covered_and_bites(results, work):
+    """The window drops keys of the test tokens: transformers' logits with it differ from the
+    same weights' without it or with a window one key longer or shorter, and megarl matched the
+    former (test_logits_match_transformers; measured 1.8e-7 at load tp=1, 3.0e-7 at tp=2)."""
+    from tests.distributed.convert_worker import TOKENS
+
+    hf_dir = work / "hf" / "tiny-mistral-swa"
+    assert json.loads((hf_dir / "config.json").read_text())["sliding_window"] == SWA < TOKENS.shape[1]
+    def logits(**window):
+        with torch.no_grad():
+            return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **window).eval()(TOKENS).logits
+
+    windowed = logits()
+    # a window one key off either way (or none) is far outside TOL: the match is not by chance
+    for other in (None, SWA - 1, SWA + 1):
+        assert (logits(sliding_window=other) - windowed).abs().max().item() > 100 * TOL, other
+    for load_tp in (1, 2):
+        tags = {r["tag"] for r in results[load_tp]}
+        assert {"tiny-mistral-swa-t2p1e1w2", "tiny-mistral-swa-t1p2e1w2"} <= tags, load_tp
 
 
 def test_tied_and_padded_variants_were_covered(work):
