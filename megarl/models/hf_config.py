@@ -220,7 +220,8 @@ def _group_scores_ok(hf) -> bool:
     return _group_limit_is_noop(hf) or hf["num_experts_per_tok"] // hf["topk_group"] == 2
 
 
-_NO_WINDOW = "megarl has no sliding-window attention; set use_sliding_window=false"
+_NO_WINDOW = ("megarl maps a sliding window for mistral only (this family's window layout is not "
+              "checked against transformers); set use_sliding_window=false")
 _TOP1_NORM = Only(_softmax_top1_ok, "with num_experts_per_tok=1, only false (Megatron cannot route "
                   "softmax top-1 with weight 1)")
 
@@ -268,7 +269,8 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
     "qwen3": {**BASE_FIELDS, **_QWEN_DENSE},
     "mixtral": {
         **BASE_FIELDS, **_ROUTER_AUX,
-        "sliding_window": Only(_at("sliding_window"), "megarl has no sliding-window attention; set it to null"),
+        "sliding_window": Only(_at("sliding_window"), "megarl maps a sliding window for mistral only "
+                                                 "(Mixtral's is not checked against transformers); set it to null"),
         "num_local_experts": MAPPED, "num_experts": MAPPED,
         "num_experts_per_tok": Only(lambda hf: hf["num_experts_per_tok"] > 1,
                                     "Megatron cannot route softmax top-1 with weight 1 (Mixtral "
