@@ -87,6 +87,10 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         raise ConfigError(str(err)) from None
     backend = rollout_backend(r.engine)
     backend.check(cfg)  # engine, dtype and the other choices are checked by validate()
+    if args.config_kwargs.get("window_size") and not backend.sliding_window:
+        raise ConfigError(f"parallel.rollout.engine={r.engine} with a sliding-window model (model.hf_config's "
+                          f"sliding_window, window_size={args.config_kwargs['window_size']}): that engine's "
+                          f"handling of the window is unverified; use parallel.rollout.engine=native")
     check_logging(cfg.logging)
     check_batch_split(data, algo, layout.dp)
     if algo.routing_replay:

@@ -94,6 +94,13 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
     check_layout(args, layout, model_cfg, training)
     dtype = resolve_dtype(model_cfg.params_dtype)
     use_te = resolve_impl(model_cfg.transformer_impl)
+    if use_te and kw.get("window_size"):
+        from megarl.models.hf_config import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"a sliding window (window_size={kw['window_size']}) under Transformer Engine is not supported: "
+            "TE's window semantics are unverified against transformers; set model.transformer_impl=local "
+            "(megarl's SDPA core attention, checked)")
     on_cpu = not torch.cuda.is_available()
     kwargs = dict(kw)
     if not args.mla:

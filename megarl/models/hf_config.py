@@ -176,6 +176,20 @@ GPT_OSS: Dict[str, Row] = {
 }
 
 
+def _mistral_window(hf):
+    """transformers' Mistral slides every layer by ``sliding_window`` W: query i sees keys
+    i-W+1..i (masking_utils.sliding_window_overlay: ``kv_idx > q_idx - W``), Megatron's
+    ``window_size=(W-1, 0)``. None (full attention) when W is null or covers
+    max_position_embeddings, the longest sequence megarl runs."""
+    window = hf.get("sliding_window")
+    if window is None or window >= _get(hf, "max_position_embeddings", default=4096):
+        return None
+    if not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"mistral config field sliding_window={window!r} is not supported: "
+                                    "a positive integer or null")
+    return (window - 1, 0)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How one HF ``model_type`` maps onto Megatron."""
@@ -188,7 +202,7 @@ class Architecture:
 
 ARCHITECTURES: Dict[str, Architecture] = {
     "llama": Architecture(COMMON),
-    "mistral": Architecture(COMMON),  # Llama's tensors; its sliding window is refused in FIELDS
+    "mistral": Architecture({**COMMON, "window_size": _mistral_window}),  # Llama's tensors
     "qwen2": Architecture({**COMMON, "add_qkv_bias": lambda hf: True}),
     "qwen3": Architecture({**COMMON, "qk_layernorm": lambda hf: True}),
     # transformers' Mixtral always renormalises the top-k (it has no norm_topk_prob)
@@ -248,13 +262,6 @@ def _shared_expert_ok(hf) -> bool:
     return not _get(hf, "num_experts", default=0) or _get(hf, "shared_expert_intermediate_size", default=1) > 0
 
 
-def _window_covers_positions(hf) -> bool:
-    """Mistral slides every layer by ``sliding_window`` W (a query sees its W latest keys): no
-    effect when W >= max_position_embeddings, the longest sequence megarl runs."""
-    window = hf.get("sliding_window")
-    return window is None or window >= _get(hf, "max_position_embeddings", default=4096)
-
-
 def _softmax_top1_ok(hf) -> bool:
     """Renormalised top-1 softmax routing weighs the chosen expert by exactly 1; Megatron refuses
     top-1 softmax routing without pre-softmax (TransformerConfig.__post_init__)."""
@@ -305,7 +312,8 @@ def yarn_settings(hf) -> Dict[str, Any]:
     }
 
 
-_NO_WINDOW = "megarl has no sliding-window attention; set use_sliding_window=false"
+_NO_WINDOW = ("megarl maps a sliding window for mistral only (this family's window layout is not "
+              "checked against transformers); set use_sliding_window=false")
 _TOP1_NORM = Only(_softmax_top1_ok, "with num_experts_per_tok=1, only false (Megatron cannot route "
                   "softmax top-1 with weight 1)")
 
@@ -344,9 +352,7 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
     },
     "mistral": {
         **BASE_FIELDS,
-        "sliding_window": Only(_window_covers_positions,
-                               "megarl has no sliding-window attention; set sliding_window to null (or "
-                               "to at least max_position_embeddings, where it has no effect)"),
+        "sliding_window": MAPPED,  # Megatron's window_size (_mistral_window)
     },
     "qwen2": {
         **BASE_FIELDS, **_QWEN_DENSE,
@@ -355,7 +361,8 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
     "qwen3": {**BASE_FIELDS, **_QWEN_DENSE},
     "mixtral": {
         **BASE_FIELDS, **_ROUTER_AUX,
-        "sliding_window": Only(_at("sliding_window"), "megarl has no sliding-window attention; set it to null"),
+        "sliding_window": Only(_at("sliding_window"), "megarl maps a sliding window for mistral only "
+                                                 "(Mixtral's is not checked against transformers); set it to null"),
         "num_local_experts": MAPPED, "num_experts": MAPPED,
         "num_experts_per_tok": Only(lambda hf: hf["num_experts_per_tok"] > 1,
                                     "Megatron cannot route softmax top-1 with weight 1 (Mixtral "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -31,17 +32,39 @@ from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
-          "moe_aux": "configs/models/tiny-qwen3-moe.json"}
+          "moe_aux": "configs/models/tiny-qwen3-moe.json", "qwen2_moe": "configs/models/tiny-qwen2-moe.json",
+          "mistral_swa": "configs/models/tiny-mistral.json"}
+# mistral_swa: Mistral sliding a window of SWA over the SEQ-token rows (every layer); its config is
+# tiny-mistral.json with that window, written to the work directory (see hf_config)
+SWA = 6
 # moe_aux: the MoE model with Megatron's load-balancing loss on (its gradient only; the reported
 # loss excludes it), which every layout must reduce over the same tokens as the single process
 AUX_LOSS_COEFF = {"moe_aux": 0.1}
 # moe_aux runs the layouts that split a micro-batch's tokens (sp, cp) or change its padding
 # (vpp pads micro-batches to one width, cp and packing pad sequences), and dp·ep
 AUX_LAYOUTS = {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1v2", "t1p1d1e1c2", "t2p1d1e1c2"}
+# models run at a few layouts only (all others: every layout given, ep > 1 for MoE models only):
+# the newer families at tp (and ep for the MoE, cp for the window, which crosses the CP chunks)
+ONLY_LAYOUTS = {"moe_aux": AUX_LAYOUTS, "qwen2_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"},
+                "mistral_swa": {"t1p1d1e1", "t2p1d1e1", "t1p1d1e1c2"}}
+DENSE_MODELS = {"dense", "mistral_swa"}
 
 
-def model_config(name: str, **kwargs) -> ModelConfig:
-    return ModelConfig(hf_config=MODELS[name], moe_aux_loss_coeff=AUX_LOSS_COEFF.get(name), **kwargs)
+def hf_config(name: str, workdir: Path) -> str:
+    if name != "mistral_swa":
+        return MODELS[name]
+    path = workdir / "tiny-mistral-swa.json"
+    if not path.exists():  # every rank writes the same text; the rename is atomic
+        config = {**json.loads(Path(MODELS[name]).read_text()), "sliding_window": SWA}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f"{path.name}.{os.getpid()}")
+        part.write_text(json.dumps(config))
+        os.replace(part, path)
+    return str(path)
+
+
+def model_config(name: str, workdir: Path, **kwargs) -> ModelConfig:
+    return ModelConfig(hf_config=hf_config(name, workdir), moe_aux_loss_coeff=AUX_LOSS_COEFF.get(name), **kwargs)
 GLOBAL_BATCH, SEQ, MICRO, STEPS, SEED = 8, 16, 2, 3, 1234
 
 
@@ -71,6 +94,18 @@ def grads_as_weights(chunks):
             param.data = data
 
 
+def nonzero_biases(chunks) -> None:
+    """Megatron starts biases (qwen2_moe's q/k/v) at zero, as no pretrained model has them: a
+    tensor that is one optimizer step from zero would make the relative weight difference a
+    ratio of rounding to that step (measured 8.9e-5 on linear_qkv.bias, 8.7e-8 absolute)."""
+    gen = torch.Generator().manual_seed(SEED + 7)
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if name.endswith(".bias") and not param.any():
+                    param.copy_(0.02 * torch.randn(param.shape, generator=gen))
+
+
 def layout_name(layout: Layout, recompute: str = "") -> str:
     return (f"t{layout.tp}p{layout.pp}d{layout.dp}e{layout.ep}" + (f"v{layout.vpp}" if layout.vpp else "")
             + (f"c{layout.cp}" if layout.cp > 1 else "") + (f"r{recompute}" if recompute else ""))
@@ -97,7 +132,7 @@ def engine_phase(model_cfg, optim_cfg, groups, init, run_dir, model_name) -> dic
     """Log-probs/entropies (whole batch, saved by rank 0) and one actor update per mode."""
     from megarl.roles.actor import Actor, ActorLossConfig
 
-    vocab = megatron_args_from_hf(MODELS[model_name]).vocab_size
+    vocab = megatron_args_from_hf(model_cfg.hf_config).vocab_size
     dp, per = groups.layout.dp, GLOBAL_BATCH // groups.layout.dp
     rows = slice(groups.dp_rank * per, (groups.dp_rank + 1) * per)
     batch = {k: v[rows] for k, v in engine_batch(vocab).items()}
@@ -132,15 +167,17 @@ def run(args) -> None:
             given = [int(x) for x in sizes.split(",")]
             tp, pp, dp, ep, vpp, cp = given + [0, 1][len(given) - 4:]  # vpp 0 = none, cp 1
             layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp or None, cp=cp)
-            if (model_name == "dense" and ep > 1) or (model_name == "moe_aux" and layout_name(layout, recompute)
-                                                       not in AUX_LAYOUTS):
+            if (model_name in DENSE_MODELS and ep > 1) or layout_name(layout, recompute) not in \
+                    ONLY_LAYOUTS.get(model_name, (layout_name(layout, recompute),)):
                 continue
-            model_cfg = model_config(model_name, moe_token_dispatcher=args.dispatcher,
+            model_cfg = model_config(model_name, out, moe_token_dispatcher=args.dispatcher,
                                      recompute_granularity=recompute or None)
             groups = build_groups(layout)
             set_seed(SEED, groups)
             if args.reference and not init.exists():
-                save_model(build_model(model_cfg, groups), init)
+                chunks = build_model(model_cfg, groups)
+                nonzero_biases(chunks)
+                save_model(chunks, init)
             vocab = 256
             run_dir = out / model_name / layout_name(layout, recompute)
             state = build_train_state(model_cfg, optim_cfg, groups, STEPS,
@@ -205,7 +242,7 @@ def compare(args) -> None:
     out = Path(args.workdir)
     report = {}
     for model_name in args.models:
-        model_cfg = model_config(model_name)
+        model_cfg = model_config(model_name, out)
         groups = build_groups(Layout())
         ref_dir = out / model_name / "t1p1d1e1"
         ref = {kind: _full_tensors(model_cfg, groups, ref_dir / kind)
@@ -255,7 +292,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["run", "compare"])
     parser.add_argument("--workdir", required=True)
-    parser.add_argument("--models", nargs="+", default=["dense", "moe", "moe_aux"])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--layouts", nargs="*", default=["1,1,1,1"])
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--dispatcher", default="alltoall")

@@ -26,6 +26,7 @@ BIASED_MOE = ["tiny-gpt-oss"]
 VARIANTS = {"tiny-llama": {"vocab_size": 250}, "tiny-qwen2": {"tie_word_embeddings": True}}
 _YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
          "truncate": False, "original_max_position_embeddings": 32}
+SWA = 5  # tiny-mistral-swa's sliding window (the worker's TOKENS are 12)
 # DeepSeek-V3 variants (a repo config plus overrides) for the MLA and routing settings megarl maps
 # rather than refuses. Names must not contain "-t" (the worker splits the layout tag there).
 DERIVED = {
@@ -42,6 +43,8 @@ DERIVED = {
     # transformers' logits by 0.86, truncate by 0.11, the attention factor (mscale) 1 by 0.60
     "tiny-gpt-oss-yarn": ("tiny-gpt-oss", {"initializer_range": 0.1, "rope_parameters": _YARN}),
     "tiny-gpt-oss-yarnfloor": ("tiny-gpt-oss", {"initializer_range": 0.1, "rope_parameters": {**_YARN, "truncate": True}}),
+    # Mistral sliding every layer by a window of 5, shorter than the 12 test tokens
+    "tiny-mistral-swa": ("tiny-mistral", {"sliding_window": SWA}),
 }
 SPECS = {  # world size -> name@tp,pp,ep
     1: [f"{n}@1,1,1" for n in DENSE + MOE + BIASED_MOE]
@@ -49,7 +52,8 @@ SPECS = {  # world size -> name@tp,pp,ep
                                                  "tiny-gpt-oss-yarnfloor@1,1,1"],
     2: [f"{n}@2,1,1" for n in DENSE + MOE] + [f"{n}@1,2,1" for n in DENSE + MOE + BIASED_MOE]
     + [f"{n}@1,1,2" for n in MOE + BIASED_MOE] + [f"{n}@2,1,2" for n in BIASED_MOE]
-    + ["tiny-deepseek-v3-qnull@2,1,1", "tiny-gpt-oss-yarn@2,1,2"],
+    + ["tiny-deepseek-v3-qnull@2,1,1", "tiny-gpt-oss-yarn@2,1,2", "tiny-mistral-swa@2,1,1",
+       "tiny-mistral-swa@1,2,1"],
     4: [f"{n}@2,2,1" for n in DENSE[:3]] + [f"{n}@2,1,2" for n in MOE[:2]] + ["tiny-deepseek-v3@1,2,2"]
     + ["tiny-deepseek-v3-qnull@1,2,2"],
 }
@@ -135,6 +139,27 @@ def test_expert_bias_and_glm4_moe_layouts_were_covered(results, work):
             assert f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").abs().min() > 0, name
     tags = {r.get("tag") for r in results[2]}
     assert {f"tiny-glm4-moe-{t}" for t in ("t1p1e1w1", "t2p1e1w2", "t1p2e1w2", "t1p1e2w2")} <= tags
+
+
+def test_sliding_window_variant_was_covered_and_bites(results, work):
+    """The window drops keys of the test tokens: transformers' logits with it differ from the
+    same weights' without it or with a window one key longer or shorter, and megarl matched the
+    former (test_logits_match_transformers; measured 1.8e-7 at load tp=1, 3.0e-7 at tp=2)."""
+    from tests.distributed.convert_worker import TOKENS
+
+    hf_dir = work / "hf" / "tiny-mistral-swa"
+    assert json.loads((hf_dir / "config.json").read_text())["sliding_window"] == SWA < TOKENS.shape[1]
+    def logits(**window):
+        with torch.no_grad():
+            return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **window).eval()(TOKENS).logits
+
+    windowed = logits()
+    # a window one key off either way (or none) is far outside TOL: the match is not by chance
+    for other in (None, SWA - 1, SWA + 1):
+        assert (logits(sliding_window=other) - windowed).abs().max().item() > 100 * TOL, other
+    for load_tp in (1, 2):
+        tags = {r["tag"] for r in results[load_tp]}
+        assert {"tiny-mistral-swa-t2p1e1w2", "tiny-mistral-swa-t1p2e1w2"} <= tags, load_tp
 
 
 def test_tied_and_padded_variants_were_covered(work):

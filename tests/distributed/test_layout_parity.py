@@ -10,6 +10,10 @@ run against the padded one (data.pack_sequences: the loss aggregates per sequenc
 parallelism (cp=2, tp2·cp2). Activation recompute (selective, full) at one process matches the
 run without it to 1e-6 and really recomputes (twice the core-attention calls).
 
+Two more families at a few layouts: a Qwen2-MoE (shared expert with its gate, q/k/v bias; tp2
+and dp2·ep2) and a Mistral sliding a window of 6 over the 16-token rows (tp2 and cp2, the window
+crossing the CP chunks). Biases start non-zero (parity_worker.nonzero_biases).
+
 The MoE model also runs with Megatron's load-balancing loss on (``moe_aux``) at the layouts that
 split a micro-batch's tokens over ranks (sp, cp) or pad it differently (vpp, cp, packing): its
 gradient must not depend on either.
@@ -38,8 +42,12 @@ COMMON = {"t1p1d1e1", "t1p1d1e1rselective", "t1p1d1e1rfull", "t2p1d1e1", "t1p2d1
           "t1p2d1e1v2", "t1p1d1e1c2", "t2p1d1e1c2"}
 # moe_aux: the MoE model with the load-balancing loss on, at the layouts that split or pad a
 # micro-batch's tokens (parity_worker.AUX_LAYOUTS)
+# qwen2_moe (shared expert and its gate, q/k/v bias) and mistral_swa (a sliding window of 6 over
+# the 16-token rows, crossing the CP chunks) at a few layouts only (parity_worker.ONLY_LAYOUTS)
 EXPECTED = {"dense": COMMON, "moe": COMMON | {"t1p1d2e2"},
-            "moe_aux": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1v2", "t1p1d1e1c2", "t2p1d1e1c2"}}
+            "moe_aux": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1v2", "t1p1d1e1c2", "t2p1d1e1c2"},
+            "qwen2_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"}, "mistral_swa": {"t1p1d1e1", "t2p1d1e1", "t1p1d1e1c2"}}
+MODELS = list(EXPECTED)
 ENGINE_METRICS = [f"engine_{what}_{mode}" for mode in ("padded", "packed")
                   for what in ("log_probs", "entropy", "loss", "grad_norm", "weights")]
 # each layout's packed engine run against its padded one: log-probs and entropies (max abs diff),
@@ -67,13 +75,13 @@ def report(tmp_path_factory):
     return json.loads((work / "report.json").read_text())
 
 
-@pytest.mark.parametrize("model", ["dense", "moe", "moe_aux"])
+@pytest.mark.parametrize("model", MODELS)
 def test_every_layout_ran(report, model):
     ran = {key.split("/")[1] for key in report if key.startswith(model + "/")}
     assert ran == EXPECTED[model]
 
 
-@pytest.mark.parametrize("model", ["dense", "moe", "moe_aux"])
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("metric", ["loss", "grads", "step_losses", "grad_norms", "weights"] + ENGINE_METRICS
                          + PACKED_METRICS)
 def test_layout_matches_single_process(report, model, metric):
@@ -89,7 +97,7 @@ def test_recompute_runs_attention_again(report, model):
     assert calls == {"t1p1d1e1rselective": 2.0, "t1p1d1e1rfull": 2.0}, calls
 
 
-@pytest.mark.parametrize("model", ["dense", "moe"])
+@pytest.mark.parametrize("model", ["dense", "moe", "qwen2_moe", "mistral_swa"])
 def test_every_tensor_got_a_gradient(report, model):
     counts = {key: entry["grads_nonzero"] for key, entry in report.items() if key.startswith(model + "/")}
     assert len(set(counts.values())) == 1 and min(counts.values()) > 20, counts

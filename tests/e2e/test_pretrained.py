@@ -1,9 +1,11 @@
 """Post-training a user's model, through the real entry points: a small HF Llama and a small
-Qwen3-MoE, each with its own tokenizer (ChatML template, two EOS ids) and briefly trained by plain
-transformers, go into ``megarl train model.path=DIR`` at tp=2·pp=2 (Llama, 4 ranks) and
-tp=2·ep=2 (MoE, 2 ranks), and the Llama with its rollout on vLLM (its CPU build; 2 ranks at tp=2,
-heads of 32, vLLM's CPU attention's least). The first step's old log-probs (and the rollout's) equal transformers'
-log-probs of the same sequences (<= 1e-4); with lr=0, ``megarl export-hf`` gives back every
+Qwen3-MoE, a Mistral sliding a window of 8 and a Qwen2-MoE, each with its own tokenizer (ChatML
+template, two EOS ids) and briefly trained by plain transformers, go into ``megarl train
+model.path=DIR`` at tp=2·pp=2 (Llama, 4 ranks), tp=2 (Mistral, 2 ranks) and tp=2·ep=2 (the MoEs,
+2 ranks), and the Llama with its rollout on vLLM (its CPU build; 2 ranks at tp=2, heads of 32,
+vLLM's CPU attention's least). The first step's old log-probs (and the rollout's) equal
+transformers' log-probs of the same sequences (<= 1e-4), and on the native engine the rollout's
+equal the trainer's (``rollout/logp_max_abs_diff`` <= 1e-5); with lr=0, ``megarl export-hf`` gives back every
 tensor bit-exact, and transformers loads the export with its tokenizer, generates and stops at
 an EOS id."""
 
@@ -28,9 +30,14 @@ LAYOUTS = {  # case -> (nproc, actor layout)
     "llama": (4, "{tp: 2, pp: 2}"),
     "qwen3_moe": (2, "{tp: 2, ep: 2, etp: 1}"),
     "llama+vllm": (2, "{tp: 2}"),  # the rollout on vLLM (its CPU build): 2 heads of 32 (its CPU attention's least)
+    "mistral": (2, "{tp: 2}"),  # with a sliding window (WINDOW) shorter than its sequences
+    "qwen2_moe": (2, "{tp: 2, ep: 2, etp: 1}"),  # shared expert and its gate, q/k/v bias
 }
 ROLLOUT = {"llama+vllm": ", engine: vllm"}
-OVERRIDES = {"llama+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}}
+WINDOW = 8  # the chat prompts alone are longer
+OVERRIDES = {"llama+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
+             "mistral": {"sliding_window": WINDOW}}
+GAP_TOL = 1e-5  # the native rollout's log-probs vs the trainer's old log-probs, same tokens
 
 
 def tensors(directory: Path) -> dict:
@@ -93,6 +100,20 @@ def test_first_step_log_probs_equal_transformers(post_trained):
         for key in ("old_log_probs", "rollout_log_probs"):
             worst = max(worst, (torch.tensor(row[key]) - logp).abs().max().item())
     assert worst <= TOL, f"{kind}: max |megarl - transformers| log-prob {worst:.2e}"
+    if kind not in ROLLOUT:  # the native engine: the trainer's own model, so (nearly) the same numbers
+        metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+        gap = metrics[0]["rollout/logp_max_abs_diff"]
+        assert gap <= GAP_TOL, f"{kind}: first step's rollout vs trainer log-prob {gap:.2e}"
+    if kind == "mistral":  # the window dropped keys of every row: without it, far other log-probs
+        assert min(len(r["prompt_ids"]) for r in rows) > WINDOW
+        full = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                 sliding_window=None).eval()
+        row = rows[0]
+        ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(full(ids).logits[0, len(row["prompt_ids"]) - 1:-1], dim=-1)
+        logp = logp.gather(1, ids[0, len(row["prompt_ids"]):, None]).squeeze(1)
+        assert (torch.tensor(row["old_log_probs"]) - logp).abs().max().item() > 100 * TOL
     # The chat template rendered the prompt, and a stop on either EOS id ended the response.
     assert rows[0]["prompt_ids"][0] == IM_START_ID and rows[0]["prompt_ids"][-11] == IM_START_ID  # "<|im_start|>assistant\n"
     assert rows[0]["prompt"].startswith("user\nreverse ") and rows[0]["prompt"].endswith("assistant\n")

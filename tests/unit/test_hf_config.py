@@ -498,10 +498,33 @@ def test_mistral_sliding_window_without_effect_is_accepted(window):
         megatron_args_from_hf(mistral()).config_kwargs
 
 
-@pytest.mark.parametrize("window", [776, 16])
-def test_mistral_sliding_window_is_refused_by_name(window):
-    with pytest.raises(UnsupportedModelError, match=f"sliding_window={window} .*set sliding_window to null"):
-        megatron_args_from_hf(mistral(sliding_window=window))
+@pytest.mark.parametrize("window", [776, 16, 1])
+def test_mistral_sliding_window_maps_to_window_size(window):
+    """transformers' query i sees keys i-W+1..i (kv_idx > q_idx - W): Megatron's (W-1, 0), every layer."""
+    kw = megatron_args_from_hf(mistral(sliding_window=window)).config_kwargs
+    assert kw["window_size"] == (window - 1, 0)
+    assert "window_attn_skip_freq" not in kw  # None: Megatron slides every layer
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5])
+def test_mistral_bad_sliding_window_is_refused_by_name(window):
+    hf = {**mistral(), "sliding_window": window}  # as a hand-written config.json may read
+    with pytest.raises(UnsupportedModelError, match=f"sliding_window={window!r} is not supported"):
+        megatron_args_from_hf(hf)
+
+
+def test_sliding_window_under_transformer_engine_is_refused(monkeypatch):
+    """TE's window semantics are unchecked here (no GPU): refused by name, not run."""
+    from types import SimpleNamespace
+
+    from megarl.config import ModelConfig
+    from megarl.models import builder
+    from megarl.parallel.layout import Layout
+
+    monkeypatch.setattr(builder, "resolve_impl", lambda impl: True)
+    args = megatron_args_from_hf(mistral(sliding_window=16))
+    with pytest.raises(UnsupportedModelError, match="sliding window .*Transformer Engine.*transformer_impl=local"):
+        builder.transformer_config(args, SimpleNamespace(layout=Layout(tp=1, pp=1, dp=1)), ModelConfig())
 
 
 def test_mixtral_mapping():

@@ -34,6 +34,8 @@ class RolloutBackend(abc.ABC):
     """Whether its engine serves LoRA adapters (``parallel.rollout.lora_sync=adapter``, colocated)."""
     delta_sync = True
     """Whether its transports take ``parallel.rollout.weight_sync=delta`` (shards it keeps between syncs)."""
+    sliding_window = False
+    """Whether its engine is checked to run a sliding-window model (Megatron's ``window_size``) exactly."""
 
     def check(self, cfg) -> None:
         """Refuse (ConfigError) settings of ``parallel.rollout`` this backend cannot take."""

@@ -11,6 +11,7 @@ from megarl.rollout.backends import RolloutBackend, rollout_dtype, transfer_plan
 class NativeBackend(RolloutBackend):
     name = Engine.native
     records_routing = True
+    sliding_window = True  # the Megatron model itself, SDPA core attention (decode reads the window)
 
     def colocated(self, cfg, args, regrouping, train_chunks):
         from megarl.rollout.native import NativeRollout
