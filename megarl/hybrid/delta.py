@@ -299,30 +299,15 @@ def _encode_host(new: torch.Tensor, last: torch.Tensor, force: Optional[Encoding
     if numel < 64:
         return None
     kernels, ints = host.kernels(), _INT_VIEWS[itemsize]
-    buf, head, mask, values = _mask_buffer(numel, itemsize)
-    nnz, escapes = kernels.bitmask(_bits(new).numpy(), _bits(last).numpy(), mask, values.numpy())
-    if nnz < 0 and force not in (None, Encoding.dense):
-        return None
-    return _from_mask(buf, head, mask, values, nnz, escapes, new, force)
-
-
-def _mask_buffer(numel: int, itemsize: int):
-    """A message-sized buffer laid out as a bitmask payload: (buffer, mask bytes, the mask as
-    uint64 words, the values' integer view after it)."""
     head = _prefix_bytes(Encoding.bitmask, numel, 0, 0)  # the mask: one uint64 per 64 elements
     buf = torch.empty(numel * itemsize, dtype=torch.uint8)
     mask = buf[:head].numpy().view(np.uint64)
-    values = buf[head:head + (numel * itemsize - head) // itemsize * itemsize].view(_INT_VIEWS[itemsize])
-    return buf, head, mask, values
-
-
-def _from_mask(buf, head, mask, values, nnz: int, escapes: int, new: torch.Tensor,
-               force: Optional[Encoding]) -> Encoded:
-    """The message of a compiled pass's mask and values (``nnz`` < 0: they overflowed; ``new``: the
-    whole message, sent when dense is smaller)."""
-    numel, itemsize, kernels = new.numel(), new.element_size(), host.kernels()
+    values = buf[head:head + (numel * itemsize - head) // itemsize * itemsize].view(ints)
+    nnz, escapes = kernels.bitmask(_bits(new).numpy(), _bits(last).numpy(), mask, values.numpy())
     scratch = head + values.numel() * itemsize if nnz < 0 else head + nnz * itemsize
     if nnz < 0:  # more changed than a bitmask payload holds: dense is smaller
+        if force not in (None, Encoding.dense):
+            return None
         kind, nnz, escapes = Encoding.dense, numel, 0
     else:
         kind = force or choose(numel, nnz, itemsize, escapes)
@@ -341,36 +326,9 @@ def _from_mask(buf, head, mask, values, nnz: int, escapes: int, new: torch.Tenso
             payload[:nnz * 4].view(torch.int32).copy_(torch.from_numpy(kernels.mask_positions(mask, nnz)))
             start = nnz * 4
         payload[start:offset] = 0
-        payload[offset:].view(values.dtype).copy_(values[:nnz])
+        payload[offset:].view(ints).copy_(values[:nnz])
     header = torch.tensor([int(kind), nnz, escapes if kind == Encoding.gaps else 0], dtype=torch.int64)
     return Encoded(header, payload, kind, nnz, scratch, numel * itemsize)
-
-
-def encode_cast(pieces: Sequence[torch.Tensor], last: torch.Tensor) -> Optional[Encoded]:
-    """:func:`encode` of the bf16 rounding of ``pieces`` (contiguous fp32 host tensors, the message
-    in order) against ``last`` (the previous message, bf16, on the host), which becomes the new
-    message in place: one compiled pass over the training tensors, no packed copy
-    (``delta_kernels.cast_bitmask``). Where the changes overflow a bitmask payload, or the pass
-    meets a value whose rounding it does not stand in for (a NaN, a subnormal: torch's kernels
-    differ there), torch casts the pieces into ``last`` and it goes whole (dense)."""
-    numel = last.numel()
-    kernels = host.kernels()
-    buf, head, mask, values = _mask_buffer(numel, 2)
-    mask[:] = 0
-    bits, out = last.view(torch.int16).numpy().view(np.uint16), values.numpy().view(np.uint16)
-    state = np.array([0, 0, -1], dtype=np.int64)  # changed, escapes, last changed position
-    offset = 0
-    for piece in pieces:
-        src = piece.reshape(-1).view(torch.int32).numpy().view(np.uint32)
-        if kernels.cast_bitmask(src, offset, bits, mask, out, state):
-            offset = 0
-            for whole in pieces:
-                last[offset:offset + whole.numel()].copy_(whole.reshape(-1))
-                offset += whole.numel()
-            return _from_mask(buf, head, mask, values, -1, 0, last, None)
-        offset += src.size
-    assert offset == numel, (offset, numel)
-    return _from_mask(buf, head, mask, values, int(state[0]), int(state[1]), last, None)
 
 
 def empty_header(device) -> torch.Tensor:
@@ -495,18 +453,6 @@ class LastSent:
         self.copies[key] = new
         self.used.add(key)
         return out
-
-    def encode_cast(self, key: Hashable, pieces: Sequence[torch.Tensor]) -> Optional[Encoded]:
-        """:func:`encode_cast` where it applies (compiled passes, a bf16 copy of ``key`` from the last
-        sync, contiguous fp32 host ``pieces`` of its size); None otherwise: the caller packs the
-        message and calls :meth:`encode`."""
-        last = self.copies.get(key)
-        if (not host.AVAILABLE or last is None or last.dtype != torch.bfloat16 or last.device.type != "cpu"
-                or last.numel() < 64 or last.numel() != sum(p.numel() for p in pieces)
-                or any(p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous() for p in pieces)):
-            return None
-        self.used.add(key)
-        return encode_cast(pieces, last)
 
     def end_sync(self) -> None:
         for key in set(self.copies) - self.used:

@@ -6,10 +6,6 @@ The sender's pass (:func:`bitmask`) reads the message and its last copy once, 64
 time: their not-equal bits form one 64-bit word of the mask (a loop the compiler vectorises),
 and only the set bits are visited (trailing-zero count), so the work beyond the compare is per
 changed element, not per element. The gaps and positions encodings are then derived from the mask.
-
-The fused sender's pass (:func:`cast_bitmask`) does the same from the fp32 training tensors
-themselves: it rounds them to bf16 as it reads (round to nearest even, torch's rounding), and
-writes the changed values into the last copy in place, so no packed message is ever built.
 """
 
 from __future__ import annotations
@@ -51,69 +47,6 @@ def bitmask(new, last, mask, values):  # pragma: no cover - compiled
             k += 1
             prev = i
     return k, escapes
-
-
-@_jit
-def cast_bitmask(src, offset, last, mask, values, state):  # pragma: no cover - compiled
-    """:func:`bitmask` of ``src`` (the uint32 bits of contiguous fp32 values) rounded to bf16 against
-    ``last[offset:offset + src.size]`` (uint16 bf16 bits, updated in place where they differ); bit
-    ``offset + i`` of the message's ``mask`` (zeroed before the first piece) is set for a change.
-    ``state`` (int64 [changed, escapes, last changed position]) carries over the message's pieces.
-    Returns 0, -1 once ``values`` would overflow, or -2 for a NaN or a subnormal among ``src``
-    (whose rounding differs between torch's kernels): the caller then casts the message with torch.
-    Each word rounds its 64 values into a small buffer first, so that both loops vectorise."""
-    n, cap = src.size, values.size
-    k, escapes, prev = state[0], state[1], state[2]
-    rounded = np.empty(64, np.uint16)
-    # rounded to nearest even as torch's (c10) scalar cast; NaNs (|u| in [nan, nan + span)) and
-    # subnormals (|u| in [1, 1 + span)) are flagged by one wrapping compare each
-    one, nan, span = np.uint32(1), np.uint32(0x7F800001), np.uint32(0x007FFFFF)
-    for start in range(0, n, 64):
-        width = min(64, n - start)
-        word = np.uint64(0)
-        odd = np.uint32(0)
-        if width == 64:  # fixed trip counts, vectorised (the flags apart: together they are not)
-            for lane in range(64):
-                a = src[start + lane] & np.uint32(0x7FFFFFFF)
-                odd |= np.uint32(a - nan < span) | np.uint32(a - one < span)
-            for lane in range(64):
-                u = src[start + lane]
-                rounded[lane] = np.uint16((u + (((u >> np.uint32(16)) & one) + np.uint32(0x7FFF))) >> np.uint32(16))
-            for lane in range(64):
-                word |= np.uint64(rounded[lane] != last[offset + start + lane]) << np.uint64(lane)
-        else:
-            for lane in range(width):
-                u = src[start + lane]
-                a = u & np.uint32(0x7FFFFFFF)
-                odd |= np.uint32(a - nan < span) | np.uint32(a - one < span)
-                rounded[lane] = np.uint16((u + (((u >> np.uint32(16)) & one) + np.uint32(0x7FFF))) >> np.uint32(16))
-            for lane in range(width):
-                word |= np.uint64(rounded[lane] != last[offset + start + lane]) << np.uint64(lane)
-        if odd:
-            return -2
-        if word:
-            at = offset + start
-            shift = np.uint64(at % 64)
-            mask[at // 64] |= word << shift
-            if shift:
-                spill = word >> (np.uint64(64) - shift)
-                if spill:
-                    mask[at // 64 + 1] |= spill
-        while word:
-            if k == cap:
-                return -1
-            lane = trailing_zeros(word)
-            word &= word - np.uint64(1)
-            i = offset + start + lane
-            gap = i - prev - 1
-            if gap >= ESCAPE:
-                escapes += gap // ESCAPE
-            values[k] = rounded[lane]
-            last[i] = rounded[lane]
-            k += 1
-            prev = i
-    state[0], state[1], state[2] = k, escapes, prev
-    return 0
 
 
 @_jit

@@ -74,21 +74,6 @@ def pack(train, fillers, model: ModelSpec, segs: List[Segment], dtype: torch.dty
     return buf, merged
 
 
-def pack_delta(sent: "deltas.LastSent", key, train, fillers, model: ModelSpec, segs: List[Segment],
-               dtype: torch.dtype, device) -> Tuple["deltas.Encoded", int]:
-    """Delta's message of the segments (and :func:`pack`'s merged-LoRA bytes): on the host, a bf16
-    message of fp32 ranges is encoded straight from the training tensors against the last copy
-    (``LastSent.encode_cast``: one pass, no packed buffer); otherwise packed, then encoded."""
-    if dtype == torch.bfloat16 and not any(seg.tensor in fillers for seg in segs):
-        parts = [_view(train[seg.tensor][1], model.tensors[seg.tensor], train[seg.tensor][0], seg.start, seg.stop)
-                 for seg in segs]
-        message = sent.encode_cast(key, parts)
-        if message is not None:
-            return message, 0
-    buf, merged = pack(train, fillers, model, segs, dtype, device)
-    return sent.encode(key, buf), merged
-
-
 class P2PTransport:
     """torch.distributed point-to-point (gloo or NCCL): one message per peer and bucket."""
 
@@ -259,16 +244,15 @@ class Resharder:
                 key = tuple((s.tensor, s.start, s.stop) for s in segs)
                 if key not in packed:  # the same ranges to several peers share one buffer
                     wire = _CODE_DTYPES[code]
+                    buf, merged = pack(self.train, self.fillers, model, segs, wire, self.device)
+                    scratch = max(scratch, merged)
                     if self.delta:
-                        message, merged = pack_delta(self.sent, key, self.train, self.fillers, model, segs, wire,
-                                                     self.device)
-                        scratch = max(scratch, merged, message.transient_bytes)
+                        message = self.sent.encode(key, buf)
+                        scratch = max(scratch, message.transient_bytes)
                         stats.elements_changed += message.nnz
                         packed[key] = message
                         held += [message.header, message.payload]
                     else:
-                        buf, merged = pack(self.train, self.fillers, model, segs, wire, self.device)
-                        scratch = max(scratch, merged)
                         packed[key] = buf
                         held.append(buf)
                 message = packed[key]

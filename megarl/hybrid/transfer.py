@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.hybrid import delta as deltas
-from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view, message_tag, pack, pack_delta
+from megarl.hybrid.executor import SyncStats, _CODE_DTYPES, _DTYPE_CODES, _view, message_tag, pack
 from megarl.hybrid.names import check_planned, planned_tensors
 from megarl.hybrid.planner import Segment, bucket_segments, replica, training_slices
 from megarl.hybrid.shards import LocalTensor, ModelSpec, Placement
@@ -197,15 +197,15 @@ class ShardSender(_Side):
                 key = (index, code, tuple((s.tensor, s.start, s.stop) for s in segs))
                 if key not in packed:  # the same ranges to several rollout replicas: packed (and encoded) once
                     dtype = _CODE_DTYPES[code]
+                    buf, merged = pack(self.train, self.fillers, model, segs, dtype, self.device)
+                    scratch = max(scratch, merged)
                     if self.plan.delta:
-                        message, merged = pack_delta(self.sent, key, self.train, self.fillers, model, segs, dtype,
-                                                     self.device)
-                        scratch = max(scratch, merged, message.transient_bytes)
+                        message = self.sent.encode(key, buf)
+                        scratch = max(scratch, message.transient_bytes)
                         bufs += [message.header, message.payload]
                     else:
-                        message, merged = pack(self.train, self.fillers, model, segs, dtype, self.device)
-                        scratch = max(scratch, merged)
-                        bufs.append(message)
+                        message = buf
+                        bufs.append(buf)
                     packed[key] = message
                 message = packed[key]
                 if self.plan.delta:

@@ -130,58 +130,6 @@ def test_compiled_host_passes_write_the_numpy_passes_bytes(monkeypatch, dtype, s
         assert torch.equal(deltas.decode(header, plain.payload, dtype, new.numel())[0], want)
 
 
-@pytest.mark.skipif(not deltas.host.AVAILABLE, reason="numba is not installed (vLLM's CPU build brings it)")
-@pytest.mark.parametrize("lr", [0.0, 1e-6, 1e-4, 1e-1])
-@pytest.mark.parametrize("odd", [None, "nan", "subnormal", "inf", "zeros"])
-def test_the_fused_cast_encodes_what_torch_cast_then_encode_send(lr, odd):
-    """The sender's fused pass (fp32 pieces rounded to bf16 as they are read, against the last
-    bf16 copy, updated in place) sends the bytes of torch's cast followed by the codec, and leaves
-    the copy equal to torch's cast: pieces whose borders fall inside mask words, a last piece
-    shorter than a word, updates from none to most elements (dense), infinities and signed zeros;
-    a NaN or a subnormal (whose bf16 rounding differs between torch's kernels) has torch cast the
-    message, sent whole."""
-    gen = torch.Generator().manual_seed(3)
-    sizes = [1000, 37, 4096, 63, 64, 129, 7001, 5]
-    before = [torch.randn(n, generator=gen) * 0.02 for n in sizes]
-    after = [t + lr * torch.randn(t.shape, generator=gen) for t in before]
-    if odd:
-        value = {"nan": float("nan"), "subnormal": 1e-40, "inf": float("-inf"), "zeros": -0.0}[odd]
-        after[2][100] = value
-        after[5][0] = value
-        after[7][4] = value
-    last = torch.cat(before).to(torch.bfloat16)
-    want_new = torch.cat(after).to(torch.bfloat16)
-    want = deltas.encode(want_new, last.clone())
-    sent = deltas.LastSent()
-    sent.encode("k", last.clone())
-    sent.end_sync()
-    got = sent.encode_cast("k", after)
-    assert torch.equal(bits(sent.copies["k"]), bits(want_new))
-    if odd in ("nan", "subnormal"):
-        assert got.kind == Encoding.dense and torch.equal(got.payload, bits(want_new).view(torch.uint8))
-        return
-    assert got.kind == want.kind and torch.equal(got.payload, want.payload)
-    assert torch.equal(got.header, want.header) or want.kind == Encoding.dense
-    if lr == 0.0:
-        assert got.nnz == (3 if odd else 0)  # the three odd values set
-    if lr == 1e-1:
-        assert got.kind == Encoding.dense
-
-
-def test_the_fused_cast_leaves_other_messages_to_torch():
-    """Only a bf16 copy of the same size from the last sync, and contiguous fp32 host pieces, take the
-    fused pass: anything else is packed and encoded as before."""
-    sent = deltas.LastSent()
-    pieces = [torch.randn(100), torch.randn(50)]
-    assert sent.encode_cast("k", pieces) is None  # no copy yet
-    sent.encode("k", torch.cat(pieces).to(torch.bfloat16))
-    assert sent.encode_cast("k", [pieces[0]]) is None  # another size
-    assert sent.encode_cast("k", [pieces[0].double(), pieces[1].double()]) is None
-    assert sent.encode_cast("k", [torch.randn(2, 50).t(), pieces[1]]) is None  # strided
-    sent.copies["f"] = torch.cat(pieces)  # an fp32 rollout: nothing to round
-    assert sent.encode_cast("f", pieces) is None
-
-
 def test_a_delta_leaves_the_destination_resizable():
     """The engines free their weights by resizing the storage to 0 (release_memory): writing a
     delta into them must not pin it (as Tensor.numpy() would)."""
