@@ -89,15 +89,25 @@ def _store_on_master_addr(timeout: datetime.timedelta):
                        timeout)
 
 
+STORE_FD_ENV = "MEGARL_STORE_FD"  # a launcher's listening socket on MASTER_PORT, handed to rank 0
+
+
 def bound_store(addr: str, port: int, world_size: int, rank: int, timeout: datetime.timedelta):
-    """A TCPStore whose master (rank 0) listens on ``addr`` (an IP address) only."""
+    """A TCPStore whose master (rank 0) listens on ``addr`` (an IP address) only. A launcher that
+    already listens on ``MASTER_PORT`` passes its socket to rank 0 as file descriptor
+    ``MEGARL_STORE_FD`` (tests/distributed/launch.py): a port it found free and closed could be
+    taken by another process's outgoing connection before rank 0 binds it."""
     import socket
 
     listen_fd = None
     if rank == 0:
-        server = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET,
-                                      backlog=128)
-        listen_fd = server.detach()  # the store owns the socket from here
+        inherited = os.environ.get(STORE_FD_ENV)
+        if inherited and port == int(os.environ.get("MASTER_PORT", -1)):
+            listen_fd = int(os.environ.pop(STORE_FD_ENV))
+        else:
+            server = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET,
+                                          backlog=128)
+            listen_fd = server.detach()  # the store owns the socket from here
     return torch.distributed.TCPStore(addr, port, world_size, rank == 0, timeout, master_listen_fd=listen_fd)
 
 
