@@ -59,6 +59,7 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
             clip_grad=optim_cfg.clip_grad, use_distributed_optimizer=distributed,
             bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype),
         model, use_gloo_process_groups=False, pg_collection=groups.pg)
+    expert_grad_norm_over_expert_tp(optimizer, model, groups)
     # choices reach Megatron as plain strings: its scheduler's state is checkpointed (weights_only loads)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if optim_cfg.lr_warmup_steps else optim_cfg.lr, max_lr=optim_cfg.lr,
@@ -69,6 +70,20 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, groups=groups)
+
+
+def expert_grad_norm_over_expert_tp(optimizer, model, groups: ParallelGroups) -> None:
+    """Megatron gives the expert parameters' optimizer the dense tp group, by which the gradient
+    norm counts a parameter that is not tensor-parallel on tp rank 0 only (the others hold
+    copies). A routed expert's ``linear_fc2.bias`` (gpt_oss) is not tensor-parallel, and at
+    etp=1 < tp each tp rank holds other experts: their biases left the norm on tp rank > 0
+    (measured: the grad norm 2.7e-2 off the single process at tp=2·ep=2·etp=1, so clipping and
+    the weights after 3 steps differed by 1.7e-5). The expert optimizer counts by expert tp."""
+    # get_megatron_optimizer appends the expert-parallel parameters' optimizer (those DDP does not
+    # all-reduce over dp) last, when there are any
+    subs = getattr(optimizer, "chained_optimizers", [])
+    if subs and any(getattr(p, "allreduce", True) is False for chunk in model for p in chunk.parameters()):
+        subs[-1].tp_group = groups.pg.expt_tp
 
 
 def build_frozen_state(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[str] = None,

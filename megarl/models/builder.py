@@ -241,7 +241,41 @@ def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelA
     if training and args.num_experts and config.moe_aux_loss_coeff:
         for chunk in chunks:
             _scale_aux_loss_to_micro_batch(chunk)
+    if args.num_experts:
+        expert_biases_not_sequence_parallel(chunks)
+        biased_experts_unreduced(chunks)
     return chunks
+
+
+def biased_experts_unreduced(chunks: List[torch.nn.Module]) -> None:
+    """A routed expert's ``linear_fc2`` (Megatron's local RowParallelLinear) at expert tp = 1 and
+    ep = 1 "all-reduces" its output over its one rank, which returns the matmul's output as a
+    view of a custom autograd Function's input; Megatron's MLP then adds a biased expert's bias
+    to it in place (``output += bias * per_token_scale``), which autograd forbids: gpt_oss could
+    not train (nor take a gradient) at ep=1. With ``explicit_expert_comm`` (what it is at ep > 1)
+    the linear skips that reduction over one rank, the same numbers without the view."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(module, "is_expert", False) and getattr(module, "explicit_expert_comm", None) is False \
+                    and getattr(module, "skip_bias_add", False) and getattr(module, "input_is_parallel", False) \
+                    and isinstance(getattr(module, "bias", None), torch.nn.Parameter) and module.tp_group.size() == 1:
+                module.explicit_expert_comm = True
+
+
+def expert_biases_not_sequence_parallel(chunks: List[torch.nn.Module]) -> None:
+    """Megatron's local RowParallelLinear tags its bias ``sequence_parallel`` whenever the config
+    has sequence parallelism, routed experts' included (TE's linears do not tag expert
+    parameters). ``finalize_model_grads`` then sums every tagged gradient over the tensor-parallel
+    group: with biased experts (gpt_oss) at tp > 1, etp = 1, ep > 1 the tp ranks hold different
+    experts, so each expert's ``linear_fc2.bias`` gradient had another expert's added to it. An
+    expert's gradients are whole on its rank and reduced over the expert data-parallel group by
+    DDP; the tag is taken off."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            bias = getattr(module, "bias", None)
+            if getattr(module, "is_expert", False) and isinstance(bias, torch.nn.Parameter) \
+                    and getattr(bias, "sequence_parallel", False):
+                bias.sequence_parallel = False
 
 
 def _tokens_per_expert_and_count(routing_map, reduce_group, topk=None, with_padding_mask=False):

@@ -33,7 +33,10 @@ from megarl.runtime import init_distributed, set_seed
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
           "moe_aux": "configs/models/tiny-qwen3-moe.json", "qwen2_moe": "configs/models/tiny-qwen2-moe.json",
-          "mistral_swa": "configs/models/tiny-mistral.json"}
+          "mistral_swa": "configs/models/tiny-mistral.json", "glm4_moe": "configs/models/tiny-glm4-moe.json",
+          "gpt_oss": "configs/models/tiny-gpt-oss.json"}
+# gpt_oss: tiny-gpt-oss.json as it is: a window of 8 on its 1st and 3rd layers over the SEQ-token
+# rows, attention sinks, biases everywhere, clamped SwiGLU (swiglu_limit 0.1)
 # mistral_swa: Mistral sliding a window of SWA over the SEQ-token rows (every layer); its config is
 # tiny-mistral.json with that window, written to the work directory (see hf_config)
 SWA = 6
@@ -46,7 +49,14 @@ AUX_LAYOUTS = {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1v2", "t1p1d1e1c2", "
 # models run at a few layouts only (all others: every layout given, ep > 1 for MoE models only):
 # the newer families at tp (and ep for the MoE, cp for the window, which crosses the CP chunks)
 ONLY_LAYOUTS = {"moe_aux": AUX_LAYOUTS, "qwen2_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"},
-                "mistral_swa": {"t1p1d1e1", "t2p1d1e1", "t1p1d1e1c2"}}
+                "mistral_swa": {"t1p1d1e1", "t2p1d1e1", "t1p1d1e1c2"},
+                "glm4_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"},
+                "gpt_oss": {"t1p1d1e1", "t2p1d1e2", "t1p1d2e2", "t1p2d1e1"}}
+# biased experts need expert tensor parallelism off: these models run every layout at etp=1, and
+# they alone run the layouts that need it (t2p1d1e2: tp=2·ep=2 on two ranks, each tp rank holding
+# other experts)
+ETP1_MODELS = {"gpt_oss"}
+ETP1_LAYOUTS = {"t2p1d1e2"}
 DENSE_MODELS = {"dense", "mistral_swa"}
 
 
@@ -95,15 +105,17 @@ def grads_as_weights(chunks):
 
 
 def nonzero_biases(chunks) -> None:
-    """Megatron starts biases (qwen2_moe's q/k/v) at zero, as no pretrained model has them: a
-    tensor that is one optimizer step from zero would make the relative weight difference a
-    ratio of rounding to that step (measured 8.9e-5 on linear_qkv.bias, 8.7e-8 absolute)."""
+    """Megatron starts biases (qwen2_moe's q/k/v, gpt_oss's linear and expert ones) at zero, as no
+    pretrained model has them: a tensor that is one optimizer step from zero would make the
+    relative weight difference a ratio of rounding to that step (measured 8.9e-5 on
+    linear_qkv.bias, 8.7e-8 absolute). The router's expert bias (glm4_moe; a buffer) gets random
+    values too, so that it takes part in the routing."""
     gen = torch.Generator().manual_seed(SEED + 7)
     with torch.no_grad():
         for chunk in chunks:
-            for name, param in chunk.named_parameters():
-                if name.endswith(".bias") and not param.any():
-                    param.copy_(0.02 * torch.randn(param.shape, generator=gen))
+            for name, tensor in [*chunk.named_parameters(), *chunk.named_buffers()]:
+                if name.endswith((".bias", ".expert_bias")) and not tensor.any():
+                    tensor.copy_(0.02 * torch.randn(tensor.shape, generator=gen))
 
 
 def layout_name(layout: Layout, recompute: str = "") -> str:
@@ -166,9 +178,11 @@ def run(args) -> None:
             sizes, recompute = spec.split(":") if ":" in spec else (spec, "")
             given = [int(x) for x in sizes.split(",")]
             tp, pp, dp, ep, vpp, cp = given + [0, 1][len(given) - 4:]  # vpp 0 = none, cp 1
-            layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp or None, cp=cp)
-            if (model_name in DENSE_MODELS and ep > 1) or layout_name(layout, recompute) not in \
-                    ONLY_LAYOUTS.get(model_name, (layout_name(layout, recompute),)):
+            layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp or None, cp=cp,
+                            etp=1 if model_name in ETP1_MODELS else None)
+            name = layout_name(layout, recompute)
+            if (model_name in DENSE_MODELS and ep > 1) or name not in ONLY_LAYOUTS.get(model_name, (name,)) \
+                    or (name in ETP1_LAYOUTS and model_name not in ETP1_MODELS):
                 continue
             model_cfg = model_config(model_name, out, moe_token_dispatcher=args.dispatcher,
                                      recompute_granularity=recompute or None)

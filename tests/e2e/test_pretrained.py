@@ -6,8 +6,10 @@ model.path=DIR`` at tp=2·pp=2 (Llama, 4 ranks), tp=2 (Mistral, 2 ranks) and tp=
 vLLM's CPU attention's least). The first step's old log-probs (and the rollout's) equal
 transformers' log-probs of the same sequences (<= 1e-4), and on the native engine the rollout's
 equal the trainer's (``rollout/logp_max_abs_diff`` <= 1e-5); with lr=0, ``megarl export-hf`` gives back every
-tensor bit-exact, and transformers loads the export with its tokenizer, generates and stops at
-an EOS id."""
+tensor bit-exact (but GLM's expert biases, which Megatron's load balancing moves by its rate at
+any lr), and transformers loads the export with its tokenizer, generates and stops at an EOS id.
+A GLM-4.5-style MoE (tp=2·ep=2) and a gpt-oss (tp=2·ep=2·etp=1: sinks, a window of 8 on every
+other layer, biases, clamped SwiGLU) run the same way on the native engine."""
 
 from __future__ import annotations
 
@@ -32,12 +34,24 @@ LAYOUTS = {  # case -> (nproc, actor layout)
     "llama+vllm": (2, "{tp: 2}"),  # the rollout on vLLM (its CPU build): 2 heads of 32 (its CPU attention's least)
     "mistral": (2, "{tp: 2}"),  # with a sliding window (WINDOW) shorter than its sequences
     "qwen2_moe": (2, "{tp: 2, ep: 2, etp: 1}"),  # shared expert and its gate, q/k/v bias
+    "glm4_moe": (2, "{tp: 2, ep: 2, etp: 1}"),  # sigmoid router with expert bias, partial rope, qk norm
+    # sinks (split over tp), a window (GPT_OSS_WINDOW) on every other layer, biases everywhere,
+    # clamped SwiGLU; biased experts need etp=1
+    "gpt_oss": (2, "{tp: 2, ep: 2, etp: 1}"),
 }
 ROLLOUT = {"llama+vllm": ", engine: vllm"}
 WINDOW = 8  # the chat prompts alone are longer
+GPT_OSS_WINDOW = 8  # tiny-gpt-oss.json's, on its 1st and 3rd layers: the chat prompts alone are longer
 OVERRIDES = {"llama+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
-             "mistral": {"sliding_window": WINDOW}}
+             "mistral": {"sliding_window": WINDOW}, "gpt_oss": {"sliding_window": GPT_OSS_WINDOW}}
+# the same checkpoint read by transformers without its window: far other log-probs (the window mattered)
+NO_WINDOW = {"mistral": (WINDOW, {"sliding_window": None}),
+             "gpt_oss": (GPT_OSS_WINDOW, {"layer_types": ["full_attention"] * 4})}
 GAP_TOL = 1e-5  # the native rollout's log-probs vs the trainer's old log-probs, same tokens
+# Megatron's aux-loss-free load balancing (DeepSeek-V3's and GLM-4.5's sigmoid routers,
+# moe_router_bias_update_rate 1e-3 in hf_config.SIGMOID_MOE) moves the router's expert bias, a
+# buffer no optimizer steps, by 0 or +-rate per expert and step, by the step's expert loads, at any lr
+BALANCING_RATE = {"glm4_moe": 1e-3}
 
 
 def tensors(directory: Path) -> dict:
@@ -104,10 +118,11 @@ def test_first_step_log_probs_equal_transformers(post_trained):
         metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
         gap = metrics[0]["rollout/logp_max_abs_diff"]
         assert gap <= GAP_TOL, f"{kind}: first step's rollout vs trainer log-prob {gap:.2e}"
-    if kind == "mistral":  # the window dropped keys of every row: without it, far other log-probs
-        assert min(len(r["prompt_ids"]) for r in rows) > WINDOW
+    if kind in NO_WINDOW:  # the window dropped keys of every row: without it, far other log-probs
+        window, unwindowed = NO_WINDOW[kind]
+        assert min(len(r["prompt_ids"]) for r in rows) > window
         full = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                                 sliding_window=None).eval()
+                                                                 **unwindowed).eval()
         row = rows[0]
         ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
         with torch.no_grad():
@@ -127,8 +142,18 @@ def test_export_is_bit_exact_and_generates(post_trained):
     kind, model_dir, work = post_trained
     source, exported = tensors(model_dir), tensors(work / "export")
     assert sorted(exported) == sorted(source)
+    balanced = []  # per MoE layer: did its expert bias move
     for name, value in source.items():
-        assert exported[name].dtype == value.dtype and torch.equal(exported[name], value), name
+        assert exported[name].dtype == value.dtype, name
+        if kind in BALANCING_RATE and name.endswith(".mlp.gate.e_score_correction_bias"):
+            step = (exported[name] - value).abs()
+            rate = torch.tensor(BALANCING_RATE[kind])
+            assert ((step == 0) | torch.isclose(step, rate, rtol=1e-5, atol=0)).all(), (name, step)
+            balanced.append(bool(step.any()))
+            continue
+        assert torch.equal(exported[name], value), name
+    # glm4_moe: layers 1-3 are MoE (first_k_dense_replace 1), and each moved
+    assert (len(balanced) == 3 and all(balanced)) if kind in BALANCING_RATE else not balanced, balanced
     config = json.loads((work / "export" / "config.json").read_text())
     assert config["architectures"] and config.get("torch_dtype") == "float32"
     tok = transformers.AutoTokenizer.from_pretrained(work / "export")
