@@ -194,14 +194,18 @@ class MegatronEngine:
         sp = (self.groups.tp_rank, layout.tp) if layout.sequence_parallel and layout.tp > 1 else (0, 1)
 
         config = self.state.model[0].config
-        aux_loss = not forward_only and config.num_moe_experts and config.moe_aux_loss_coeff
+        # the router counts real tokens only (the padding mask) for its load-balancing loss and for
+        # its expert-bias update (aux-loss-free balancing: DeepSeek-V3, GLM-4.5): neither then
+        # depends on the batch's padding or a layout's (CP and SP multiples, packing)
+        router_counts = not forward_only and config.num_moe_experts and (
+            config.moe_aux_loss_coeff or config.moe_router_enable_expert_bias)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             progress.tick()  # a micro-batch: what the driver's hang check sees advance
             if routing:
                 routing_replay.set_targets(self.routers.get(id(model), ()), self._cp_local(mb, "routing"), *sp)
-            extra = {"padding_mask": self._padding_mask(mb, model, *sp)} if aux_loss else {}
+            extra = {"padding_mask": self._padding_mask(mb, model, *sp)} if router_counts else {}
             logits = model(self._cp_local(mb, "tokens"), self._cp_local(mb, "position_ids"), None,
                            packed_seq_params=mb.packed_seq_params, **extra)
             return logits, partial(loss_func, mb)
@@ -222,8 +226,9 @@ class MegatronEngine:
 
     def _padding_mask(self, mb: MicroBatch, model, sp_rank: int, sp: int) -> torch.Tensor:
         """True on the padding of ``mb`` as this rank feeds it ([n, s] on its CP share), for
-        Megatron's router: the load-balancing loss then counts real tokens only, so neither the
-        batch's padding nor a layout's (CP and SP multiples, packing) changes it. Megatron splits
+        Megatron's router: the load-balancing loss and the expert-bias update then count real
+        tokens only, so neither the batch's padding nor a layout's (CP and SP multiples, packing)
+        changes them. Megatron splits
         the mask for sequence parallelism at the first pipeline stage only: later stages get
         their slice here."""
         if mb.packed_seq_params is None:

@@ -244,6 +244,7 @@ def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelA
     if args.num_experts:
         expert_biases_not_sequence_parallel(chunks)
         biased_experts_unreduced(chunks)
+        expert_bias_counts_real_tokens(chunks)
     return chunks
 
 
@@ -325,6 +326,22 @@ def _scale_aux_loss_to_micro_batch(model: torch.nn.Module) -> None:
         if isinstance(module, TopKRouter) and module.config.calculate_per_token_loss:
             module.attach_and_log_load_balancing_loss = functools.partial(
                 _attach_aux_loss, module, module.attach_and_log_load_balancing_loss)
+
+
+def expert_bias_counts_real_tokens(chunks: List[torch.nn.Module]) -> None:
+    """Megatron 0.16's expert-bias count (aux-loss-free balancing: DeepSeek-V3, GLM-4.5) masks the
+    routing map [tokens, experts] with the flat padding mask [tokens] (``routing_map &
+    ~padding_mask``), a shape error whenever a mask is given; without one, padding tokens count
+    and the bias after a packed update differs from a padded one's. The mask goes per token."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def by_token(apply, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        return apply(routing_map, None if padding_mask is None else padding_mask.reshape(-1, 1))
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter) and module.enable_expert_bias:
+                module._apply_expert_bias = functools.partial(by_token, module._apply_expert_bias)
 
 
 def set_aux_loss_copies(chunks: List[torch.nn.Module], copies: int) -> None:

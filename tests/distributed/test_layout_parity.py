@@ -56,12 +56,10 @@ EXPECTED = {"dense": COMMON, "moe": COMMON | {"t1p1d2e2"},
             "qwen2_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"}, "mistral_swa": {"t1p1d1e1", "t2p1d1e1", "t1p1d1e1c2"},
             "glm4_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"}, "gpt_oss": {"t1p1d1e1", "t2p1d1e2", "t1p1d2e2", "t1p2d1e1"}}
 MODELS = list(EXPECTED)
-# Megatron's aux-loss-free balancing moves glm4_moe's router expert bias (a buffer, 1e-3 a step) by
-# expert loads that count padding tokens (megarl passes no padding mask): packed rows are padded
-# otherwise than padded ones, and at tp=2 otherwise than at one process, so the expert bias after
-# a packed update differs (measured: relative 5.4e-2 packed vs padded, 1.2e-1 at tp2 vs one process)
-KNOWN = {("glm4_moe", "engine_weights_packed"): "glm4_moe expert-bias update counts padding tokens",
-         ("glm4_moe", "packed_vs_padded_weights"): "glm4_moe expert-bias update counts padding tokens"}
+# glm4_moe's router expert bias (a buffer) moves 1e-3 a step by the expert loads (Megatron's
+# aux-loss-free balancing): the engine hands the router its padding mask, so that padded rows,
+# packed ones and a layout's padding count alike (without it: relative 5.4e-2 packed vs padded,
+# 1.2e-1 at tp2 vs one process)
 ENGINE_METRICS = [f"engine_{what}_{mode}" for mode in ("padded", "packed")
                   for what in ("log_probs", "entropy", "loss", "grad_norm", "weights")]
 # each layout's packed engine run against its padded one: log-probs and entropies (max abs diff),
@@ -99,8 +97,6 @@ def test_every_layout_ran(report, model):
 @pytest.mark.parametrize("metric", ["loss", "grads", "step_losses", "grad_norms", "weights"] + ENGINE_METRICS
                          + PACKED_METRICS)
 def test_layout_matches_single_process(report, model, metric):
-    if (model, metric) in KNOWN:
-        pytest.xfail(KNOWN[model, metric])
     worst = {key: entry[metric] for key, entry in report.items() if key.startswith(model + "/")}
     bad = {key: value for key, value in worst.items() if not value <= tolerance(key, metric)}
     assert not bad, f"{metric} differs from the single-process run by more than the tolerance: {bad}"
