@@ -344,6 +344,18 @@ _ROUTER_AUX = {  # transformers returns its aux loss only with output_router_log
     "router_aux_loss_coef": MAPPED, "output_router_logits": INERT,
 }
 
+# DeepSeek-V3's sigmoid routing as GLM-4.5 shares it, and its multi-token-prediction layers
+_SIGMOID_ROUTING_FIELDS: Dict[str, Union[str, Only]] = {
+    "norm_topk_prob": Only(_sigmoid_normalisation_ok,
+                           "Megatron renormalises the sigmoid top-k scores exactly when "
+                           "num_experts_per_tok > 1: set norm_topk_prob to match"),
+    "n_group": Only(_group_scores_ok,
+                    "Megatron ranks expert groups by their top num_experts_per_tok//topk_group "
+                    "scores, transformers by their top 2: they agree when that is 2 or "
+                    "topk_group >= n_group"),
+    # Multi-token-prediction layers: transformers does not run them, megarl skips their tensors.
+    "num_nextn_predict_layers": INERT, "num_mtp_layers": INERT,
+}
 FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
     "llama": {
         **BASE_FIELDS,
@@ -405,15 +417,7 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
             "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor", "topk_group")},
         "rope_interleave": Only(_at("rope_interleave", True),
                                 "only true: Megatron's MLA rope always de-interleaves q_pe/k_pe"),
-        "norm_topk_prob": Only(_sigmoid_normalisation_ok,
-                               "Megatron renormalises the sigmoid top-k scores exactly when "
-                               "num_experts_per_tok > 1: set norm_topk_prob to match"),
-        "n_group": Only(_group_scores_ok,
-                        "Megatron ranks expert groups by their top num_experts_per_tok//topk_group "
-                        "scores, transformers by their top 2: they agree when that is 2 or "
-                        "topk_group >= n_group"),
-        # Multi-token-prediction layers: transformers does not run them, megarl skips their tensors.
-        "num_nextn_predict_layers": INERT, "num_mtp_layers": INERT,
+        **_SIGMOID_ROUTING_FIELDS,
         # DeepSeek's own config.json keys that transformers' DeepseekV3 does not read.
         "scoring_func": Only(_at("scoring_func", "sigmoid"), "transformers' DeepseekV3 routes on sigmoid scores"),
         "topk_method": Only(_at("topk_method", "noaux_tc"),
@@ -433,15 +437,7 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
         "n_shared_experts": Only(lambda hf: _get(hf, "n_shared_experts", default=1) > 0,
                                  "only > 0: transformers' Glm4Moe builds a shared expert of "
                                  "n_shared_experts * moe_intermediate_size in every MoE layer"),
-        "norm_topk_prob": Only(_sigmoid_normalisation_ok,
-                               "Megatron renormalises the sigmoid top-k scores exactly when "
-                               "num_experts_per_tok > 1: set norm_topk_prob to match"),
-        "n_group": Only(_group_scores_ok,
-                        "Megatron ranks expert groups by their top num_experts_per_tok//topk_group "
-                        "scores, transformers by their top 2: they agree when that is 2 or "
-                        "topk_group >= n_group"),
-        # Multi-token-prediction layers: transformers does not run them, megarl skips their tensors.
-        "num_nextn_predict_layers": INERT, "num_mtp_layers": INERT,
+        **_SIGMOID_ROUTING_FIELDS,
     },
     "gpt_oss": {
         **BASE_FIELDS, **_ROUTER_AUX,
