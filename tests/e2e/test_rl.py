@@ -149,9 +149,10 @@ def test_split_placement_trains_the_same_curve(tmp_path, grpo):
     assert rows[0]["rollout/logp_max_abs_diff"] <= 1e-5
     # tiny-digits at fp32: each rollout rank's shard is the whole model (t_g=1)
     assert all(r["sync/bytes_over_shard_max"] == 0 and r["sync/bytes_received"] == 98624 * 4 for r in rows)
-    # each TP rank sends its half of the split tensors to both rollout ranks; the tensors both hold
-    # (norms) go from TP rank 0 to both, packed once (transfer.plan_transfer): rank 0 sends more
-    assert all(98624 * 4 < r["sync/bytes_sent_max"] < 98624 * 4 * 2 for r in rows)
+    # each TP rank sends its half of the split tensors to both rollout ranks; the 320 elements both
+    # hold (norms) go from TP rank 0 to both, packed once (transfer.plan_transfer): rank 0 sends
+    # 98304 + 2 * 320 = 98944 elements, rank 1 98304 (together twice the 98624-element shard)
+    assert all(r["sync/bytes_sent_max"] == 98944 * 4 for r in rows)
 
 
 def test_one_step_off_staleness(tmp_path):
