@@ -136,11 +136,12 @@ def _locate(by_key: Dict[str, List[Item]], stored: Dict, num_layers: int, ckpt_d
     sources, missing = {}, []
     for key, items in by_key.items():
         rule, layer = items[0].rule, items[0].layer
+        names = [name if items[0].part is None else f"{name}.{items[0].part}" for name in rule.names()]
         if layer is None:
             candidates = [(key, None)]
         else:
-            candidates = ([(f"decoder.layers.{layer}.{name}", None) for name in rule.names()]
-                          + [(f"decoder.layers.{name}", layer) for name in rule.names()])
+            candidates = ([(f"decoder.layers.{layer}.{name}", None) for name in names]
+                          + [(f"decoder.layers.{name}", layer) for name in names])
         found = next((c for c in candidates if c[0] in stored), None)
         if found is None:
             missing.append(key)
@@ -224,6 +225,7 @@ def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max
     # around the writes alone: a source file that fails to read stays named as such
     writing = partial(named_if_full, out_dir, needed, "the weights in the output dtype", tmp)
     writer = ShardWriter(tmp, f"rank{rank:05d}", max_shard_bytes)
+    parts: List[torch.Tensor] = []  # the parts read so far of a tensor stored in parts
     for key, items in by_key.items():
         layer = items[0].layer
         # layers round-robin; the output layer (as large as the embedding) on the last rank
@@ -232,6 +234,12 @@ def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max
             continue
         stored_key, stacked_layer = prepared.sources[key]
         tensor = read_tensor(reader, stored_key, prepared.stored[stored_key], stacked_layer)
+        rule = items[0].rule
+        if items[0].part is not None:  # the plan lists a rule's parts in order: join them at the last
+            parts.append(tensor)
+            if len(parts) < len(rule.parts):
+                continue
+            tensor, parts = torch.cat(parts, dim=0), []
         with writing():
             for item in items:
                 part = tensor if item.expert is None else tensor[item.expert]

@@ -127,6 +127,8 @@ def _region(sh) -> tuple:
 def _expected_hf_shapes(sh, item: Item) -> List[tuple]:
     # experts stacked on both sides (GptOss): the HF tensors hold every expert
     shape = tuple(sh.global_shape[0 if item.rule.stacked else sh.prepend_axis_num:])
+    if item.part is not None:  # one part of the rule's tensor: the HF tensors make the whole
+        shape = (sum(rows for _, rows in item.rule.parts),) + shape[1:]
     return [tuple(t.shape) for t in item.rule.transform.to_hf(torch.empty(shape, device="meta"))]
 
 
@@ -147,6 +149,9 @@ def _read_slice(sh, items: List[Item], hf: HFCheckpoint) -> torch.Tensor:
     item = _item_for(sh, items)
     region = _region(sh)
     transform = item.rule.transform
+    if item.part is not None:  # the whole tensor, then this part's rows
+        start, stop = item.rule.part_rows(item.part)
+        return transform.to_mcore([hf.read(name) for name in item.hf_names])[start:stop][region]
     if item.rule.stacked:  # this shard's expert (the leading axis) from each stacked HF tensor
         expert = sh.global_offset[0]
         one = transform.to_mcore([hf.read(name, (slice(expert, expert + 1),)) for name in item.hf_names])

@@ -66,6 +66,12 @@ def check_layout(args: MegatronModelArgs, layout: Layout, model_cfg, training: b
         num_query_groups=kw["num_query_groups"], ffn_hidden_size=kw["ffn_hidden_size"],
         padded_vocab_size=padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by),
         num_experts=args.num_experts, moe_ffn_hidden_size=kw.get("moe_ffn_hidden_size"), training=training)
+    if kw.get("experimental_attention_variant") == "gated_delta_net" and layout.cp > 1:
+        from megarl.parallel.layout import LayoutError
+
+        raise LayoutError(f"{args.model_type}'s gated delta net layers do not split sequences: context "
+                          f"parallelism (cp={layout.cp}) is not supported for them (Megatron has none "
+                          f"either); set parallel.cp=1")
     if args.num_experts and kw.get("add_bias_linear") and layout.etp != 1:
         from megarl.parallel.layout import LayoutError
 
@@ -190,14 +196,55 @@ def _localize(spec, table):
 
 
 def layer_spec(config, use_te: bool, vp_stage: Optional[int], pp_rank: int):
-    """The decoder block spec of one pipeline stage (dense and MoE layers interleaved as configured)."""
+    """The decoder block spec of one pipeline stage (dense and MoE layers interleaved as configured;
+    gated delta nets where ``linear_attention_freq`` marks them)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if not use_te:
         cpu_mode.fix_missing_transformer_engine()
+    if use_te and config.experimental_attention_variant == "gated_delta_net":
+        # Megatron's own hybrid spec (TE linears, fla kernels): unverified here (no GPU)
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec)
+
+        return get_transformer_block_with_experimental_attention_variant_spec(config, vp_stage, pp_rank)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                       normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank)
-    return spec if use_te else _localize(spec, _local_replacements())
+    if use_te:
+        return spec
+    spec = _localize(spec, _local_replacements())
+    if config.experimental_attention_variant == "gated_delta_net":
+        spec = _with_gated_delta_nets(spec, config, vp_stage, pp_rank)
+    return spec
+
+
+def _with_gated_delta_nets(spec, config, vp_stage: Optional[int], pp_rank: int):
+    """The local block spec with megarl's :class:`GatedDeltaNet` as the token mixer of the layers
+    ``linear_attention_freq`` marks. Its input norm stays apart (the local spec fuses none) and
+    is saved under Transformer Engine's fused name (``self_attention.in_proj.layer_norm_weight``),
+    as Megatron-LM's TE-built hybrid model names it."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megarl.models.gated_delta_net import gated_delta_net_class
+
+    pattern = get_linear_attention_pattern(config)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    mixer = ModuleSpec(module=gated_delta_net_class(), submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
+    layers = []
+    for i, layer in enumerate(spec.layer_specs):
+        if pattern[offset + i]:
+            keys = dict(layer.submodules.sharded_state_dict_keys_map or {})
+            keys = {k: v for k, v in keys.items() if not k.startswith("input_layernorm.")}
+            keys["input_layernorm."] = "self_attention.in_proj.layer_norm_"
+            layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+                layer.submodules, self_attention=mixer, input_layernorm=RMSNorm, sharded_state_dict_keys_map=keys))
+        layers.append(layer)
+    return dataclasses.replace(spec, layer_specs=layers)
 
 
 def build_model(model_cfg, groups: ParallelGroups, args: Optional[MegatronModelArgs] = None,

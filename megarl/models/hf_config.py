@@ -190,6 +190,42 @@ def _mistral_window(hf):
     return (window - 1, 0)
 
 
+def _linear_layers(hf) -> list:
+    """1 for each gated-delta-net layer of a hybrid Qwen (``layer_types``, else every layer but
+    each ``full_attention_interval``-th, transformers' default), 0 for full attention."""
+    n = hf["num_hidden_layers"]
+    interval = _get(hf, "full_attention_interval", default=4)
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                       for i in range(n)]
+    return [1 if t == "linear_attention" else 0 for t in types]
+
+
+# Qwen3-Next and the Qwen3.5 text models: gated delta nets interleaved with gated full attention
+# (q_proj's second half per head gates the output: Megatron's attention_output_gate), every norm
+# zero-centred (1 + w) but the delta net's gated output norm (see hf_mapping.ZeroCentred), a
+# softmax router (Qwen3-MoE's) and one shared expert with a sigmoid gate (Qwen2-MoE's).
+QWEN3_NEXT: Dict[str, Row] = {
+    **QWEN2_MOE,
+    "add_qkv_bias": lambda hf: False,  # attention_bias (q/k/v and o) is refused in FIELDS
+    "qk_layernorm": lambda hf: True,
+    "layernorm_zero_centered_gamma": lambda hf: True,
+    "attention_output_gate": lambda hf: True,
+    "experimental_attention_variant": lambda hf: "gated_delta_net",
+    "linear_attention_freq": _linear_layers,
+    "linear_conv_kernel_dim": "linear_conv_kernel_dim",
+    "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads",
+}
+
+
+def _qwen3_next_rotary(hf) -> float:
+    """transformers' Qwen3-Next/Qwen3.5 rotate the first ``partial_rotary_factor`` of each head
+    (default 0.25), as GLM-4.5 does (:func:`_partial_rotary_factor`)."""
+    return float(_get(_rope(hf), "partial_rotary_factor", default=_get(hf, "partial_rotary_factor", default=0.25)))
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How one HF ``model_type`` maps onto Megatron."""
@@ -211,6 +247,7 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "qwen2_moe": Architecture({**COMMON, **QWEN2_MOE}),
     "deepseek_v3": Architecture({**COMMON, **DEEPSEEK_V3}, mla=True),
     "glm4_moe": Architecture({**COMMON, **GLM4_MOE}, rotary_percent=_partial_rotary_factor),
+    "qwen3_next": Architecture({**COMMON, **QWEN3_NEXT}, rotary_percent=_qwen3_next_rotary),
     "gpt_oss": Architecture({**COMMON, **GPT_OSS, "layernorm_epsilon": lambda hf: _get(hf, "rms_norm_eps", default=1e-5)}),
 }
 
@@ -438,6 +475,19 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
                                  "only > 0: transformers' Glm4Moe builds a shared expert of "
                                  "n_shared_experts * moe_intermediate_size in every MoE layer"),
         **_SIGMOID_ROUTING_FIELDS,
+    },
+    "qwen3_next": {
+        **BASE_FIELDS, **_ROUTER_AUX,
+        **{k: MAPPED for k in (
+            "layer_types", "full_attention_interval", "partial_rotary_factor", "linear_conv_kernel_dim",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+            "mlp_only_layers")},
+        "layer_types": Only(lambda hf: set(hf.get("layer_types") or ()) <= {"linear_attention", "full_attention"},
+                            "each 'linear_attention' or 'full_attention'"),
+        "shared_expert_intermediate_size": Only(
+            _shared_expert_ok, "only > 0: megarl builds the shared expert and its gate of every MoE layer"),
+        "norm_topk_prob": _TOP1_NORM,
     },
     "gpt_oss": {
         **BASE_FIELDS, **_ROUTER_AUX,

@@ -81,6 +81,85 @@ class QKV(Transform):
 
 
 @dataclass(frozen=True)
+class GatedQKV(Transform):
+    """Gated attention (Qwen3-Next, Qwen3.5): HF's ``q_proj`` gives each head ``[q; gate]``
+    (``head_dim`` rows each); Megatron's ``linear_qkv`` with ``attention_output_gate`` is per query
+    group ``[q heads; their gates; k; v]`` (attention.get_query_key_value_tensors)."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+
+    def to_mcore(self, hf):
+        qg, k, v = hf
+        g, d, rest = self.num_groups, self.head_dim, qg.shape[1:]
+        per = self.num_heads // g
+        heads = qg.reshape(g, per, 2, d, *rest)
+        q, gate = heads[:, :, 0].reshape(g, per * d, *rest), heads[:, :, 1].reshape(g, per * d, *rest)
+        return torch.cat([q, gate, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1).reshape(-1, *rest)
+
+    def to_hf(self, mcore):
+        g, d, rest = self.num_groups, self.head_dim, mcore.shape[1:]
+        per = self.num_heads // g
+        q, gate, k, v = torch.split(mcore.reshape(g, 2 * per * d + 2 * d, *rest), [per * d, per * d, d, d], dim=1)
+        qg = torch.stack([q.reshape(g, per, d, *rest), gate.reshape(g, per, d, *rest)], dim=2)
+        return [qg.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous()]
+
+
+@dataclass(frozen=True)
+class DeltaNetInProj(Transform):
+    """The gated delta net's input projection. Megatron's ``in_proj`` is ``[Q; K; V; Z; B; A]``
+    (every head of each, a checkpoint key per part: Megatron's GatedDeltaNet.sharded_state_dict).
+    Qwen3-Next's HF ``in_proj_qkvz`` groups by key head (per key head ``[q; k; v; z]``, v and z of
+    the ``nv/nk`` value heads it serves) and ``in_proj_ba`` likewise ``[b; a]``; Qwen3.5's
+    (``grouped=False``) are ``in_proj_qkv`` (``[Q; K; V]``), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    grouped: bool = True
+
+    def _sizes(self):
+        nk, nv, dk, dv = self.key_heads, self.value_heads, self.key_dim, self.value_dim
+        return [nk * dk, nk * dk, nv * dv, nv * dv, nv, nv]
+
+    def to_mcore(self, hf):
+        if not self.grouped:
+            return torch.cat(list(hf), dim=0)
+        qkvz, ba = hf
+        nk, r, dk, dv, rest = self.key_heads, self.value_heads // self.key_heads, self.key_dim, self.value_dim, qkvz.shape[1:]
+        q, k, v, z = torch.split(qkvz.reshape(nk, 2 * dk + 2 * r * dv, *rest), [dk, dk, r * dv, r * dv], dim=1)
+        b, a = torch.split(ba.reshape(nk, 2 * r, *rest), [r, r], dim=1)
+        return torch.cat([t.reshape(-1, *rest) for t in (q, k, v, z, b, a)], dim=0)
+
+    def to_hf(self, mcore):
+        q, k, v, z, b, a = torch.split(mcore, self._sizes(), dim=0)
+        if not self.grouped:
+            return [torch.cat([q, k, v], dim=0), z, b, a]
+        nk, rest = self.key_heads, mcore.shape[1:]
+        group = lambda t: t.reshape(nk, -1, *rest)
+        qkvz = torch.cat([group(q), group(k), group(v), group(z)], dim=1).reshape(-1, *rest)
+        ba = torch.cat([group(b), group(a)], dim=1).reshape(-1, *rest)
+        return [qkvz, ba]
+
+
+@dataclass(frozen=True)
+class ZeroCentred(Transform):
+    """A plain (``w``) HF norm weight stored zero-centred (``w - 1``) in Megatron: the gated delta
+    net's output norm, which Megatron builds with the config's zero-centred gamma while
+    transformers' gated RMSNorm scales by ``w`` itself (Megatron-Bridge stores it the same way).
+    Exact both ways for ``w >= 0.5`` (Sterbenz: ``w - 1`` is then representable)."""
+
+    def to_mcore(self, hf):
+        (tensor,) = hf
+        return tensor - 1
+
+    def to_hf(self, mcore):
+        return [mcore + 1]
+
+
+@dataclass(frozen=True)
 class StackedExperts(Transform):
     """All experts of a layer in one HF tensor (GptOss), leading axis the expert on both sides.
 
@@ -137,6 +216,18 @@ class Rule:
     te: Optional[str] = None  # the key under the Transformer Engine layer spec, where it differs
     # the HF tensor stacks the experts too (one item per layer, not per expert; GptOss)
     stacked: bool = False
+    # row blocks Megatron's checkpoint keeps under keys of their own (``{mcore}.{name}``, the
+    # gated delta net's in_proj and conv1d): (name, rows) each, in order
+    parts: Tuple[Tuple[str, int], ...] = ()
+
+    def part_rows(self, name: str) -> Tuple[int, int]:
+        """Rows [start, stop) of part ``name`` in the whole tensor."""
+        start = 0
+        for part, rows in self.parts:
+            if part == name:
+                return start, start + rows
+            start += rows
+        raise KeyError(name)
 
     def names(self) -> Tuple[str, ...]:
         """Every key this tensor goes by (local spec first)."""
@@ -151,8 +242,8 @@ class Rule:
 
 
 def R(mcore: str, hf, transform: Transform = IDENTITY, experts: bool = False, te: Optional[str] = None,
-      stacked: bool = False) -> Rule:
-    return Rule(mcore, hf if isinstance(hf, tuple) else (hf,), transform, experts, te, stacked)
+      stacked: bool = False, parts: Tuple[Tuple[str, int], ...] = ()) -> Rule:
+    return Rule(mcore, hf if isinstance(hf, tuple) else (hf,), transform, experts, te, stacked, parts)
 
 
 def _qkv(args: MegatronModelArgs) -> QKV:
@@ -162,14 +253,18 @@ def _qkv(args: MegatronModelArgs) -> QKV:
 
 def _gqa_attention(args: MegatronModelArgs) -> List[Rule]:
     attn = "model.layers.{L}.self_attn."
+    kw = args.config_kwargs
+    qkv = _qkv(args)
+    if kw.get("attention_output_gate"):
+        qkv = GatedQKV(qkv.num_heads, qkv.num_groups, qkv.head_dim)
     rules = [
         R("self_attention.linear_qkv.layer_norm_weight", "model.layers.{L}.input_layernorm.weight"),
-        R("self_attention.linear_qkv.weight", tuple(attn + p + "_proj.weight" for p in "qkv"), _qkv(args)),
+        R("self_attention.linear_qkv.weight", tuple(attn + p + "_proj.weight" for p in "qkv"), qkv),
         R("self_attention.linear_proj.weight", attn + "o_proj.weight"),
     ]
     kw = args.config_kwargs
     if kw.get("add_qkv_bias") or kw.get("add_bias_linear"):
-        rules.append(R("self_attention.linear_qkv.bias", tuple(attn + p + "_proj.bias" for p in "qkv"), _qkv(args)))
+        rules.append(R("self_attention.linear_qkv.bias", tuple(attn + p + "_proj.bias" for p in "qkv"), qkv))
     if kw.get("add_bias_linear"):
         rules.append(R("self_attention.linear_proj.bias", attn + "o_proj.bias"))
     if kw.get("softmax_type") == "learnable":  # GptOss's attention sinks, one logit per head
@@ -178,6 +273,30 @@ def _gqa_attention(args: MegatronModelArgs) -> List[Rule]:
         rules += [R("self_attention.q_layernorm.weight", attn + "q_norm.weight"),
                   R("self_attention.k_layernorm.weight", attn + "k_norm.weight")]
     return rules
+
+
+def _delta_net(args: MegatronModelArgs) -> List[Rule]:
+    """A gated-delta-net layer's token mixer (Megatron's GatedDeltaNet keys; the input norm under
+    Transformer Engine's fused name, as the local spec saves it)."""
+    kw, attn = args.config_kwargs, "model.layers.{L}.linear_attn."
+    nk, nv = kw["linear_num_key_heads"], kw["linear_num_value_heads"]
+    dk, dv = kw["linear_key_head_dim"], kw["linear_value_head_dim"]
+    grouped = args.model_type == "qwen3_next"
+    in_proj = DeltaNetInProj(nk, nv, dk, dv, grouped)
+    hf_in = (attn + "in_proj_qkvz.weight", attn + "in_proj_ba.weight") if grouped else \
+        tuple(attn + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+    qkv_parts = (("query", nk * dk), ("key", nk * dk), ("value", nv * dv))
+    mixer = "self_attention."
+    return [
+        R(mixer + "in_proj.layer_norm_weight", "model.layers.{L}.input_layernorm.weight"),
+        R(mixer + "in_proj.weight", hf_in, in_proj,
+          parts=qkv_parts + (("z", nv * dv), ("beta", nv), ("alpha", nv))),
+        R(mixer + "conv1d.weight", attn + "conv1d.weight", parts=qkv_parts),
+        R(mixer + "A_log", attn + "A_log"),
+        R(mixer + "dt_bias", attn + "dt_bias"),
+        R(mixer + "out_norm.weight", attn + "norm.weight", ZeroCentred()),
+        R(mixer + "out_proj.weight", attn + "out_proj.weight"),
+    ]
 
 
 def _mla_attention(args: MegatronModelArgs) -> List[Rule]:
@@ -229,6 +348,7 @@ class MoENames:
 MOE_NAMES: Dict[str, MoENames] = {
     "mixtral": MoENames(block="block_sparse_moe.", experts=("w1", "w3", "w2")),
     "qwen2_moe": MoENames(shared="shared_expert."),  # one shared expert, singular
+    "qwen3_next": MoENames(shared="shared_expert."),
     "gpt_oss": MoENames(router="router", stacked=True),
 }
 
@@ -281,7 +401,10 @@ def layer_rules(args: MegatronModelArgs, layer: int) -> List[Rule]:
     # MLP's linear_fc1 and keeps it apart before an MoE layer.
     fused, apart = "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"
     norm_key = apart if args.mla else fused
-    rules = _mla_attention(args) if args.mla else _gqa_attention(args)
+    if kw.get("experimental_attention_variant") == "gated_delta_net" and kw["linear_attention_freq"][layer]:
+        rules = _delta_net(args)
+    else:
+        rules = _mla_attention(args) if args.mla else _gqa_attention(args)
     if not moe:
         return rules + _dense_mlp(norm_key, fused if args.mla else None)
     rules.append(R(norm_key, "model.layers.{L}.post_attention_layernorm.weight", te=None if args.mla else apart))
@@ -310,6 +433,7 @@ class Item:
     rule: Rule
     layer: Optional[int] = None
     expert: Optional[int] = None
+    part: Optional[str] = None  # one of the rule's parts (its own checkpoint key)
 
 
 @dataclass
@@ -329,7 +453,7 @@ class Plan:
         return out
 
     def hf_names(self) -> List[str]:
-        return [name for item in self.items for name in item.hf_names]
+        return list(dict.fromkeys(name for item in self.items for name in item.hf_names))
 
 
 def build_plan(args: MegatronModelArgs, vocab_multiple: int) -> Plan:
@@ -346,12 +470,14 @@ def build_plan(args: MegatronModelArgs, vocab_multiple: int) -> Plan:
             key = f"decoder.layers.{layer}.{rule.mcore}"
             experts = range(num_experts) if rule.experts else [None]
             for expert in experts:
-                plan.items.append(Item(key, tuple(rule.hf_names(layer, expert)), rule, layer, expert))
+                for part in [name for name, _ in rule.parts] or [None]:
+                    plan.items.append(Item(key if part is None else f"{key}.{part}",
+                                           tuple(rule.hf_names(layer, expert)), rule, layer, expert, part))
     return plan
 
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe",
-             "gpt_oss")
+             "gpt_oss", "qwen3_next")
 
 _MTP = re.compile(r"^model\.layers\.(\d+)\.")
 
