@@ -166,13 +166,13 @@ def training_slices(spec: TensorSpec, target: LocalTensor, train: Layout) -> Ite
     """(start, stop, j): the ranges of ``target``'s pieces that lie in tensor-parallel slice j of
     the training layout (fused blocks split per block), in order."""
     parts = 1 if spec.dim is None else (train.etp if spec.expert is not None else train.tp)
-    block = spec.shape[spec.split_dim] // spec.blocks
-    width = block // parts
+    bounds = spec.block_bounds()
     for piece in target.pieces:
-        for b in range(spec.blocks):
+        for start, size in bounds:
+            width = size // parts
             for j in range(parts):
-                lo = max(piece.start, b * block + j * width)
-                hi = min(piece.stop, b * block + (j + 1) * width)
+                lo = max(piece.start, start + j * width)
+                hi = min(piece.stop, start + (j + 1) * width)
                 if lo < hi:
                     yield lo, hi, j
 

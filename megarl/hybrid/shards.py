@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from megarl.models.hf_config import MegatronModelArgs, padded_vocab_size
 from megarl.parallel.layout import Layout
@@ -25,7 +25,9 @@ class TensorSpec:
     key: str
     shape: Tuple[int, ...]
     dim: Optional[int]  # tensor-parallel dim; None = replicated over tp
-    blocks: int = 1  # fused blocks along ``dim``, each split on its own (gate/up: 2)
+    # fused blocks along ``dim``, each split on its own: a number of equal ones (gate/up: 2) or
+    # their sizes (the gated delta net's in_proj [Q; K; V; Z; B; A] and conv1d [Q; K; V])
+    blocks: Union[int, Tuple[int, ...]] = 1
     stage: str = "layer"  # "first" (embedding), "last" (final norm, output layer) or "layer"
     layer: Optional[int] = None
     expert: Optional[int] = None  # global expert index: split by etp, placed by ep
@@ -38,6 +40,14 @@ class TensorSpec:
     @property
     def split_dim(self) -> int:
         return 0 if self.dim is None else self.dim
+
+    def block_bounds(self) -> List[Tuple[int, int]]:
+        """(start, size) of each fused block along the split dim."""
+        if isinstance(self.blocks, int):
+            size = self.shape[self.split_dim] // self.blocks
+            return [(b * size, size) for b in range(self.blocks)]
+        starts = [sum(self.blocks[:b]) for b in range(len(self.blocks))]
+        return list(zip(starts, self.blocks))
 
     def slice_numel(self, length: int) -> int:
         """Elements in a range of ``length`` along the split dim."""
@@ -104,7 +114,16 @@ def _model_tensors(args: MegatronModelArgs, vocab_multiple: int) -> List[TensorS
 
         add("input_layernorm.weight", (h,))
         attn = "self_attention."
-        if args.mla:
+        if kw.get("experimental_attention_variant") == "gated_delta_net" and kw["linear_attention_freq"][layer]:
+            nk, nv = kw["linear_num_key_heads"], kw["linear_num_value_heads"]
+            qk, v = nk * kw["linear_key_head_dim"], nv * kw["linear_value_head_dim"]
+            add(attn + "dt_bias", (nv,), 0)  # the module's own parameters come before its children's
+            add(attn + "A_log", (nv,), 0)
+            add(attn + "in_proj.weight", (2 * qk + 2 * v + 2 * nv, h), 0, blocks=(qk, qk, v, v, nv, nv))
+            add(attn + "conv1d.weight", (2 * qk + v, 1, kw["linear_conv_kernel_dim"]), 0, blocks=(qk, qk, v))
+            add(attn + "out_norm.weight", (kw["linear_value_head_dim"],))
+            add(attn + "out_proj.weight", (h, v), 1)
+        elif args.mla:
             qk, rope, v = kw["qk_head_dim"], kw["qk_pos_emb_head_dim"], kw["v_head_dim"]
             if kw.get("q_lora_rank"):
                 add(attn + "linear_q_down_proj.weight", (kw["q_lora_rank"], h), 0)
@@ -118,7 +137,8 @@ def _model_tensors(args: MegatronModelArgs, vocab_multiple: int) -> List[TensorS
             add(attn + "linear_proj.weight", (h, heads * v), 1)
         else:
             d, groups = kw["kv_channels"], kw["num_query_groups"]
-            qkv = (heads + 2 * groups) * d  # grouped [q of group; k; v]: tp splits whole groups
+            # grouped [q of group; (their gates;) k; v]: tp splits whole groups
+            qkv = (heads * (2 if kw.get("attention_output_gate") else 1) + 2 * groups) * d
             add(attn + "linear_qkv.weight", (qkv, h), 0)
             if kw.get("add_qkv_bias") or bias:
                 add(attn + "linear_qkv.bias", (qkv,), 0)
@@ -165,11 +185,12 @@ def slice_pieces(spec: TensorSpec, parts: int, index: int) -> Tuple[Piece, ...]:
     """The pieces of slice ``index`` of ``parts`` (each fused block split on its own)."""
     if spec.dim is None:
         parts, index = 1, 0
-    size = spec.shape[spec.split_dim]
-    block = size // spec.blocks
-    part = block // parts
-    return tuple(Piece(b * block + index * part, b * block + (index + 1) * part, b * part)
-                 for b in range(spec.blocks))
+    pieces, local = [], 0
+    for start, size in spec.block_bounds():
+        part = size // parts
+        pieces.append(Piece(start + index * part, start + (index + 1) * part, local))
+        local += part
+    return tuple(pieces)
 
 
 class Placement:

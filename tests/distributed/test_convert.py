@@ -191,3 +191,17 @@ def test_megatron_lm_interop_both_directions(records, load_tp):
         assert r["plain_vs_transformers"] <= INTEROP_TOL and r["export_vs_transformers"] <= INTEROP_TOL, r
         trip = r["export_bit_exact"]
         assert trip["same_names"] and not trip["differing"], r
+
+
+def test_qwen3_next_layouts_were_covered(results, work):
+    """The hybrid model's delta-net layers (0 and 2) and gated full attention (1 and 3) converted
+    in every layout, their norms away from the identity (so a wrong transform would show)."""
+    from safetensors import safe_open
+    with safe_open(next((work / "hf" / "tiny-qwen3-next").glob("*.safetensors")), "pt") as f:
+        assert f.get_tensor("model.layers.0.linear_attn.in_proj_qkvz.weight").shape[0] == 2 * 32 + 2 * 64
+        assert f.get_tensor("model.layers.1.self_attn.q_proj.weight").shape[0] == 2 * 64  # [q; gate] per head
+        gated = f.get_tensor("model.layers.2.linear_attn.norm.weight")
+        assert (gated - 1).abs().min() > 0 and f.get_tensor("model.layers.3.input_layernorm.weight").abs().min() > 0
+    for load_tp in (1, 2):
+        tags = {r["tag"] for r in results[load_tp]}
+        assert {f"tiny-qwen3-next-{t}" for t in ("t1p1e1w1", "t2p1e1w2", "t1p2e1w2", "t1p1e2w2")} <= tags
