@@ -52,6 +52,13 @@ class HFNames:
                 f"{args.model_type}: syncing weights to SGLang/vLLM is not supported, its HF checkpoint "
                 f"stacks all experts in one tensor ('{stacked.hf_names[0]}'); use rollout.engine=native, "
                 f"or convert the checkpoint offline (megarl convert)")
+        parted = next((item for item in plan.items if item.part is not None), None)
+        if parted is not None:
+            # the gated delta net (Qwen3-Next): SGLang's and vLLM's loaders are not checked against it here
+            raise UnsupportedModelError(
+                f"{args.model_type}: syncing weights to SGLang/vLLM is not supported for its gated delta net "
+                f"layers ('{parted.hf_names[0]}'); use rollout.engine=native, or convert the checkpoint "
+                f"offline (megarl convert)")
         self.items = {(item.mcore_key, item.expert): item for item in plan.items}
 
     def __call__(self, key: str, tensor: torch.Tensor) -> NamedTensors:

@@ -57,7 +57,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megarl.config.schema import TokenDispatcher, TransformerImpl
 from megarl.hybrid import ModelSpec, Regrouping
 from megarl.hybrid.names import check_planned, planned_tensors
-from megarl.models import build_model
+from megarl.models import build_model, gated_delta_net
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.models import routing_replay
 from megarl.parallel import LayoutError
@@ -348,6 +348,8 @@ class _DecodeContext(StaticInferenceContext):
     def __init__(self, max_batch_size: int, max_sequence_length: int):
         super().__init__(max_batch_size, max_sequence_length)
         self.rotated = {}  # layer number -> (keys, values)
+        # gated delta nets (megarl.models.gated_delta_net): layer number -> (convolution inputs, recurrent state)
+        self.linear_states = {}
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int):
         """Store ``key``/``value`` [s, rows, groups, dim] at positions start.. and return every
@@ -374,6 +376,7 @@ class _DecodeContext(StaticInferenceContext):
             keys[:length, :rows] = keys[:length, index]
             values[:length, :rows] = values[:length, index]
             self.key_value_memory_dict[layer] = (keys[:, :rows], values[:, :rows])
+        gated_delta_net.keep_rows(self.linear_states, index)
 
 
 def _rotated_key_values(attention, megatron_adjust, inference_context, query, key, value, rotary_pos_emb,

@@ -38,6 +38,8 @@ LAYOUTS = {  # case -> (nproc, actor layout)
     # sinks (split over tp), a window (GPT_OSS_WINDOW) on every other layer, biases everywhere,
     # clamped SwiGLU; biased experts need etp=1
     "gpt_oss": (2, "{tp: 2, ep: 2, etp: 1}"),
+    # gated delta nets (their decode state in the native rollout) and gated attention, zero-centred norms
+    "qwen3_next": (2, "{tp: 2, ep: 2, etp: 1}"),
 }
 ROLLOUT = {"llama+vllm": ", engine: vllm"}
 WINDOW = 8  # the chat prompts alone are longer
