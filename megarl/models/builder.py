@@ -66,6 +66,13 @@ def check_layout(args: MegatronModelArgs, layout: Layout, model_cfg, training: b
         num_query_groups=kw["num_query_groups"], ffn_hidden_size=kw["ffn_hidden_size"],
         padded_vocab_size=padded_vocab_size(args.vocab_size, model_cfg.make_vocab_size_divisible_by),
         num_experts=args.num_experts, moe_ffn_hidden_size=kw.get("moe_ffn_hidden_size"), training=training)
+    if kw.get("experimental_attention_variant") == "gated_delta_net":
+        from megarl.parallel.layout import LayoutError
+
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):
+            if kw[name] % layout.tp:
+                raise LayoutError(f"{args.model_type}: tp={layout.tp} must divide the gated delta net's "
+                                  f"{name}={kw[name]} (tensor parallelism splits whole heads)")
     if kw.get("experimental_attention_variant") == "gated_delta_net" and layout.cp > 1:
         from megarl.parallel.layout import LayoutError
 

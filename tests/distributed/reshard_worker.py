@@ -29,7 +29,9 @@ from megarl.runtime import init_distributed, set_seed
 MODELS = {"llama": ("tiny-llama", {"num_key_value_heads": 4}),
           "llama-tied": ("tiny-llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
           "qwen2": ("tiny-qwen2", {}), "qwen3-moe": ("tiny-qwen3-moe", {}),
-          "mixtral": ("tiny-mixtral", {}), "deepseek": ("tiny-deepseek-v3", {})}
+          "mixtral": ("tiny-mixtral", {}), "deepseek": ("tiny-deepseek-v3", {}),
+          # gated delta nets: in_proj [Q; K; V; Z; B; A] and conv1d [Q; K; V], blocks of unequal sizes
+          "qwen3-next": ("tiny-qwen3-next", {})}
 TOKENS = torch.tensor([[5, 17, 42, 7, 99, 3, 249, 64, 12, 8, 1, 77],
                        [9, 9, 120, 33, 2, 45, 6, 200, 31, 4, 15, 60]])
 BUCKET_BYTES = 48 << 10  # small, so that tensors are cut and buckets are many
