@@ -19,7 +19,7 @@ from megarl.models.hf_config import (
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = sorted((REPO / "configs" / "models").glob("*.json"))
 FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe",
-            "gpt_oss"}
+            "gpt_oss", "qwen3_next"}
 
 MOE_FIELDS = {
     "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -115,9 +115,20 @@ def gpt_oss(**over):
     return transformers.GptOssConfig(**common_kwargs(**kw)).to_dict()
 
 
+def qwen3_next(**over):
+    kw = dict(num_hidden_layers=6, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+              shared_expert_intermediate_size=56, mlp_only_layers=[1], decoder_sparse_step=1, head_dim=32,
+              router_aux_loss_coef=0.0123, linear_conv_kernel_dim=3, linear_key_head_dim=12,
+              linear_value_head_dim=20, linear_num_key_heads=2, linear_num_value_heads=6,
+              layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+              rope_parameters={"rope_type": "default", "rope_theta": 123456.0, "partial_rotary_factor": 0.375})
+    kw.update(over)
+    return transformers.Qwen3NextConfig(**common_kwargs(**kw)).to_dict()
+
+
 BUILDERS = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
             "qwen2_moe": qwen2_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
-            "gpt_oss": gpt_oss}
+            "gpt_oss": gpt_oss, "qwen3_next": qwen3_next}
 
 
 def expected_common(hf):
@@ -751,7 +762,7 @@ def test_repo_model_config_maps(path):
     assert kw["hidden_size"] == hf["hidden_size"]
     assert kw["num_attention_heads"] == hf["num_attention_heads"]
     assert args.vocab_size == hf["vocab_size"]
-    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"}
+    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next"}
     if moe:
         assert kw["num_moe_experts"] == (hf.get("num_local_experts") or hf.get("num_experts")
                                          or hf.get("n_routed_experts"))
@@ -779,3 +790,31 @@ def test_repo_model_config_builds_megatron_config(path):
                  add_bias_linear=bias, activation_func=activation)
     assert config.num_layers == args.config_kwargs["num_layers"]
     assert config.num_moe_experts == args.num_experts
+
+
+def test_qwen3_next_mapping():
+    hf = qwen3_next()
+    args = megatron_args_from_hf(hf)
+    check_common(args, hf)
+    kw = args.config_kwargs
+    assert kw["experimental_attention_variant"] == "gated_delta_net"
+    assert kw["linear_attention_freq"] == [1, 1, 0, 1, 1, 0]                 # 1: a gated delta net
+    assert (kw["linear_conv_kernel_dim"], kw["linear_key_head_dim"], kw["linear_value_head_dim"]) == (3, 12, 20)
+    assert (kw["linear_num_key_heads"], kw["linear_num_value_heads"]) == (2, 6)
+    assert kw["attention_output_gate"] is True and kw["qk_layernorm"] is True
+    assert kw["layernorm_zero_centered_gamma"] is True and kw["add_qkv_bias"] is False
+    assert args.rotary_percent == 0.375
+    assert kw["num_moe_experts"] == 6 and kw["moe_router_topk"] == 3 and kw["moe_ffn_hidden_size"] == 48
+    assert kw["moe_layer_freq"] == [1, 0, 1, 1, 1, 1]
+    assert kw["moe_shared_expert_intermediate_size"] == 56 and kw["moe_shared_expert_gate"] is True
+    assert kw["moe_router_pre_softmax"] is False  # norm_topk_prob (default true): top-k, then renormalised
+
+
+def test_qwen3_next_full_attention_interval_without_layer_types():
+    """Qwen3-Next-80B's own config.json has full_attention_interval and no layer_types:
+    every interval-th layer attends fully, as transformers derives it."""
+    hf = {k: v for k, v in qwen3_next(num_hidden_layers=8, layer_types=None).items() if k != "layer_types"}
+    hf["full_attention_interval"] = 4
+    assert megatron_args_from_hf(hf).config_kwargs["linear_attention_freq"] == [1, 1, 1, 0] * 2
+    assert transformers.Qwen3NextConfig(num_hidden_layers=8).layer_types == ["linear_attention"] * 3 + [
+        "full_attention"] + ["linear_attention"] * 3 + ["full_attention"]

@@ -24,6 +24,7 @@ CLASSES = {
     "deepseek_v3": transformers.DeepseekV3Config,
     "glm4_moe": transformers.Glm4MoeConfig,
     "gpt_oss": transformers.GptOssConfig,
+    "qwen3_next": transformers.Qwen3NextConfig,
 }
 
 # Per model_type, one refused setting for each Only field: {field: overrides that make it bite}.
@@ -65,6 +66,12 @@ BAD = {
         "scoring_func": {"scoring_func": "softmax"},
         "topk_method": {"topk_method": "greedy"},
         "moe_layer_freq": {"moe_layer_freq": 2},
+    },
+    "qwen3_next": {
+        **COMMON_BAD,
+        "layer_types": {"layer_types": ["linear_attention"] * 47 + ["sliding_attention"]},
+        "shared_expert_intermediate_size": {"shared_expert_intermediate_size": 0},
+        "norm_topk_prob": {"norm_topk_prob": True, "num_experts_per_tok": 1},
     },
     "gpt_oss": {  # transformers' GptOss ignores hidden_act (its experts' clamped SwiGLU is fixed)
         **{k: v for k, v in COMMON_BAD.items() if k not in ("hidden_act", "attention_bias")},
