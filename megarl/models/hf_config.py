@@ -220,6 +220,17 @@ QWEN3_NEXT: Dict[str, Row] = {
 }
 
 
+# The Qwen3.5 MoE text models (Qwen3_5MoeForCausalLM): Qwen3-Next's layers with the delta net's
+# projections kept apart (hf_mapping.DeltaNetInProj, grouped=False), every layer MoE, the router
+# always renormalising its top-k, no dense intermediate size.
+QWEN3_5_MOE: Dict[str, Row] = {
+    **QWEN3_NEXT,
+    "ffn_hidden_size": lambda hf: _get(hf, "intermediate_size", default=hf["moe_intermediate_size"]),
+    "moe_layer_freq": lambda hf: [1] * hf["num_hidden_layers"],
+    "moe_router_pre_softmax": lambda hf: False,
+}
+
+
 def _qwen3_next_rotary(hf) -> float:
     """transformers' Qwen3-Next/Qwen3.5 rotate the first ``partial_rotary_factor`` of each head
     (default 0.25), as GLM-4.5 does (:func:`_partial_rotary_factor`)."""
@@ -248,6 +259,7 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "deepseek_v3": Architecture({**COMMON, **DEEPSEEK_V3}, mla=True),
     "glm4_moe": Architecture({**COMMON, **GLM4_MOE}, rotary_percent=_partial_rotary_factor),
     "qwen3_next": Architecture({**COMMON, **QWEN3_NEXT}, rotary_percent=_qwen3_next_rotary),
+    "qwen3_5_moe_text": Architecture({**COMMON, **QWEN3_5_MOE}, rotary_percent=_qwen3_next_rotary),
     "gpt_oss": Architecture({**COMMON, **GPT_OSS, "layernorm_epsilon": lambda hf: _get(hf, "rms_norm_eps", default=1e-5)}),
 }
 
@@ -488,6 +500,21 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
         "shared_expert_intermediate_size": Only(
             _shared_expert_ok, "only > 0: megarl builds the shared expert and its gate of every MoE layer"),
         "norm_topk_prob": _TOP1_NORM,
+    },
+    "qwen3_5_moe_text": {
+        **BASE_FIELDS, **_ROUTER_AUX,
+        **{k: MAPPED for k in (
+            "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_num_key_heads", "linear_num_value_heads", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size")},
+        "layer_types": Only(lambda hf: set(hf.get("layer_types") or ()) <= {"linear_attention", "full_attention"},
+                            "each 'linear_attention' or 'full_attention'"),
+        "shared_expert_intermediate_size": Only(
+            _shared_expert_ok, "only > 0: megarl builds the shared expert and its gate of every MoE layer"),
+        # Megatron cannot route softmax top-1 with weight 1 (Qwen3.5 always renormalises the top-k)
+        "num_experts_per_tok": Only(lambda hf: hf["num_experts_per_tok"] > 1,
+                                    "Megatron cannot route softmax top-1 with weight 1 (Qwen3.5 renormalises "
+                                    "the top-k); use 2 or more"),
     },
     "gpt_oss": {
         **BASE_FIELDS, **_ROUTER_AUX,

@@ -281,7 +281,7 @@ def _delta_net(args: MegatronModelArgs) -> List[Rule]:
     kw, attn = args.config_kwargs, "model.layers.{L}.linear_attn."
     nk, nv = kw["linear_num_key_heads"], kw["linear_num_value_heads"]
     dk, dv = kw["linear_key_head_dim"], kw["linear_value_head_dim"]
-    grouped = args.model_type == "qwen3_next"
+    grouped = args.model_type == "qwen3_next"  # Qwen3.5 keeps in_proj_qkv, _z, _b, _a apart
     in_proj = DeltaNetInProj(nk, nv, dk, dv, grouped)
     hf_in = (attn + "in_proj_qkvz.weight", attn + "in_proj_ba.weight") if grouped else \
         tuple(attn + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
@@ -349,6 +349,7 @@ MOE_NAMES: Dict[str, MoENames] = {
     "mixtral": MoENames(block="block_sparse_moe.", experts=("w1", "w3", "w2")),
     "qwen2_moe": MoENames(shared="shared_expert."),  # one shared expert, singular
     "qwen3_next": MoENames(shared="shared_expert."),
+    "qwen3_5_moe_text": MoENames(shared="shared_expert."),
     "gpt_oss": MoENames(router="router", stacked=True),
 }
 
@@ -477,16 +478,17 @@ def build_plan(args: MegatronModelArgs, vocab_multiple: int) -> Plan:
 
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe",
-             "gpt_oss", "qwen3_next")
+             "gpt_oss", "qwen3_next", "qwen3_5_moe_text")
 
 _MTP = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def skipped_hf_names(args: MegatronModelArgs, names: Sequence[str]) -> List[str]:
-    """HF tensors megarl does not convert: DeepSeek's and GLM-4.5's multi-token-prediction layers
-    (indices past num_hidden_layers), which transformers itself does not load either."""
+    """HF tensors megarl does not convert: the multi-token-prediction layers of DeepSeek and GLM-4.5
+    (indices past num_hidden_layers) and of Qwen3-Next and Qwen3.5 (``mtp.*``), which transformers
+    itself does not load either."""
     num_layers = args.config_kwargs["num_layers"]
-    return [n for n in names if (m := _MTP.match(n)) and int(m.group(1)) >= num_layers]
+    return [n for n in names if ((m := _MTP.match(n)) and int(m.group(1)) >= num_layers) or n.startswith("mtp.")]
 
 
 def check_names(plan: Plan, available: Sequence[str], skipped: Sequence[str], source: str) -> None:

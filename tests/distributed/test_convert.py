@@ -17,7 +17,8 @@ from tests.distributed.launch import ROOT, torchrun
 WORKER = "tests/distributed/convert_worker.py"
 TOL = 1e-4
 DENSE = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
-MOE = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-qwen2-moe", "tiny-glm4-moe", "tiny-qwen3-next"]
+MOE = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-qwen2-moe", "tiny-glm4-moe", "tiny-qwen3-next",
+       "tiny-qwen3-5-moe"]
 # MoE with biased experts (GptOss): Megatron splits those only with etp=1, so tp > 1 needs ep > 1
 # (the worker sets etp=1 whenever ep > 1, and loads these at tp = ep = world size). Its sliding
 # window (8) is shorter than the test sequences (12 tokens), and its swiglu_limit (0.1) clamps.
@@ -69,7 +70,7 @@ def make_hf_model(name: str, out: Path) -> None:
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.05 * torch.randn_like(buffer))
-    if base == "tiny-qwen3-next":  # transformers starts every norm at its identity: make them count
+    if base in ("tiny-qwen3-next", "tiny-qwen3-5-moe"):  # transformers starts every norm at its identity
         with torch.no_grad():
             for param_name, param in model.named_parameters():
                 if "norm" in param_name:  # zero-centred (1 + w), but the delta net's gated norm is w
