@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from safetensors.torch import save_file
 
 from megarl.checkpoint.disk import named_if_full
 from megarl.checkpoint.dist_ckpt import (
@@ -110,6 +111,9 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
 
     def add_hf_files(tmp: Path) -> None:
         hf.copy_side_files(tmp / HF_SUBDIR)
+        carried = [n for n in hf.names() if args.carried and n.startswith(args.carried)]
+        if carried and torch.distributed.get_rank() == 0:  # kept for the export (hf_config.Wrapper)
+            save_file({n: hf.read(n).contiguous() for n in carried}, str(tmp / HF_SUBDIR / CARRIED))
 
     # Written in megatron-core's default layout, the one Megatron-LM loads (see dist_ckpt).
     save_sharded(sharded_state_dict(chunks, layer_keys="default"), Path(out_dir), before_rename=add_hf_files)
@@ -211,6 +215,20 @@ def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
         raise
 
 
+CARRIED = "carried.safetensors"  # beside a converted checkpoint's config: the tensors a wrapper carries
+
+
+def carried_tensors(config: Dict, config_dir: Path) -> Tuple[Optional[HFCheckpoint], List[str]]:
+    """The HF tensors a wrapped model (hf_config.Wrapper: Qwen3.5's vision tower) carries
+    unchanged into an export, and where they are read: the source HF directory beside the config
+    (a ``model.path`` run), or the ``carried.safetensors`` a conversion kept."""
+    prefixes = megatron_args_from_hf(config).carried
+    if not prefixes or not any(config_dir.glob("*.safetensors")):
+        return None, []
+    source = HFCheckpoint(config_dir)
+    return source, [n for n in source.names() if n.startswith(prefixes)]
+
+
 def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max_shard_bytes: int,
               tokenizer_dir: Optional[str | Path]) -> None:
     config, config_dir, by_key = prepared.config, prepared.config_dir, prepared.by_key
@@ -246,6 +264,11 @@ def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max
                 for name, value in zip(item.hf_names, item.rule.transform.to_hf(part)):
                     writer.add(name, value.to(out_dtype or value.dtype).clone())
         del tensor
+    if rank == 0:  # a wrapper's untrained tensors, as they were (Qwen3.5's vision tower)
+        source, carried = carried_tensors(config, config_dir)
+        with writing():
+            for name in carried:
+                writer.add(name, source.read(name))
     with writing():
         writer.flush()
     gathered: List[Optional[Dict]] = [None] * world

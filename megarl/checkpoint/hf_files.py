@@ -40,11 +40,15 @@ def causal_lm_architecture(model_type: str) -> str:
 
 def export_config(config: Dict, dtype: torch.dtype) -> Dict:
     """The source config.json for weights written as ``dtype`` by our converter: ``architectures``
-    is the model type's causal-LM class (the source may name a reward or remote-code class),
+    is the model type's causal-LM class (the source may name a reward or remote-code class; a
+    multimodal wrapper, hf_config.Wrapper, keeps its own, whose tensors the export carries),
     ``dtype`` (transformers 5) and ``torch_dtype`` (older readers, SGLang) name the weights' dtype,
     and ``auto_map`` is dropped (the weights follow transformers' own classes, not remote code)."""
+    from megarl.models.hf_config import WRAPPERS
+
     out = {k: v for k, v in config.items() if k != "auto_map"}
-    out["architectures"] = [causal_lm_architecture(config["model_type"])]
+    if not (config["model_type"] in WRAPPERS and config.get("architectures")):  # a wrapper keeps its class:
+        out["architectures"] = [causal_lm_architecture(config["model_type"])]  # its carried tensors are in
     out["dtype"] = out["torch_dtype"] = _DTYPE_NAMES[dtype]
     return out
 

@@ -9,11 +9,12 @@ setting megarl cannot reproduce is refused by name before anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 Row = Union[str, Callable[[Mapping[str, Any]], Any]]
 
@@ -261,6 +262,24 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "qwen3_next": Architecture({**COMMON, **QWEN3_NEXT}, rotary_percent=_qwen3_next_rotary),
     "qwen3_5_moe_text": Architecture({**COMMON, **QWEN3_5_MOE}, rotary_percent=_qwen3_next_rotary),
     "gpt_oss": Architecture({**COMMON, **GPT_OSS, "layernorm_epsilon": lambda hf: _get(hf, "rms_norm_eps", default=1e-5)}),
+}
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal checkpoint whose text model megarl trains (Qwen3.5's vision-language MoE):
+    ``text_config`` is read as ``text_model_type``; the text model's HF tensors carry ``prefix``
+    where a text checkpoint has ``model.``; tensors under ``carried`` (the vision tower) are not
+    trained, and an export copies them unchanged from the source (transformers' causal-LM class
+    reads such a directory as its text model)."""
+
+    text_model_type: str
+    prefix: str
+    carried: Tuple[str, ...]
+
+
+WRAPPERS: Dict[str, Wrapper] = {
+    "qwen3_5_moe": Wrapper("qwen3_5_moe_text", "model.language_model.", ("model.visual.",)),
 }
 
 
@@ -516,6 +535,14 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
                                     "Megatron cannot route softmax top-1 with weight 1 (Qwen3.5 renormalises "
                                     "the top-k); use 2 or more"),
     },
+    # the vision-language wrapper: its text_config is checked as qwen3_5_moe_text's
+    "qwen3_5_moe": {
+        **{k: v for k, v in BASE_FIELDS.items() if v == INERT},
+        "text_config": MAPPED, "tie_word_embeddings": MAPPED, "model_type": MAPPED,
+        # the vision tower megarl carries unchanged, and the ids of its placeholder tokens
+        **{k: INERT for k in ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
+                              "vision_end_token_id")},
+    },
     "gpt_oss": {
         **BASE_FIELDS, **_ROUTER_AUX,
         # transformers' GptOss does not read hidden_act: its experts always run the clamped SwiGLU
@@ -569,6 +596,8 @@ class MegatronModelArgs:
     rotary_percent: float = 1.0  # the fraction of each head's channels the rope rotates
     hf_config: Dict[str, Any] = field(default_factory=dict)
     yarn: Optional[Dict[str, Any]] = None  # Megatron's yarn_* settings of a GPT (non-MLA) YaRN rope
+    hf_prefix: str = "model."  # where the HF text model's tensors live (Wrapper.prefix)
+    carried: Tuple[str, ...] = ()  # HF tensors under these prefixes are carried, not trained (Wrapper)
 
     @property
     def num_experts(self) -> Optional[int]:
@@ -591,9 +620,18 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
     """Map an HF config onto Megatron arguments; raises :class:`UnsupportedModelError`."""
     hf = read_hf_config(path_or_dict)
     model_type = hf.get("model_type")
+    if model_type in WRAPPERS:
+        wrapper = WRAPPERS[model_type]
+        check_fields(hf)
+        if not isinstance(hf.get("text_config"), Mapping):
+            raise UnsupportedModelError(f"{model_type} config lacks its text_config")
+        text = {**hf["text_config"], "model_type": wrapper.text_model_type,
+                "tie_word_embeddings": bool(_get(hf, "tie_word_embeddings", default=False))}
+        inner = megatron_args_from_hf(text)
+        return dataclasses.replace(inner, hf_config=hf, hf_prefix=wrapper.prefix, carried=wrapper.carried)
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"model_type '{model_type}' is not supported; supported: {sorted(ARCHITECTURES)}")
+            f"model_type '{model_type}' is not supported; supported: {sorted([*ARCHITECTURES, *WRAPPERS])}")
     arch = ARCHITECTURES[model_type]
     kwargs: Dict[str, Any] = {}
     for name, row in arch.rows.items():

@@ -14,6 +14,7 @@ checkpoint written by one maps through the same table.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -454,7 +455,9 @@ class Plan:
         return out
 
     def hf_names(self) -> List[str]:
-        return list(dict.fromkeys(name for item in self.items for name in item.hf_names))
+        # a rule stored in parts reads its HF tensors once (listed with its first part)
+        return [name for item in self.items if item.part in (None, next(iter(item.rule.parts), ("",))[0])
+                for name in item.hf_names]
 
 
 def build_plan(args: MegatronModelArgs, vocab_multiple: int) -> Plan:
@@ -474,21 +477,28 @@ def build_plan(args: MegatronModelArgs, vocab_multiple: int) -> Plan:
                 for part in [name for name, _ in rule.parts] or [None]:
                     plan.items.append(Item(key if part is None else f"{key}.{part}",
                                            tuple(rule.hf_names(layer, expert)), rule, layer, expert, part))
+    if args.hf_prefix != "model.":  # a wrapped text model (hf_config.Wrapper): its tensors' prefix
+        def moved(name: str) -> str:
+            return args.hf_prefix + name[len("model."):] if name.startswith("model.") else name
+
+        plan.items = [dataclasses.replace(item, hf_names=tuple(moved(n) for n in item.hf_names)) for item in plan.items]
     return plan
 
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe",
              "gpt_oss", "qwen3_next", "qwen3_5_moe_text")
 
-_MTP = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def skipped_hf_names(args: MegatronModelArgs, names: Sequence[str]) -> List[str]:
     """HF tensors megarl does not convert: the multi-token-prediction layers of DeepSeek and GLM-4.5
     (indices past num_hidden_layers) and of Qwen3-Next and Qwen3.5 (``mtp.*``), which transformers
-    itself does not load either."""
+    itself does not load either; and what a wrapped model carries unchanged (Qwen3.5's vision
+    tower, hf_config.Wrapper)."""
     num_layers = args.config_kwargs["num_layers"]
-    return [n for n in names if ((m := _MTP.match(n)) and int(m.group(1)) >= num_layers) or n.startswith("mtp.")]
+    mtp = re.compile("^" + re.escape(args.hf_prefix) + r"layers\.(\d+)\.")
+    return [n for n in names if ((m := mtp.match(n)) and int(m.group(1)) >= num_layers) or n.startswith("mtp.")
+            or n.startswith(args.carried)]
 
 
 def check_names(plan: Plan, available: Sequence[str], skipped: Sequence[str], source: str) -> None:

@@ -50,27 +50,41 @@ DERIVED = {
 SPECS = {  # world size -> name@tp,pp,ep
     1: [f"{n}@1,1,1" for n in DENSE + MOE + BIASED_MOE]
     + ["tiny-deepseek-v3-groups@1,1,1", "tiny-deepseek-v3-unnormed@1,1,1", "tiny-gpt-oss-yarn@1,1,1",
-                                                 "tiny-gpt-oss-yarnfloor@1,1,1"],
+                                                 "tiny-gpt-oss-yarnfloor@1,1,1", "tiny-qwen3-5-moe-vl@1,1,1"],
     2: [f"{n}@2,1,1" for n in DENSE + MOE] + [f"{n}@1,2,1" for n in DENSE + MOE + BIASED_MOE]
     + [f"{n}@1,1,2" for n in MOE + BIASED_MOE] + [f"{n}@2,1,2" for n in BIASED_MOE]
     + ["tiny-deepseek-v3-qnull@2,1,1", "tiny-gpt-oss-yarn@2,1,2", "tiny-mistral-swa@2,1,1",
-       "tiny-mistral-swa@1,2,1"],
+       "tiny-mistral-swa@1,2,1", "tiny-qwen3-5-moe-vl@2,1,1"],
     4: [f"{n}@2,2,1" for n in DENSE[:3]] + [f"{n}@2,1,2" for n in MOE[:2]] + ["tiny-deepseek-v3@1,2,2"]
     + ["tiny-deepseek-v3-qnull@1,2,2"],
 }
 
 
+# Qwen3.5's vision-language checkpoint (model_type qwen3_5_moe): megarl converts its text model
+# (tiny-qwen3-5-moe's) and carries the vision tower into the export unchanged
+VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+WRAPPED = ["tiny-qwen3-5-moe-vl"]
+
+
 def make_hf_model(name: str, out: Path) -> None:
     base, overrides = DERIVED.get(name, (name, VARIANTS.get(name, {})))
+    if name in WRAPPED:
+        base = name.removesuffix("-vl")
     config = json.loads((ROOT / "configs" / "models" / f"{base}.json").read_text())
     config.update(overrides)
     torch.manual_seed(sum(map(ord, name)))
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    if name in WRAPPED:
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
+
+        model = transformers.AutoModelForImageTextToText.from_config(
+            Qwen3_5MoeConfig(text_config=config, vision_config=VISION, tie_word_embeddings=False))
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
     with torch.no_grad():  # transformers starts the expert-choice bias at 0: give it values that matter
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.05 * torch.randn_like(buffer))
-    if base in ("tiny-qwen3-next", "tiny-qwen3-5-moe"):  # transformers starts every norm at its identity
+    if base in ("tiny-qwen3-next", "tiny-qwen3-5-moe"):  # transformers starts every norm at its identity:
         with torch.no_grad():
             for param_name, param in model.named_parameters():
                 if "norm" in param_name:  # zero-centred (1 + w), but the delta net's gated norm is w
@@ -90,7 +104,7 @@ def parse(output: str):
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     work = tmp_path_factory.mktemp("convert")
-    for name in DENSE + MOE + BIASED_MOE + list(DERIVED):
+    for name in DENSE + MOE + BIASED_MOE + list(DERIVED) + WRAPPED:
         make_hf_model(name, work / "hf" / name)
     converted = []
     for world, specs in SPECS.items():
@@ -195,8 +209,9 @@ def test_megatron_lm_interop_both_directions(records, load_tp):
 
 
 def test_qwen3_next_layouts_were_covered(results, work):
-    """The hybrid model's delta-net layers (0 and 2) and gated full attention (1 and 3) converted
-    in every layout, their norms away from the identity (so a wrong transform would show)."""
+    """The hybrid models' delta-net layers (0 and 2) and gated full attention (1 and 3) converted
+    in every layout (Qwen3-Next's and Qwen3.5's), their norms away from the identity (so a wrong
+    transform would show)."""
     from safetensors import safe_open
     with safe_open(next((work / "hf" / "tiny-qwen3-next").glob("*.safetensors")), "pt") as f:
         assert f.get_tensor("model.layers.0.linear_attn.in_proj_qkvz.weight").shape[0] == 2 * 32 + 2 * 64
@@ -205,4 +220,24 @@ def test_qwen3_next_layouts_were_covered(results, work):
         assert (gated - 1).abs().min() > 0 and f.get_tensor("model.layers.3.input_layernorm.weight").abs().min() > 0
     for load_tp in (1, 2):
         tags = {r["tag"] for r in results[load_tp]}
-        assert {f"tiny-qwen3-next-{t}" for t in ("t1p1e1w1", "t2p1e1w2", "t1p2e1w2", "t1p1e2w2")} <= tags
+        for name in ("tiny-qwen3-next", "tiny-qwen3-5-moe"):
+            assert {f"{name}-{t}" for t in ("t1p1e1w1", "t2p1e1w2", "t1p2e1w2", "t1p1e2w2")} <= tags
+
+
+def test_qwen3_5_vision_language_checkpoint_keeps_its_vision_tower(results, work):
+    """Qwen3.5's vision-language checkpoint: its text model converted (its logits checked above,
+    as transformers' causal-LM class reads the directory), its vision tower carried through the
+    conversion and back, bit-exact (the round trip), and the export loads as the multimodal
+    model it was."""
+    from safetensors import safe_open
+    rt = work / "rt" / "tiny-qwen3-5-moe-vl-t2p1e1w2"
+    names = set()
+    for shard in rt.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            names |= set(f.keys())
+    assert any(n.startswith("model.visual.") for n in names)
+    assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in names
+    assert json.loads((rt / "config.json").read_text())["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(rt, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert {f"tiny-qwen3-5-moe-vl-{t}" for t in ("t1p1e1w1", "t2p1e1w2")} <= {r["tag"] for r in results[1]}

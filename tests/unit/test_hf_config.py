@@ -19,7 +19,7 @@ from megarl.models.hf_config import (
 REPO = Path(__file__).resolve().parents[2]
 MODEL_CONFIGS = sorted((REPO / "configs" / "models").glob("*.json"))
 FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe",
-            "gpt_oss", "qwen3_next"}
+            "gpt_oss", "qwen3_next", "qwen3_5_moe_text"}
 
 MOE_FIELDS = {
     "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -126,9 +126,19 @@ def qwen3_next(**over):
     return transformers.Qwen3NextConfig(**common_kwargs(**kw)).to_dict()
 
 
+def qwen3_5_moe_text(**over):
+    kw = dict(num_hidden_layers=4, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+              shared_expert_intermediate_size=56, head_dim=32, linear_conv_kernel_dim=3, linear_key_head_dim=12,
+              linear_value_head_dim=20, linear_num_key_heads=2, linear_num_value_heads=6,
+              layer_types=["linear_attention", "full_attention"] * 2)
+    kw.update(over)
+    return transformers.Qwen3_5MoeTextConfig(**common_kwargs(**kw)).to_dict()
+
+
 BUILDERS = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
             "qwen2_moe": qwen2_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe,
-            "gpt_oss": gpt_oss, "qwen3_next": qwen3_next}
+            "gpt_oss": gpt_oss, "qwen3_next": qwen3_next,
+            "qwen3_5_moe_text": qwen3_5_moe_text}
 
 
 def expected_common(hf):
@@ -762,7 +772,7 @@ def test_repo_model_config_maps(path):
     assert kw["hidden_size"] == hf["hidden_size"]
     assert kw["num_attention_heads"] == hf["num_attention_heads"]
     assert args.vocab_size == hf["vocab_size"]
-    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next"}
+    moe = hf["model_type"] in {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text"}
     if moe:
         assert kw["num_moe_experts"] == (hf.get("num_local_experts") or hf.get("num_experts")
                                          or hf.get("n_routed_experts"))
@@ -818,3 +828,16 @@ def test_qwen3_next_full_attention_interval_without_layer_types():
     assert megatron_args_from_hf(hf).config_kwargs["linear_attention_freq"] == [1, 1, 1, 0] * 2
     assert transformers.Qwen3NextConfig(num_hidden_layers=8).layer_types == ["linear_attention"] * 3 + [
         "full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_qwen3_5_moe_text_mapping_and_its_wrapper():
+    hf = qwen3_5_moe_text()
+    assert "intermediate_size" not in hf and "norm_topk_prob" not in hf and "mlp_only_layers" not in hf
+    args = megatron_args_from_hf(hf)
+    kw = args.config_kwargs
+    assert kw["linear_attention_freq"] == [1, 0, 1, 0] and kw["moe_layer_freq"] == [1] * 4
+    assert kw["moe_router_pre_softmax"] is False  # transformers' Qwen3.5 router always renormalises its top-k
+    assert kw["ffn_hidden_size"] == 48 and args.rotary_percent == 0.25
+    wrapped = transformers.Qwen3_5MoeConfig(text_config=hf, tie_word_embeddings=False).to_dict()
+    inner = megatron_args_from_hf(wrapped)
+    assert inner.config_kwargs == kw and inner.hf_config == wrapped and inner.hf_prefix == "model.language_model."

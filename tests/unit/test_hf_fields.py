@@ -25,6 +25,8 @@ CLASSES = {
     "glm4_moe": transformers.Glm4MoeConfig,
     "gpt_oss": transformers.GptOssConfig,
     "qwen3_next": transformers.Qwen3NextConfig,
+    "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+    "qwen3_5_moe": transformers.Qwen3_5MoeConfig,  # the vision-language wrapper: its text_config is read
 }
 
 # Per model_type, one refused setting for each Only field: {field: overrides that make it bite}.
@@ -73,6 +75,13 @@ BAD = {
         "shared_expert_intermediate_size": {"shared_expert_intermediate_size": 0},
         "norm_topk_prob": {"norm_topk_prob": True, "num_experts_per_tok": 1},
     },
+    "qwen3_5_moe_text": {
+        **COMMON_BAD,
+        "layer_types": {"layer_types": ["linear_attention"] * 39 + ["sliding_attention"]},
+        "shared_expert_intermediate_size": {"shared_expert_intermediate_size": 0},
+        "num_experts_per_tok": {"num_experts_per_tok": 1},
+    },
+    "qwen3_5_moe": {},  # its text model's fields are refused as qwen3_5_moe_text's (test below)
     "gpt_oss": {  # transformers' GptOss ignores hidden_act (its experts' clamped SwiGLU is fixed)
         **{k: v for k, v in COMMON_BAD.items() if k not in ("hidden_act", "attention_bias")},
         "attention_bias": {"attention_bias": False},
@@ -254,3 +263,15 @@ def test_a_sliding_window_on_an_unchecked_rollout_engine_is_refused(tmp_path, ca
     assert main(args + [f"parallel.rollout.engine={engine}"]) == 2
     assert f"parallel.rollout.engine={engine} with a sliding-window model" in capsys.readouterr().err
     assert main(args) == 0  # the native engine
+
+
+def test_a_wrapped_text_config_is_checked_as_its_text_model():
+    """Qwen3.5's vision-language config: a refused field of its text_config is named as the text
+    model's (and the wrapper's own fields are classified: the tests above)."""
+    hf = default_config("qwen3_5_moe")
+    hf["text_config"] = {**hf["text_config"], "num_experts_per_tok": 1}
+    with pytest.raises(UnsupportedModelError, match="qwen3_5_moe_text config field num_experts_per_tok=1"):
+        megatron_args_from_hf(hf)
+    args = megatron_args_from_hf(default_config("qwen3_5_moe"))
+    assert args.model_type == "qwen3_5_moe_text" and args.hf_prefix == "model.language_model."
+    assert args.carried == ("model.visual.",)

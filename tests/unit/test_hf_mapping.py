@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG_FOR = {"llama": "tiny-llama", "mistral": "tiny-mistral", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
               "mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3-moe", "qwen2_moe": "tiny-qwen2-moe",
               "deepseek_v3": "tiny-deepseek-v3", "glm4_moe": "tiny-glm4-moe",
-              "gpt_oss": "tiny-gpt-oss"}
+              "gpt_oss": "tiny-gpt-oss", "qwen3_next": "tiny-qwen3-next", "qwen3_5_moe_text": "tiny-qwen3-5-moe"}
 
 
 @pytest.mark.parametrize("shape", [(48, 8), (48,)])
