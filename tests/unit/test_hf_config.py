@@ -132,7 +132,8 @@ def qwen3_5_moe_text(**over):
               linear_value_head_dim=20, linear_num_key_heads=2, linear_num_value_heads=6,
               layer_types=["linear_attention", "full_attention"] * 2)
     kw.update(over)
-    return transformers.Qwen3_5MoeTextConfig(**common_kwargs(**kw)).to_dict()
+    kw = {k: v for k, v in common_kwargs(**kw).items() if k != "intermediate_size"}  # Qwen3.5 has none
+    return transformers.Qwen3_5MoeTextConfig(**kw).to_dict()
 
 
 BUILDERS = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
