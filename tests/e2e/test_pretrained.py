@@ -9,7 +9,10 @@ equal the trainer's (``rollout/logp_max_abs_diff`` <= 1e-5); with lr=0, ``megarl
 tensor bit-exact (but GLM's expert biases, which Megatron's load balancing moves by its rate at
 any lr), and transformers loads the export with its tokenizer, generates and stops at an EOS id.
 A GLM-4.5-style MoE (tp=2·ep=2) and a gpt-oss (tp=2·ep=2·etp=1: sinks, a window of 8 on every
-other layer, biases, clamped SwiGLU) run the same way on the native engine."""
+other layer, biases, clamped SwiGLU) run the same way on the native engine, and so do a Qwen3-Next
+and a Qwen3.5 vision-language checkpoint (gated delta nets, whose state the native rollout keeps
+while it decodes, and gated attention; tp=2·ep=2), the latter's vision tower carried into the
+export bit-exact."""
 
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ LAYOUTS = {  # case -> (nproc, actor layout)
     "gpt_oss": (2, "{tp: 2, ep: 2, etp: 1}"),
     # gated delta nets (their decode state in the native rollout) and gated attention, zero-centred norms
     "qwen3_next": (2, "{tp: 2, ep: 2, etp: 1}"),
+    # Qwen3.5's vision-language checkpoint: its text model trained, its vision tower carried into the export
+    "qwen3_5_moe": (2, "{tp: 2, ep: 2, etp: 1}"),
 }
 ROLLOUT = {"llama+vllm": ", engine: vllm"}
 WINDOW = 8  # the chat prompts alone are longer
