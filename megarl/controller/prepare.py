@@ -29,7 +29,7 @@ from megarl.data.tokenizer import check_vocab, load_tokenizer
 from megarl.hybrid import regroup
 from megarl.models import lora, routing_replay
 from megarl.models.builder import check_layout
-from megarl.models.hf_config import megatron_args_from_hf
+from megarl.models.hf_config import UnsupportedModelError, megatron_args_from_hf
 from megarl.parallel import Layout
 from megarl.rollout.backends import rollout_backend
 from megarl.tasks.registry import builtin_records
@@ -91,6 +91,13 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         raise ConfigError(f"parallel.rollout.engine={r.engine} with a sliding-window model (model.hf_config's "
                           f"sliding_window, window_size={args.config_kwargs['window_size']}): that engine's "
                           f"handling of the window is unverified; use parallel.rollout.engine=native")
+    if backend.hf_weight_names:
+        from megarl.hybrid.hf_names import HFNames
+
+        try:  # a model the HF-named weight sync cannot take (gpt_oss, gated delta nets), before Ray starts
+            HFNames(args, cfg.model.make_vocab_size_divisible_by)
+        except UnsupportedModelError as err:
+            raise ConfigError(f"parallel.rollout.engine={r.engine}: {err}") from None
     check_logging(cfg.logging)
     check_batch_split(data, algo, layout.dp)
     if algo.routing_replay:

@@ -6,7 +6,7 @@ per iteration) and PaLM (Chowdhery et al. 2022, appendix B: 6N + 12 L H Q T per 
 2 FLOPs per multiply-accumulate of the weight matmuls (the top-k experts and the shared expert
 of an MoE layer, plus its router), 4 s x (query width) per layer for attention scores and
 context over a sequence of s tokens (no causal halving, as in both papers), and the output
-layer. Norms, activations, softmax and recomputation are left out: these are model FLOPs, the
+layer; a gated delta net's convolution and recurrence are linear in s (``recurrence``). Norms, activations, softmax and recomputation are left out: these are model FLOPs, the
 numerator of MFU.
 """
 
@@ -34,11 +34,14 @@ class ForwardFlops:
     """Output layer per token: 2 x hidden x vocab (tied or not)."""
     value_head: float
     """Scalar value head per token (critic, reward model): 2 x hidden."""
+    recurrence: float = 0.0
+    """Gated delta nets per token, all layers: their depthwise convolution (2 x its weights) and
+    the delta rule on each head's [key, value] state (Sᵀk, k ⊗ δ and Sᵀq: 6 x key x value dims)."""
 
     def forward(self, lengths: Sequence[int], value_head: bool = False) -> float:
         """FLOPs of one forward pass over sequences of these lengths (tokens)."""
         head = self.value_head if value_head else self.lm_head
-        return sum(s * (self.per_token + head) + s * s * self.attention for s in lengths)
+        return sum(s * (self.per_token + head + self.recurrence) + s * s * self.attention for s in lengths)
 
 
 def forward_flops(args: MegatronModelArgs) -> ForwardFlops:
@@ -52,7 +55,8 @@ def forward_flops(args: MegatronModelArgs) -> ForwardFlops:
         attention = 2 * heads * (qk + rope) + 2 * heads * v
     else:
         d, groups = kw["kv_channels"], kw["num_query_groups"]
-        attn_params = h * (heads + 2 * groups) * d + heads * d * h
+        gates = heads * d if kw.get("attention_output_gate") else 0  # gated attention's extra q_proj half
+        attn_params = h * ((heads + 2 * groups) * d + gates) + heads * d * h
         attention = 4 * heads * d
     # SwiGLU (the only MLP megarl builds): gate, up and down projections.
     dense_mlp = 3 * h * kw["ffn_hidden_size"]
@@ -62,9 +66,17 @@ def forward_flops(args: MegatronModelArgs) -> ForwardFlops:
                + (h if kw.get("moe_shared_expert_gate") else 0))
     layers = kw["num_layers"]
     moe_layers = sum(kw["moe_layer_freq"]) if experts else 0
-    params = layers * attn_params + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
-    return ForwardFlops(per_token=2.0 * params, attention=float(layers * attention),
-                        lm_head=2.0 * h * args.vocab_size, value_head=2.0 * h)
+    linear = sum(kw["linear_attention_freq"]) if kw.get("experimental_attention_variant") == "gated_delta_net" else 0
+    recurrence = 0.0
+    if linear:  # gated delta nets instead of attention on these layers
+        nk, nv = kw["linear_num_key_heads"], kw["linear_num_value_heads"]
+        dk, dv = kw["linear_key_head_dim"], kw["linear_value_head_dim"]
+        delta_params = h * (2 * nk * dk + 2 * nv * dv + 2 * nv) + nv * dv * h
+        recurrence = linear * (2.0 * (2 * nk * dk + nv * dv) * kw["linear_conv_kernel_dim"] + 6.0 * nv * dk * dv)
+    params = ((layers - linear) * attn_params + (linear * delta_params if linear else 0)
+              + (layers - moe_layers) * dense_mlp + moe_layers * moe_mlp)
+    return ForwardFlops(per_token=2.0 * params, attention=float((layers - linear) * attention),
+                        lm_head=2.0 * h * args.vocab_size, value_head=2.0 * h, recurrence=recurrence)
 
 
 def gpu_peak_tflops(configured: Optional[float], device_name: Optional[str]) -> Optional[float]:

@@ -50,3 +50,13 @@ def test_gpu_peak():
     assert gpu_peak_tflops(400.0, None) == 400.0
     with pytest.raises(ValueError, match="logging.gpu_peak_tflops"):
         gpu_peak_tflops(0.0, "NVIDIA H100")
+
+
+def test_gated_delta_nets_cost_linear_in_the_sequence():
+    """tiny-qwen3-next: layers 0 and 2 are delta nets (no s² attention term; their convolution of
+    kernel 4 over 2·32 + 64 channels and the delta rule on 4 heads of 16 × 16 per token), 1 and 3
+    gated attention (4 heads of 16)."""
+    f = forward_flops(megatron_args_from_hf("configs/models/tiny-qwen3-next.json"))
+    assert f.attention == 2 * 4 * 4 * 16
+    assert f.recurrence == 2 * (2 * (2 * 32 + 64) * 4 + 6 * 4 * 16 * 16)
+    assert f.forward([10]) - f.forward([10]) == 0 and f.forward([20]) - 2 * f.forward([10]) == 200 * f.attention

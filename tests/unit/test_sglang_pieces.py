@@ -55,6 +55,16 @@ def test_stacked_experts_are_refused_by_name():
         HFNames(megatron_args_from_hf("configs/models/tiny-gpt-oss.json"))
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-qwen3-5-moe"])
+def test_gated_delta_nets_are_refused_by_name(name):
+    """The SGLang/vLLM loaders of gated delta nets are not checked against megarl's weight sync:
+    the engines refuse those models before any transfer (the native rollout runs them)."""
+    from megarl.models.hf_config import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="gated delta net.*in_proj.*rollout.engine=native"):
+        HFNames(megatron_args_from_hf(f"configs/models/{name}.json"))
+
+
 def test_checkpoint_keys():
     assert checkpoint_key("decoder.layers.3.input_layernorm.weight", mla=False) == (
         "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight", None)

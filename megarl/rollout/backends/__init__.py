@@ -36,6 +36,9 @@ class RolloutBackend(abc.ABC):
     """Whether its transports take ``parallel.rollout.weight_sync=delta`` (shards it keeps between syncs)."""
     sliding_window = False
     """Whether its engine is checked to run a sliding-window model (Megatron's ``window_size``) exactly."""
+    hf_weight_names = True
+    """Whether its weight sync names tensors as the HF checkpoint does (``megarl.hybrid.hf_names``),
+    which some models cannot take (stacked experts, gated delta nets)."""
 
     def check(self, cfg) -> None:
         """Refuse (ConfigError) settings of ``parallel.rollout`` this backend cannot take."""

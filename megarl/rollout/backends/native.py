@@ -12,6 +12,7 @@ class NativeBackend(RolloutBackend):
     name = Engine.native
     records_routing = True
     sliding_window = True  # the Megatron model itself, SDPA core attention (decode reads the window)
+    hf_weight_names = False  # the Megatron model's own tensors
 
     def colocated(self, cfg, args, regrouping, train_chunks):
         from megarl.rollout.native import NativeRollout
