@@ -38,7 +38,8 @@ from megarl.rollout.native import NativeRollout
 from megarl.runtime import init_distributed, set_seed
 
 MODELS = {"llama": "configs/models/tiny-llama.json", "qwen3-moe": "configs/models/tiny-qwen3-moe.json",
-          "deepseek": "configs/models/tiny-deepseek-v3.json", "gpt-oss": "configs/models/tiny-gpt-oss.json"}
+          "deepseek": "configs/models/tiny-deepseek-v3.json", "gpt-oss": "configs/models/tiny-gpt-oss.json",
+          "qwen3-next": "configs/models/tiny-qwen3-next.json"}
 PROMPTS = [[5, 17, 42], [9, 9, 120, 33, 2, 45, 6], [3], [200, 31, 4, 15, 60, 7, 7, 8, 100, 1], [77, 78]]
 MAX_NEW = 8
 

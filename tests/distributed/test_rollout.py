@@ -11,7 +11,9 @@ e_g=2 (replicas decode in lock-step; one replica's rows stop at once while the o
 and at d_g=4 one replica has no rows at all), dense and MoE at p_g=2 (stage-to-stage decode).
 Each MoE rollout records its routing: the fp32 trainer routes every token fed to the same experts.
 gpt_oss (attention sinks, a window of 8 on every other layer: prompts of up to 10 tokens plus 8
-new ones, biases, clamped SwiGLU) decodes at e_g=2 with the KV cache exactly as by recomputation.
+new ones, biases, clamped SwiGLU) decodes at e_g=2 with the KV cache exactly as by recomputation;
+so does Qwen3-Next (gated delta nets: each row's convolution and recurrent state in the decode
+context, left-padded prompts, finished rows dropped) at t_g=2, e_g=2 and p_g=2.
 
 The rollout-backend contract (test_rollout_backend_contract): every backend of the registry that
 runs here, native and SGLang through its recording stand-in, built by the registry and driven by
@@ -30,7 +32,8 @@ WORKER = "tests/distributed/rollout_worker.py"
 TOL = 1e-5
 CASES = {  # world size -> model@t,p,d,e>t_g,e_g[,p_g][+bf16]
     2: ["llama@2,1,1,1>1,1+bf16", "llama@2,1,1,1>2,1+sglang", "qwen3-moe@2,1,1,1>2,1", "qwen3-moe@1,1,2,2>1,2",
-        "llama@1,2,1,1>1,1,2", "qwen3-moe@1,2,1,1>1,1,2", "gpt-oss@1,1,2,2>1,2"],
+        "llama@1,2,1,1>1,1,2", "qwen3-moe@1,2,1,1>1,1,2", "gpt-oss@1,1,2,2>1,2",
+        "qwen3-next@2,1,1,1>2,1", "qwen3-next@1,1,2,2>1,2", "qwen3-next@1,2,1,1>1,1,2"],
     4: ["llama@2,2,1,1>1,1+sglang", "llama@2,1,2,1>2,1", "qwen3-moe@2,1,2,2>1,1+sglang", "deepseek@2,1,2,1>1,1",
         "qwen3-moe@1,1,4,2>1,2"],
 }
@@ -43,7 +46,7 @@ ALL = [c.partition("+")[0] for cases in CASES.values() for c in cases]  # "+bf16
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("rollout")
-    torchrun(1, WORKER, "reference", str(work), "llama", "qwen3-moe", "deepseek", "gpt-oss")
+    torchrun(1, WORKER, "reference", str(work), "llama", "qwen3-moe", "deepseek", "gpt-oss", "qwen3-next")
     out = {}
     for world, cases in CASES.items():
         for line in torchrun(world, WORKER, "run", str(work), *cases).splitlines():
