@@ -4,8 +4,8 @@ CPU tensor where a GPU run needs a CUDA one (or the reverse) fails here as it wo
 
 One session each: GRPO at actor tp=2 → rollout t_g=1 (colocated resharder, native sampling, the
 weights checksum); PPO at pp=2 with critic, reference and reward model, saving every step and
-resuming; ReMax (greedy and sampled generation) on a MoE model loaded from a Hugging Face
-directory at ep=2; split placement (the cross-world transfer); a train-lm step. The driver runs
+resuming; ReMax (greedy and sampled generation) on a MoE model with gated delta nets (Qwen3-Next)
+loaded from a Hugging Face directory at ep=2; split placement (the cross-world transfer); a train-lm step. The driver runs
 outside the harness, as a GPU-less head node would: a worker result left on the device would fail
 to unpickle there."""
 
@@ -64,14 +64,15 @@ def first_step_agrees(row: dict, bound: float = BF16_LOGP) -> None:
 
 @pytest.fixture(scope="module")
 def user_models(tmp_path_factory):
-    """HF directories as a user brings them (a dense Llama and a Qwen3-MoE), and chat prompts."""
+    """HF directories as a user brings them (a dense Llama and a Qwen3-Next: MoE with a gated
+    shared expert, gated delta nets and gated attention), and chat prompts."""
     work = tmp_path_factory.mktemp("user_models")
     tokenizer = make_tokenizer(work / "tokenizer")
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": c[:1], "answer": c[1]["content"]}) + "\n"
                             for c in chat_examples(8, seed=7)))
     return {"llama": make_hf_model("llama", work / "llama", tokenizer, train_steps=5),
-            "moe": make_hf_model("qwen3_moe", work / "moe", tokenizer, train_steps=5), "data": data}
+            "moe": make_hf_model("qwen3_next", work / "moe", tokenizer, train_steps=5), "data": data}
 
 
 def user_config(path: Path, model: Path, data: Path, actor: str, rollout: str, algorithm: str) -> str:
@@ -123,14 +124,17 @@ def test_ppo_pp2_critic_reference_reward_model_save_and_resume(tmp_path):
 
 
 def test_remax_moe_ep2_from_hf_directory(tmp_path, user_models):
-    """A MoE checkpoint the user brings (HF directory) at actor ep=2 (dp=2) → rollout e_g=2: the
-    loader, greedy and sampled generation, the alltoall dispatcher's device-to-host split sizes,
-    routing recorded on the device, PPO mini-batches gathered over dp."""
+    """A MoE checkpoint the user brings (HF directory, a Qwen3-Next) at actor ep=2 (dp=2) →
+    rollout e_g=2: the loader, greedy and sampled generation (the gated delta nets' decode state
+    on the device), the alltoall dispatcher's device-to-host split sizes, routing recorded on the
+    device, PPO mini-batches gathered over dp."""
     config = user_config(tmp_path / "moe.yaml", user_models["moe"], user_models["data"], "{tp: 1, ep: 2}",
                          "{tp: 1, ep: 2}", "remax")
     # dp=2 beside ep=2: the distributed optimizer shards, and two PPO mini-batches gather rows over dp
+    # no load-balancing loss: its gradient (Qwen3-Next's router_aux_loss_coef) would move the weights
+    # between the two mini-batches, and the second's ratio would leave 1 (measured 1.0044; 1.0 without it)
     rows = train(tmp_path / "run", "trainer.train_steps=1", "model.moe_token_dispatcher=alltoall",
-                 "algorithm.ppo_mini_batch_size=4", config=config)
+                 "algorithm.ppo_mini_batch_size=4", "model.moe_aux_loss_coeff=0.0", config=config)
     first_step_agrees(rows[0], FP32_LOGP)
     assert rows[0]["actor/optimizer_steps"] == 2
     assert "moe/routing_mismatch_frac" in rows[0]
