@@ -21,7 +21,8 @@ class WeightLoader:
 
         with safe_open(path, framework="pt", device="cpu") as f:
             names = list(f.keys())
-            self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names))
+            with _cpu_experts_repacked(self.model_runner.get_model()):
+                self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names))
         return len(names)
 
     def megarl_weights_digest(self) -> float:
@@ -33,3 +34,33 @@ class WeightLoader:
             if p.numel():
                 total += p.detach().double().sum().cpu()
         return float(total)
+
+
+class _cpu_experts_repacked:
+    """vLLM 0.32's in-place reload of an unquantized MoE layer treats it as a weight update once
+    its kernel exists (``UnquantizedFusedMoEMethod._setup_kernel``: ``is_weight_update``) and skips
+    the experts' ``process_weights_after_loading``, which on CPU prepacks the weights into the
+    grouped-gemm layout: the reloaded weights then ran unpacked (the same numbers in another
+    order, so the parameters' sum did not change), and an MoE rollout's log-probs left
+    transformers' by up to 4.1. While the reload runs, the CPU experts' kernels are set aside, so
+    each reloaded layer goes through the first-load path (prepacking) and its processed weights
+    are copied into the engine's tensors; then every layer gets its own kernel back (layers outside
+    the file are not touched). GPU kernels are left alone."""
+
+    def __init__(self, model):
+        self.kernels = []
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+            if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+                self.kernels.append((method, method.moe_kernel))
+
+    def __enter__(self):
+        for method, _ in self.kernels:
+            method.moe_kernel = None
+        return self
+
+    def __exit__(self, *exc):
+        for method, kernel in self.kernels:
+            method.moe_kernel = kernel
+        return False

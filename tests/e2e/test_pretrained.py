@@ -35,6 +35,8 @@ LAYOUTS = {  # case -> (nproc, actor layout)
     "llama": (4, "{tp: 2, pp: 2}"),
     "qwen3_moe": (2, "{tp: 2, ep: 2, etp: 1}"),
     "llama+vllm": (2, "{tp: 2}"),  # the rollout on vLLM (its CPU build): 2 heads of 32 (its CPU attention's least)
+    # an MoE on vLLM: its CPU experts' prepacking redone at every in-place reload (vllm_worker)
+    "qwen3_moe+vllm": (2, "{tp: 2, ep: 2, etp: 1}"),
     "mistral": (2, "{tp: 2}"),  # with a sliding window (WINDOW) shorter than its sequences
     "qwen2_moe": (2, "{tp: 2, ep: 2, etp: 1}"),  # shared expert and its gate, q/k/v bias
     "glm4_moe": (2, "{tp: 2, ep: 2, etp: 1}"),  # sigmoid router with expert bias, partial rope, qk norm
@@ -46,10 +48,11 @@ LAYOUTS = {  # case -> (nproc, actor layout)
     # Qwen3.5's vision-language checkpoint: its text model trained, its vision tower carried into the export
     "qwen3_5_moe": (2, "{tp: 2, ep: 2, etp: 1}"),
 }
-ROLLOUT = {"llama+vllm": ", engine: vllm"}
+ROLLOUT = {"llama+vllm": ", engine: vllm", "qwen3_moe+vllm": ", engine: vllm"}
 WINDOW = 8  # the chat prompts alone are longer
 GPT_OSS_WINDOW = 8  # tiny-gpt-oss.json's, on its 1st and 3rd layers: the chat prompts alone are longer
 OVERRIDES = {"llama+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
+             "qwen3_moe+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
              "mistral": {"sliding_window": WINDOW}, "gpt_oss": {"sliding_window": GPT_OSS_WINDOW}}
 # the same checkpoint read by transformers without its window: far other log-probs (the window mattered)
 NO_WINDOW = {"mistral": (WINDOW, {"sliding_window": None}),
