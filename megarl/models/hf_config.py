@@ -424,6 +424,18 @@ _SIGMOID_ROUTING_FIELDS: Dict[str, Union[str, Only]] = {
     # Multi-token-prediction layers: transformers does not run them, megarl skips their tensors.
     "num_nextn_predict_layers": INERT, "num_mtp_layers": INERT,
 }
+# Qwen3-Next's and Qwen3.5's gated delta nets, gated attention and shared-expert MoE
+_HYBRID_QWEN_FIELDS: Dict[str, Union[str, Only]] = {
+    **BASE_FIELDS, **_ROUTER_AUX,
+    **{k: MAPPED for k in (
+        "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_num_key_heads", "linear_num_value_heads", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size")},
+    "layer_types": Only(lambda hf: set(hf.get("layer_types") or ()) <= {"linear_attention", "full_attention"},
+                        "each 'linear_attention' or 'full_attention'"),
+    "shared_expert_intermediate_size": Only(
+        _shared_expert_ok, "only > 0: megarl builds the shared expert and its gate of every MoE layer"),
+}
 FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
     "llama": {
         **BASE_FIELDS,
@@ -508,28 +520,12 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
         **_SIGMOID_ROUTING_FIELDS,
     },
     "qwen3_next": {
-        **BASE_FIELDS, **_ROUTER_AUX,
-        **{k: MAPPED for k in (
-            "layer_types", "full_attention_interval", "partial_rotary_factor", "linear_conv_kernel_dim",
-            "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
-            "mlp_only_layers")},
-        "layer_types": Only(lambda hf: set(hf.get("layer_types") or ()) <= {"linear_attention", "full_attention"},
-                            "each 'linear_attention' or 'full_attention'"),
-        "shared_expert_intermediate_size": Only(
-            _shared_expert_ok, "only > 0: megarl builds the shared expert and its gate of every MoE layer"),
+        **_HYBRID_QWEN_FIELDS,
+        **{k: MAPPED for k in ("full_attention_interval", "decoder_sparse_step", "mlp_only_layers")},
         "norm_topk_prob": _TOP1_NORM,
     },
     "qwen3_5_moe_text": {
-        **BASE_FIELDS, **_ROUTER_AUX,
-        **{k: MAPPED for k in (
-            "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_num_key_heads", "linear_num_value_heads", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size")},
-        "layer_types": Only(lambda hf: set(hf.get("layer_types") or ()) <= {"linear_attention", "full_attention"},
-                            "each 'linear_attention' or 'full_attention'"),
-        "shared_expert_intermediate_size": Only(
-            _shared_expert_ok, "only > 0: megarl builds the shared expert and its gate of every MoE layer"),
+        **_HYBRID_QWEN_FIELDS,
         # Megatron cannot route softmax top-1 with weight 1 (Qwen3.5 always renormalises the top-k)
         "num_experts_per_tok": Only(lambda hf: hf["num_experts_per_tok"] > 1,
                                     "Megatron cannot route softmax top-1 with weight 1 (Qwen3.5 renormalises "

@@ -115,11 +115,14 @@ def gpt_oss(**over):
     return transformers.GptOssConfig(**common_kwargs(**kw)).to_dict()
 
 
+# the delta nets, gated attention and shared-expert MoE Qwen3-Next and Qwen3.5 share
+HYBRID = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, shared_expert_intermediate_size=56,
+              head_dim=32, linear_conv_kernel_dim=3, linear_key_head_dim=12, linear_value_head_dim=20,
+              linear_num_key_heads=2, linear_num_value_heads=6)
+
+
 def qwen3_next(**over):
-    kw = dict(num_hidden_layers=6, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
-              shared_expert_intermediate_size=56, mlp_only_layers=[1], decoder_sparse_step=1, head_dim=32,
-              router_aux_loss_coef=0.0123, linear_conv_kernel_dim=3, linear_key_head_dim=12,
-              linear_value_head_dim=20, linear_num_key_heads=2, linear_num_value_heads=6,
+    kw = dict(HYBRID, num_hidden_layers=6, mlp_only_layers=[1], decoder_sparse_step=1, router_aux_loss_coef=0.0123,
               layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
               rope_parameters={"rope_type": "default", "rope_theta": 123456.0, "partial_rotary_factor": 0.375})
     kw.update(over)
@@ -127,10 +130,7 @@ def qwen3_next(**over):
 
 
 def qwen3_5_moe_text(**over):
-    kw = dict(num_hidden_layers=4, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
-              shared_expert_intermediate_size=56, head_dim=32, linear_conv_kernel_dim=3, linear_key_head_dim=12,
-              linear_value_head_dim=20, linear_num_key_heads=2, linear_num_value_heads=6,
-              layer_types=["linear_attention", "full_attention"] * 2)
+    kw = dict(HYBRID, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2)
     kw.update(over)
     kw = {k: v for k, v in common_kwargs(**kw).items() if k != "intermediate_size"}  # Qwen3.5 has none
     return transformers.Qwen3_5MoeTextConfig(**kw).to_dict()
