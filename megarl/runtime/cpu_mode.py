@@ -20,6 +20,9 @@ What it does (see ``shared/MEGATRON_ON_CPU.md`` for how each spot was found):
   device-to-host copy on GPUs;
 * :func:`fix_missing_transformer_engine` guards the two spots that assume Transformer Engine
   (also used on GPUs without the ``gpu`` extra);
+* the gated delta net's ``fla`` kernel (Qwen3-Next, Qwen3.5) needs no patch here: megarl's layer
+  (:mod:`megarl.models.gated_delta_net`) runs its torch recurrence whenever CUDA or ``fla`` is
+  absent, and builds Megatron's module without asking for ``fla``;
 * :func:`light_megatron_import` imports ``megatron.core`` with its ``jit_fuser`` a no-op instead
   of ``torch.compile``, whose first use imports TorchDynamo and Inductor (2-3 s per process) for
   fused kernels that megarl turns off on CPU (:mod:`megarl.megatron_import` calls it).
