@@ -82,7 +82,8 @@ def saved_modules(names: Sequence[str]) -> Tuple[str, ...]:
 
 def check_targets(lora_cfg, args) -> None:
     """Refuse, before anything starts, what this LoRA does not cover for the model ``args``:
-    MLA attention (no ``linear_qkv``) and routed experts (an MoE layer has no dense MLP)."""
+    MLA attention (no ``linear_qkv``), routed experts (an MoE layer has no dense MLP), gated delta
+    nets and gated attention."""
     if not lora_cfg.rank and not lora_cfg.path:
         return
     saved_modules(lora_cfg.modules_to_save)
@@ -91,6 +92,9 @@ def check_targets(lora_cfg, args) -> None:
         raise LoRAError(f"model.lora on {args.model_type}'s MLA attention is not built yet (its linears are not "
                         f"linear_qkv/linear_proj); target the dense MLP (linear_fc1, linear_fc2) or leave LoRA off")
     kw = args.config_kwargs
+    if kw.get("experimental_attention_variant") == "gated_delta_net" or kw.get("attention_output_gate"):
+        raise LoRAError(f"model.lora on {args.model_type} is not built yet: its gated delta nets (in_proj, "
+                        f"out_proj) and gated attention's fused [q; gate; k; v] have no LoRA layout; leave LoRA off")
     moe_layers = kw.get("moe_layer_freq") if kw.get("num_moe_experts") else None
     if moe_layers and any(k.startswith("mlp.") for k in targets) and any(f == 1 for f in moe_layers):
         raise LoRAError(f"model.lora.target_modules: {args.model_type} has MoE layers, and LoRA on routed experts "

@@ -30,6 +30,10 @@ def test_routed_experts_and_mla_are_refused_by_name():
     mla = megatron_args_from_hf("configs/models/tiny-deepseek-v3.json")
     with pytest.raises(lora.LoRAError, match="MLA attention is not built yet"):
         lora.check_targets(LoRAConfig(rank=8, target_modules=["linear_qkv"]), mla)
+    for name in ("tiny-qwen3-next", "tiny-qwen3-5-moe"):
+        hybrid = megatron_args_from_hf(f"configs/models/{name}.json")
+        with pytest.raises(lora.LoRAError, match="gated delta nets .* have no LoRA layout"):
+            lora.check_targets(LoRAConfig(rank=8, target_modules=["linear_qkv"]), hybrid)
 
 
 def test_interleave_places_parts_per_query_group():
