@@ -91,10 +91,14 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         raise ConfigError(f"parallel.rollout.engine={r.engine} with a sliding-window model (model.hf_config's "
                           f"sliding_window, window_size={args.config_kwargs['window_size']}): that engine's "
                           f"handling of the window is unverified; use parallel.rollout.engine=native")
+    if args.config_kwargs.get("experimental_attention_variant") == "gated_delta_net" and not backend.gated_delta_net:
+        raise ConfigError(f"parallel.rollout.engine={r.engine} with a gated delta net model ({args.model_type}): that "
+                          f"engine's delta-net loader and kernels are unverified against megarl's weight sync; use "
+                          f"parallel.rollout.engine=native")
     if backend.hf_weight_names:
         from megarl.hybrid.hf_names import HFNames
 
-        try:  # a model the HF-named weight sync cannot take (gpt_oss, gated delta nets), before Ray starts
+        try:  # a model the HF-named weight sync cannot take (gpt_oss's stacked experts), before Ray starts
             HFNames(args, cfg.model.make_vocab_size_divisible_by)
         except UnsupportedModelError as err:
             raise ConfigError(f"parallel.rollout.engine={r.engine}: {err}") from None

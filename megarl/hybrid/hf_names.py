@@ -17,6 +17,7 @@ NamedTensors = List[Tuple[str, torch.Tensor]]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_FUSED_INPUT_NORM = "self_attention.linear_qkv.layer_norm_weight"
 
 
 def checkpoint_key(key: str, mla: bool) -> Tuple[str, Optional[int]]:
@@ -52,18 +53,18 @@ class HFNames:
                 f"{args.model_type}: syncing weights to SGLang/vLLM is not supported, its HF checkpoint "
                 f"stacks all experts in one tensor ('{stacked.hf_names[0]}'); use rollout.engine=native, "
                 f"or convert the checkpoint offline (megarl convert)")
-        parted = next((item for item in plan.items if item.part is not None), None)
-        if parted is not None:
-            # the gated delta net (Qwen3-Next): SGLang's and vLLM's loaders are not checked against it here
-            raise UnsupportedModelError(
-                f"{args.model_type}: syncing weights to SGLang/vLLM is not supported for its gated delta net "
-                f"layers ('{parted.hf_names[0]}'); use rollout.engine=native, or convert the checkpoint "
-                f"offline (megarl convert)")
-        self.items = {(item.mcore_key, item.expert): item for item in plan.items}
+        # a tensor Megatron's checkpoint keeps in parts (the gated delta net's in_proj, conv1d) is
+        # whole here: its rule's transform takes it whole
+        self.items = {}
+        for item in plan.items:
+            key = item.mcore_key if item.part is None else item.mcore_key[: -len(item.part) - 1]
+            self.items.setdefault((key, item.expert), item)
 
     def __call__(self, key: str, tensor: torch.Tensor) -> NamedTensors:
         ckpt, expert = checkpoint_key(key, self.mla)
         item = self.items.get((ckpt, expert))
+        if item is None and ckpt.endswith(_FUSED_INPUT_NORM):  # a gated delta net's input norm
+            item = self.items.get((ckpt[: -len(_FUSED_INPUT_NORM)] + "self_attention.in_proj.layer_norm_weight", expert))
         if item is None:
             raise KeyError(f"no HF name for Megatron tensor '{key}' (checkpoint key '{ckpt}')")
         return list(zip(item.hf_names, item.rule.transform.to_hf(tensor)))

@@ -266,17 +266,18 @@ def test_a_sliding_window_on_an_unchecked_rollout_engine_is_refused(tmp_path, ca
 
 
 @pytest.mark.parametrize("model,named", [("tiny-qwen3-next", "gated delta net"), ("tiny-qwen3-5-moe", "gated delta net")])
-def test_a_model_the_hf_named_weight_sync_cannot_take_is_refused_before_ray(capsys, model, named):
-    """The gated delta nets (and gpt_oss's stacked experts, whose windows are refused first) have
-    no checked SGLang/vLLM weight sync: refused in the prepare step (exit 2); the native engine
-    runs them."""
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_gated_delta_net_on_an_unchecked_rollout_engine_is_refused(capsys, model, named, engine):
+    """The gated delta nets' SGLang/vLLM loaders and kernels are unchecked against megarl's weight
+    sync (its HF names are: test_sglang_pieces): refused in the prepare step (exit 2); the native
+    engine runs them."""
     from megarl.cli import main
 
     args = ["train", "configs/grpo_demo.yaml", f"model.hf_config=configs/models/{model}.json", "parallel.actor={tp: 2, ep: 2, etp: 1}",
             "--dry-run"]
-    assert main(args + ["parallel.rollout.engine=vllm"]) == 2
+    assert main(args + [f"parallel.rollout.engine={engine}"]) == 2
     err = capsys.readouterr().err
-    assert "parallel.rollout.engine=vllm" in err and named in err and "rollout.engine=native" in err
+    assert f"parallel.rollout.engine={engine}" in err and named in err and "rollout.engine=native" in err
     assert main(args) == 0
 
 

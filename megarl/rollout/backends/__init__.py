@@ -38,7 +38,9 @@ class RolloutBackend(abc.ABC):
     """Whether its engine is checked to run a sliding-window model (Megatron's ``window_size``) exactly."""
     hf_weight_names = True
     """Whether its weight sync names tensors as the HF checkpoint does (``megarl.hybrid.hf_names``),
-    which some models cannot take (stacked experts, gated delta nets)."""
+    which a model whose checkpoint stacks its experts (gpt_oss) cannot take."""
+    gated_delta_net = False
+    """Whether its engine is checked to run gated delta nets (Qwen3-Next, Qwen3.5) exactly."""
 
     def check(self, cfg) -> None:
         """Refuse (ConfigError) settings of ``parallel.rollout`` this backend cannot take."""

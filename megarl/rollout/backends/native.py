@@ -13,6 +13,7 @@ class NativeBackend(RolloutBackend):
     records_routing = True
     sliding_window = True  # the Megatron model itself, SDPA core attention (decode reads the window)
     hf_weight_names = False  # the Megatron model's own tensors
+    gated_delta_net = True  # megarl's layer keeps each row's convolution and recurrent state
 
     def colocated(self, cfg, args, regrouping, train_chunks):
         from megarl.rollout.native import NativeRollout
