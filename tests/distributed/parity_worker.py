@@ -34,9 +34,11 @@ from megarl.runtime import init_distributed, set_seed
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
           "moe_aux": "configs/models/tiny-qwen3-moe.json", "qwen2_moe": "configs/models/tiny-qwen2-moe.json",
           "mistral_swa": "configs/models/tiny-mistral.json", "glm4_moe": "configs/models/tiny-glm4-moe.json",
-          "gpt_oss": "configs/models/tiny-gpt-oss.json", "qwen3_next": "configs/models/tiny-qwen3-next.json"}
+          "gpt_oss": "configs/models/tiny-gpt-oss.json", "qwen3_next": "configs/models/tiny-qwen3-next.json",
+          "qwen3_5_moe": "configs/models/tiny-qwen3-5-moe.json"}
 # qwen3_next: gated delta nets (layers 1 and 3) and gated full attention (2 and 4), zero-centred
-# norms, a shared expert with its gate, a dense layer (mlp_only_layers [1])
+# norms, a shared expert with its gate, a dense layer (mlp_only_layers [1]); qwen3_5_moe: Qwen3.5's
+# text model (every layer MoE, the delta net's projections apart in HF, the same Megatron modules)
 # gpt_oss: tiny-gpt-oss.json as it is: a window of 8 on its 1st and 3rd layers over the SEQ-token
 # rows, attention sinks, biases everywhere, clamped SwiGLU (swiglu_limit 0.1)
 # mistral_swa: Mistral sliding a window of SWA over the SEQ-token rows (every layer); its config is
@@ -54,7 +56,8 @@ ONLY_LAYOUTS = {"moe_aux": AUX_LAYOUTS, "qwen2_moe": {"t1p1d1e1", "t2p1d1e1", "t
                 "mistral_swa": {"t1p1d1e1", "t2p1d1e1", "t1p1d1e1c2"},
                 "glm4_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"},
                 "gpt_oss": {"t1p1d1e1", "t2p1d1e2", "t1p1d2e2", "t1p2d1e1"},
-                "qwen3_next": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1"}}
+                "qwen3_next": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1"},
+                "qwen3_5_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"}}
 # biased experts need expert tensor parallelism off: these models run every layout at etp=1, and
 # they alone run the layouts that need it (t2p1d1e2: tp=2·ep=2 on two ranks, each tp rank holding
 # other experts)

@@ -16,7 +16,8 @@ crossing the CP chunks); a GLM-4.5-style MoE (sigmoid router with expert bias, q
 rope; tp2 and dp2·ep2) and a gpt-oss (attention sinks, a window of 8 on every other layer over the
 16-token rows, biases everywhere, clamped SwiGLU; tp2·ep2, dp2·ep2 and pp2, all at etp=1, which
 its biased experts need: at tp2·ep2 the two tp ranks hold different experts); and a Qwen3-Next
-(gated delta nets and gated full attention, zero-centred norms; tp2, dp2·ep2 and pp2). Biases,
+(gated delta nets and gated full attention, zero-centred norms; tp2, dp2·ep2 and pp2) and a Qwen3.5
+text model (every layer MoE; tp2 and dp2·ep2). Biases,
 expert biases and zero-centred norms start non-zero (parity_worker.nonzero_biases).
 
 The MoE model also runs with Megatron's load-balancing loss on (``moe_aux``) at the layouts that
@@ -57,7 +58,8 @@ EXPECTED = {"dense": COMMON, "moe": COMMON | {"t1p1d2e2"},
             "moe_aux": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1v2", "t1p1d1e1c2", "t2p1d1e1c2"},
             "qwen2_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"}, "mistral_swa": {"t1p1d1e1", "t2p1d1e1", "t1p1d1e1c2"},
             "glm4_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"}, "gpt_oss": {"t1p1d1e1", "t2p1d1e2", "t1p1d2e2", "t1p2d1e1"},
-            "qwen3_next": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1"}}
+            "qwen3_next": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2", "t1p2d1e1"},
+            "qwen3_5_moe": {"t1p1d1e1", "t2p1d1e1", "t1p1d2e2"}}
 MODELS = list(EXPECTED)
 # glm4_moe's router expert bias (a buffer) moves 1e-3 a step by the expert loads (Megatron's
 # aux-loss-free balancing): the engine hands the router its padding mask, so that padded rows,
@@ -112,7 +114,8 @@ def test_recompute_runs_attention_again(report, model):
     assert calls == {"t1p1d1e1rselective": 2.0, "t1p1d1e1rfull": 2.0}, calls
 
 
-@pytest.mark.parametrize("model", ["dense", "moe", "qwen2_moe", "mistral_swa", "glm4_moe", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("model", ["dense", "moe", "qwen2_moe", "mistral_swa", "glm4_moe", "gpt_oss", "qwen3_next",
+                                   "qwen3_5_moe"])
 def test_every_tensor_got_a_gradient(report, model):
     counts = {key: entry["grads_nonzero"] for key, entry in report.items() if key.startswith(model + "/")}
     assert len(set(counts.values())) == 1 and min(counts.values()) > 20, counts
