@@ -36,10 +36,10 @@ class RaySession:
         os.environ.update(changes)  # Ray's processes inherit these from the driver
         # workers on other nodes get the tag through their runtime_env; gloo talks over loopback;
         # the GPU-shaped harness of a driver run under it reaches its workers on any cluster
-        from megarl.runtime import gpu_shaped
+        from megarl.runtime.distributed import GPU_SHAPED_ENV, gpu_shaped_requested
 
         self.worker_env = {RUN_TAG: self.run_id, **({"GLOO_SOCKET_IFNAME": "lo"} if self.private else {}),
-                           **({gpu_shaped.ENV: "1"} if gpu_shaped.requested() else {})}
+                           **({GPU_SHAPED_ENV: "1"} if gpu_shaped_requested() else {})}
         self.liveness = None
         # Ctrl-C reaches the watchdog even when this process cannot take it (see InterruptNotice)
         self.interrupts = InterruptNotice()

@@ -1,15 +1,16 @@
 """Start torch.distributed for megarl: NCCL with CUDA, gloo (plus CPU mode) without; in tests,
-the GPU-shaped harness (``MEGARL_GPU_SHAPED=1``, :mod:`megarl.runtime.gpu_shaped`)."""
+the GPU-shaped harness (``MEGARL_GPU_SHAPED=1``, :mod:`megarl.testing.gpu_shaped`)."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import os
 
 import torch
 
-from megarl.runtime import cpu_mode, gpu_shaped
+from megarl.runtime import cpu_mode
 
 
 def _slurm_to_torch_env() -> None:
@@ -29,6 +30,15 @@ def world_size_from_env() -> int:
 _timeout_s = 600.0  # of every collective of this process's groups (init_distributed's timeout_s)
 
 
+GPU_SHAPED_ENV = "MEGARL_GPU_SHAPED"  # set by tests: run under megarl.testing.gpu_shaped
+GPU_SHAPED_MODULE = "megarl.testing.gpu_shaped"
+
+
+def gpu_shaped_requested() -> bool:
+    """Whether a test asked this process (and the workers it starts) for the GPU-shaped harness."""
+    return os.environ.get(GPU_SHAPED_ENV) == "1"
+
+
 def collective_timeout() -> datetime.timedelta:
     """The timeout of this process's collectives: the default group's, which every group megarl
     builds (Megatron's, the weights groups) takes too."""
@@ -46,8 +56,9 @@ def init_distributed(timeout_s: float = 600) -> int:
     global _timeout_s
     _slurm_to_torch_env()
     _timeout_s = float(timeout_s)
-    if gpu_shaped.requested():  # tests only: CUDA code paths on CPU, with device checks
-        gpu_shaped.enable()
+    if gpu_shaped_requested():  # tests only: CUDA code paths on CPU, with device checks
+        # loaded by name, as a plugin: the runtime does not depend on the test-only package
+        importlib.import_module(GPU_SHAPED_MODULE).enable()
     if torch.cuda.is_available():
         # torchrun shows a process every GPU of its node (LOCAL_RANK picks one); Ray shows a worker
         # only the GPU(s) it was given, so there the index wraps to the visible ones

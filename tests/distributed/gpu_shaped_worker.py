@@ -13,7 +13,7 @@ from megarl.config import load_config
 from megarl.controller import rl_worker
 from megarl.protocol import Batch
 from megarl.rollout import SamplingParams
-from megarl.runtime import gpu_shaped
+from megarl.testing import gpu_shaped
 
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9], [4, 4, 2, 1, 6]]
 

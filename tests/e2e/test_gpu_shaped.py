@@ -1,4 +1,4 @@
-"""``megarl train`` through the GPU-shaped harness (megarl.runtime.gpu_shaped, MEGARL_GPU_SHAPED=1):
+"""``megarl train`` through the GPU-shaped harness (megarl.testing.gpu_shaped, MEGARL_GPU_SHAPED=1):
 the CUDA code paths of every role on CPU, with CUDA torch's and NCCL's device rules enforced, so a
 CPU tensor where a GPU run needs a CUDA one (or the reverse) fails here as it would there.
 

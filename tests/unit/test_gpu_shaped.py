@@ -1,4 +1,4 @@
-"""The GPU-shaped harness's own rules (megarl.runtime.gpu_shaped), in a fresh process each: it
+"""The GPU-shaped harness's own rules (megarl.testing.gpu_shaped), in a fresh process each: it
 patches torch process-wide. CUDA torch's device rules: same-device operands except CPU scalars,
 CPU indices and copies; generators on the sampled tensor's device; NCCL groups take CUDA tensors,
 gloo groups CPU ones; ``.cpu()`` copies; numpy refuses CUDA tensors; modules move with ``.cuda()``."""
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu_shaped
 SCRIPT = """
 import datetime, os
 import torch, torch.distributed as dist
-from megarl.runtime import gpu_shaped as gs
+from megarl.testing import gpu_shaped as gs
 assert gs.enable() and torch.cuda.is_available()
 
 def refused(fn, text):

@@ -44,10 +44,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from megarl.runtime import cpu_mode
 from megarl.runtime.cpu_mode import _is_cuda_device as _device_is_cuda
+from megarl.runtime.distributed import GPU_SHAPED_ENV, gpu_shaped_requested
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
-ENV = "MEGARL_GPU_SHAPED"
+ENV = GPU_SHAPED_ENV
 
 _lock = threading.Lock()
 _state = threading.local()  # .backward: inside an autograd backward pass run by the harness
@@ -593,7 +594,7 @@ def enable() -> bool:
 
 def requested() -> bool:
     """Whether this process was started under the harness (``MEGARL_GPU_SHAPED=1``)."""
-    return os.environ.get(ENV) == "1"
+    return gpu_shaped_requested()
 
 
 def is_enabled() -> bool:
