@@ -1,15 +1,16 @@
 """What an external inference engine (SGLang, vLLM) starts from: an HF directory with the
-model's ``config.json`` (and the tokenizer's files, if any). Its weights come from the trainer
-at the first sync, so the directory holds none."""
+model's ``config.json`` (and the tokenizer's files, if any), and the environment its processes
+inherit. Its weights come from the trainer at the first sync, so the directory holds none."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 import torch
 
@@ -33,3 +34,23 @@ def write_hf_dir(hf_config: Dict, dtype: torch.dtype, tokenizer: Optional[str] =
     (partial / "config.json").write_text(json.dumps(export_config(hf_config, dtype), indent=2))
     os.replace(partial, root / "hf")
     return str(root / "hf")
+
+
+@contextlib.contextmanager
+def engine_env(values: Dict[str, Optional[str]]) -> Iterator[None]:
+    """``values`` in the environment while an engine starts (its processes inherit them; None:
+    the variable is unset meanwhile), this process's own environment back afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

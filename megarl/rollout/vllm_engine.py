@@ -38,7 +38,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from megarl.hybrid.hf_names import HFNames, NamedTensors, join_bytes, join_tenso
 from megarl.hybrid.shards import ModelSpec
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.parallel import LayoutError
-from megarl.rollout.engine_files import write_hf_dir
+from megarl.rollout.engine_files import engine_env, write_hf_dir
 from megarl.rollout.types import (Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows, gather_responses,
                                   row_seeds)
 from megarl.runtime.processes import WorkerDied
@@ -87,21 +87,6 @@ def request_params(rows, sampling: SamplingParams) -> List[dict]:
     if sampling.seed is None and sampling.prompt_seeds is None:
         return [dict(base) for _ in rows]
     return [base | {"seed": seed} for seed in row_seeds(rows, sampling)]
-
-
-@contextlib.contextmanager
-def engine_env(values: Dict[str, str]) -> Iterator[None]:
-    """``values`` in the environment while the engine starts (its processes inherit them)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def bucket_file(bucket: NamedTensors, directory: str) -> str:
