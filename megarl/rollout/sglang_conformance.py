@@ -7,7 +7,10 @@ keywords (SGLang passes them to ``ServerArgs``), the keys of the sampling-parame
 ``request_params`` and the memory-saver tags. :func:`sglang_api` reads the same names out of a
 wheel: ``Engine``'s methods and their parameters, ``ServerArgs``' fields, ``SamplingParams``'
 parameters, the ``GPU_MEMORY_TYPE_*`` tags. :func:`check` lists each call the release would not
-take, by file and line.
+take, by file and line. It also checks what the calls answer (the return annotation of the
+TokenizerManager coroutine each Engine method runs, against how ``sglang_engine.ENGINE_ANSWERS``
+reads it) and that every name megarl imports from ``sglang`` (lazily, inside functions) is defined
+where it is imported from.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ ENGINE_SOURCE = "sglang/srt/entrypoints/engine.py"
 SERVER_ARGS_SOURCE = "sglang/srt/server_args.py"
 SAMPLING_SOURCE = "sglang/srt/sampling/sampling_params.py"
 CONSTANTS_SOURCE = "sglang/srt/constants.py"
+# the TokenizerManager and the mixin whose coroutines the Engine's methods run
+MANAGER_SOURCES = ("sglang/srt/managers/tokenizer_communicator_mixin.py", "sglang/srt/managers/tokenizer_manager.py")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class MegarlUse:
     server_args: List[Tuple[str, str]] = field(default_factory=list)  # (where, keyword of sglang.Engine(...))
     sampling_keys: List[Tuple[str, str]] = field(default_factory=list)  # (where, key)
     memory_tags: Tuple[str, ...] = ()
+    imports: List[Tuple[str, str, str]] = field(default_factory=list)  # (where, sglang module, name)
 
 
 @dataclass
@@ -55,6 +61,68 @@ class SGLangAPI:
     server_args: Tuple[str, ...]
     sampling_params: Tuple[str, ...]
     memory_tags: Tuple[str, ...]
+    answers: Dict[str, str] = field(default_factory=dict)  # Engine method -> what it returns ("None": nothing)
+    read: Optional[Callable[[str], str]] = None  # the release's files, for the imports
+
+
+def _answer(fn: ast.AsyncFunctionDef) -> str:
+    """A coroutine's return annotation; "None" when it returns no value; "?" unannotated."""
+    if fn.returns is not None:
+        return ast.unparse(fn.returns)
+    returns = [n for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+    return "?" if returns else "None"
+
+
+def _engine_answers(engine: ast.ClassDef, read: Callable[[str], str]) -> Dict[str, str]:
+    """Engine method -> the answer of the ``self.tokenizer_manager.<coroutine>`` it runs."""
+    coroutines: Dict[str, str] = {}
+    for source in MANAGER_SOURCES:
+        for node in ast.walk(ast.parse(read(source))):
+            if isinstance(node, ast.ClassDef):
+                coroutines.update({f.name: _answer(f) for f in node.body if isinstance(f, ast.AsyncFunctionDef)})
+    answers = {}
+    for method in engine.body:
+        if not isinstance(method, ast.FunctionDef):
+            continue
+        for node in ast.walk(method):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "tokenizer_manager"
+                    and node.func.attr in coroutines):
+                answers[method.name] = coroutines[node.func.attr]
+                break
+    return answers
+
+
+def _defines(read: Callable[[str], str], module: str, name: str, depth: int = 0) -> bool:
+    """Whether ``from module import name`` works in the release: a top-level definition, an
+    import, a submodule, or one of the module's ``from ... import *``."""
+    base = module.replace(".", "/")
+    for path in (f"{base}/{name}.py", f"{base}/{name}/__init__.py"):
+        try:
+            read(path)
+            return True
+        except KeyError:
+            pass
+    for path in (f"{base}.py", f"{base}/__init__.py"):
+        try:
+            tree = ast.parse(read(path))
+        except KeyError:
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+                return True
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                    return True
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                if any((a.asname or a.name) == name for a in node.names):
+                    return True
+                if (isinstance(node, ast.ImportFrom) and node.module and depth < 3
+                        and any(a.name == "*" for a in node.names) and _defines(read, node.module, name, depth + 1)):
+                    return True
+        return False
+    return False
 
 
 def _is_engine(node: ast.AST) -> bool:
@@ -75,6 +143,8 @@ def megarl_calls(root: Path = ROOT) -> MegarlUse:
                 elif (node.func.attr == "Engine" and isinstance(node.func.value, ast.Name)
                       and node.func.value.id == "sglang"):
                     use.server_args += [(where, k) for k in keywords]
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "sglang":
+                use.imports += [(f"megarl/{rel}:{node.lineno}", node.module, a.name) for a in node.names]
             if isinstance(node, ast.FunctionDef) and node.name == "request_params":
                 for inner in ast.walk(node):
                     if isinstance(inner, ast.Dict):
@@ -110,7 +180,7 @@ def sglang_api(read: Callable[[str], str]) -> SGLangAPI:
     tags = tuple(node.value.value for node in ast.parse(read(CONSTANTS_SOURCE)).body
                  if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
                  and any(getattr(t, "id", "").startswith("GPU_MEMORY_TYPE_") for t in node.targets))
-    return SGLangAPI(methods, fields, _signature(init).params, tags)
+    return SGLangAPI(methods, fields, _signature(init).params, tags, _engine_answers(engine, read), read)
 
 
 def wheel_reader(wheel: Path, replace: Optional[Dict[str, Tuple[str, str]]] = None) -> Callable[[str], str]:
@@ -129,8 +199,12 @@ def wheel_reader(wheel: Path, replace: Optional[Dict[str, Tuple[str, str]]] = No
     return read
 
 
-def check(use: MegarlUse, api: SGLangAPI) -> List[str]:
-    """Each call the release would not take, named by where megarl makes it."""
+def check(use: MegarlUse, api: SGLangAPI, answers=None) -> List[str]:
+    """Each call the release would not take, each answer megarl would misread (``answers``:
+    ``sglang_engine.ENGINE_ANSWERS`` by default) and each import the release lacks, named by where
+    megarl makes it."""
+    if answers is None:
+        from megarl.rollout.sglang_engine import ENGINE_ANSWERS as answers
     errors = []
     for call in use.calls:
         sig = api.engine.get(call.method)
@@ -147,6 +221,16 @@ def check(use: MegarlUse, api: SGLangAPI) -> List[str]:
         taken = set(sig.params[:call.positional]) & set(call.keywords)
         if taken:
             errors.append(f"{call.where}: Engine.{call.method} gets {sorted(taken)} by position and by keyword")
+        expected = answers.get(call.method)
+        if expected is None:
+            errors.append(f"{call.where}: Engine.{call.method}: sglang_engine.ENGINE_ANSWERS does not say how to "
+                          f"read its answer")
+        elif expected.returns is not None and api.answers.get(call.method) != expected.returns:
+            errors.append(f"{call.where}: Engine.{call.method} answers {api.answers.get(call.method)} in this "
+                          f"release; megarl reads {expected.returns}")
+    if api.read is not None:
+        errors += [f"{where}: from {module} import {name}: the release has no {module}.{name}"
+                   for where, module, name in use.imports if not _defines(api.read, module, name)]
     errors += [f"{where}: sglang.Engine({key}=...): ServerArgs has no field {key!r}"
                for where, key in use.server_args if key not in api.server_args]
     errors += [f"{where}: sampling parameter {key!r}: SamplingParams has no such parameter"

@@ -10,7 +10,12 @@ trainer's broadcast of whole HF tensors (``update_weights_from_distributed``,
 Devices: each engine spans the GPUs of its replica's t_g generation-TP ranks, SGLang's TP rank i on
 rank i's GPU (where rank i's CUDA-IPC payloads live). A Ray worker sees only its own GPU, so the
 engine's processes start with ``CUDA_VISIBLE_DEVICES`` set to the node ids of those t_g GPUs and
-``base_gpu_id=0`` (:func:`engine_devices`), as verl does for its colocated SGLang engines.
+``base_gpu_id=0`` (:func:`engine_devices`), as verl does for its colocated SGLang engines, and
+without torchrun's agent-store flag (:func:`engine_environment`).
+
+Answers: SGLang reports a failed weight update as ``(False, message)`` instead of raising; every
+call megarl makes goes through :class:`CheckedEngine`, which raises with the call, the rank and
+SGLang's message (:data:`ENGINE_ANSWERS`, checked against the pinned release by the conformance).
 
 Memory (colocated): SGLang's memory saver releases its weights, KV cache and CUDA graphs while
 the trainer holds the device, and takes them back in two steps: the weights before the sync, the
@@ -25,13 +30,13 @@ that release's source by :mod:`megarl.rollout.sglang_conformance` (no import, no
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import socket
 import time
 import warnings
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,7 +47,7 @@ from megarl.hybrid.shards import ModelSpec
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.parallel import LayoutError
 from megarl.hybrid.hf_names import HFNames
-from megarl.rollout.engine_files import write_hf_dir
+from megarl.rollout.engine_files import engine_env, write_hf_dir
 from megarl.rollout.types import (Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows, gather_responses,
                                   row_seeds)
 
@@ -93,19 +98,22 @@ def engine_devices(tp_group) -> List[str]:
     return check_engine_devices(ranks)
 
 
-@contextlib.contextmanager
-def visible_devices(ids: Sequence[str]) -> Iterator[None]:
-    """``CUDA_VISIBLE_DEVICES=ids`` for the processes started inside (SGLang's schedulers inherit it
-    at spawn and take device ``base_gpu_id + tp_rank``); this process's CUDA context keeps its own."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+# torchrun's agent exports TORCHELASTIC_USE_AGENT_STORE=True to its workers; torch's tcp:// and
+# env:// rendezvous then make every rank a client of the agent's store (_create_c10d_store in
+# torch/distributed/rendezvous.py, 2.9 to 2.13; TCPStore's C++ side reads it too). SGLang's
+# schedulers meet on a port of their own (tcp://127.0.0.1:<dist port>, and init_weights_update_group's
+# group), where no agent hosts a store: inherited, the flag leaves them waiting until the timeout.
+# It is the only variable torch's rendezvous reads to decide this (TORCHELASTIC_RUN_ID and the rest
+# only describe the launch).
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def engine_environment(ids: Sequence[str]) -> Dict[str, Optional[str]]:
+    """What an engine's processes start with on top of this process's environment (for
+    :func:`~megarl.rollout.engine_files.engine_env`; None: unset): the node ids of the engine's GPUs
+    (SGLang's schedulers inherit them at spawn and take device ``base_gpu_id + tp_rank``), and not
+    torchrun's agent-store flag."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids), AGENT_STORE_ENV: None}
 
 
 def worker_env() -> Dict[str, str]:
@@ -153,6 +161,69 @@ def request_params(rows: Sequence[Tuple[int, int]], sampling: SamplingParams) ->
 
 SGLANG_PIN = "0.5.6.post2"  # the release megarl is written and checked against (the Dockerfile's image)
 
+
+class SGLangCallFailed(RuntimeError):
+    """An SGLang engine call answered that it failed."""
+
+
+def _success_and_message(answer) -> Tuple[bool, str]:
+    success, message = answer
+    return bool(success), str(message)
+
+
+def _flushed(answer) -> Tuple[bool, str]:
+    return bool(answer.success), ("the scheduler did not flush its cache: requests were still running "
+                                  "(FlushCacheReqOutput.success=False)")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What an Engine method answers in the pinned release: ``returns``, the return annotation of
+    the TokenizerManager coroutine it runs (the conformance reads it from the wheel; "None": it
+    returns nothing), and ``read``, how megarl reads success and SGLang's message from it (None:
+    nothing to check)."""
+
+    returns: Optional[str]
+    read: Optional[Callable[[object], Tuple[bool, str]]] = None
+
+
+# Every Engine method megarl calls (the conformance fails on a call missing here).
+ENGINE_ANSWERS: Dict[str, Answer] = {
+    "update_weights_from_tensor": Answer("Tuple[bool, str]", _success_and_message),
+    "update_weights_from_distributed": Answer("Tuple[bool, str]", _success_and_message),
+    "init_weights_update_group": Answer("Tuple[bool, str]", _success_and_message),
+    "flush_cache": Answer("FlushCacheReqOutput", _flushed),
+    # nothing comes back: the scheduler asserts (and its process dies) when it cannot release
+    "release_memory_occupation": Answer("None"),
+    "resume_memory_occupation": Answer("None"),
+    "generate": Answer(None),  # the outputs, not a TokenizerManager communicator's answer
+    "shutdown": Answer(None),  # kills the engine's process tree
+}
+
+
+class CheckedEngine:
+    """An ``sglang.Engine`` whose answers are checked (:data:`ENGINE_ANSWERS`): a call that answers
+    failure raises :class:`SGLangCallFailed` naming the call, this process's ``rank`` and SGLang's
+    message. Other attributes are the engine's own."""
+
+    def __init__(self, engine, rank: int):
+        self.engine, self.rank = engine, rank
+
+    def __getattr__(self, name: str):
+        value = getattr(self.engine, name)
+        answer = ENGINE_ANSWERS.get(name)
+        if answer is None or answer.read is None:
+            return value
+
+        def call(*args, **kwargs):
+            result = value(*args, **kwargs)
+            success, message = answer.read(result)
+            if not success:
+                raise SGLangCallFailed(f"SGLang's Engine.{name} failed on rank {self.rank}: {message}")
+            return result
+
+        return call
+
 # SGLang's memory-saver tags (sglang/srt/constants.py): released together, resumed in two steps
 WEIGHTS, GENERATION = ("weights",), ("kv_cache", "cuda_graph")
 
@@ -182,12 +253,13 @@ class SGLangRollout(RolloutEngine):
         self.devices = engine_devices(groups.pg.tp)
         self.engine = None
         if self.tp_rank == 0:
-            with visible_devices(self.devices):
-                self.engine = sglang.Engine(
+            with engine_env(engine_environment(self.devices)):
+                engine = sglang.Engine(
                     model_path=hf_dir, tp_size=groups.layout.tp, base_gpu_id=0, gpu_id_step=1,
                     load_format="dummy", enable_memory_saver=True, skip_tokenizer_init=True,
                     mem_fraction_static=mem_fraction, host="127.0.0.1", port=port + groups.pg.dp.rank(),
                     dtype=str(dtype).removeprefix("torch."))
+            self.engine = CheckedEngine(engine, dist.get_rank())
         self.sglang_version = getattr(sglang, "__version__", "unknown")
         self.released: set = set()
         if weights.in_process:

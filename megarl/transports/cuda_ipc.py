@@ -1,7 +1,16 @@
 """Colocated hand-over to SGLang without a host copy: the hybrid engine's generation shards are
 joined over the generation TP group into whole HF tensors and given to the engine bucket by
 bucket as CUDA-IPC handles, one payload per TP rank (``update_weights_from_tensor``). The
-bucketing and payload layout are plain functions, tested on CPU."""
+bucketing and payload layout are plain functions, tested on CPU.
+
+The handles are SGLang's own: its ``MultiprocessingSerializer`` with its
+``monkey_patch_torch_reductions`` applied in this process (as SGLang's
+``sglang.srt.weight_sync.utils.update_weights`` does), so that a handle names its GPU by uuid.
+torch's reduction writes the sender's device ordinal, which names another GPU in SGLang's TP
+worker: a Ray worker's GPU is its device 0, and TP worker i sees the engine's GPUs with its own at
+ordinal i. SGLang's workers apply the same patch, mapping the uuid back to their own ordinal.
+SGLang's helper itself is not used: it is a coroutine over a DeviceMesh that passes a request
+object where ``Engine.update_weights_from_tensor`` (0.5.6.post2) takes named tensors."""
 
 from __future__ import annotations
 
@@ -99,7 +108,9 @@ class CudaIpcSender:
         include the hand-over, not only the reshard."""
         from sglang.srt.model_executor.model_runner import LocalSerializedTensor
         from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
+        monkey_patch_torch_reductions()  # handles by GPU uuid (see the module docstring); once per process
         start = time.perf_counter()
         self.resharder.sync()
         tp_ranks = dist.get_process_group_ranks(self.groups.pg.tp)

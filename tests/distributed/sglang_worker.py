@@ -6,7 +6,12 @@ records each call and whether the trainer's parameters were off the device at th
 deserializes every CUDA-IPC payload (here: pickled CPU tensors) per TP rank. Each rank sees one
 GPU, as a Ray worker does (CUDA_VISIBLE_DEVICES=<its rank>); the stand-in picks its TP workers'
 devices as SGLang's launcher does (``base_gpu_id + tp_rank * gpu_id_step`` among the
-CUDA_VISIBLE_DEVICES its processes inherit) and refuses one that is not there. Split: the trainer's
+CUDA_VISIBLE_DEVICES its processes inherit) and refuses one that is not there. It answers each call
+as SGLang 0.5.6.post2 does ((success, message), FlushCacheReqOutput, None), records the torchelastic
+store variable its processes would inherit (the worker sets it as torchrun's agent does), and opens
+each CUDA-IPC handle on the device the handle names, as torch's rebuild does: by the sender's device
+ordinal, or by the GPU's uuid once SGLang's ``monkey_patch_torch_reductions`` has run in the sender's
+process (the GPU it opens on is recorded beside the GPU the tensor lives on). Split: the trainer's
 ``SGLangBroadcaster`` sends a sync over a gloo weights group to the last rank, which receives it
 as SGLang's workers do (async broadcasts of the planned tensors, posted up front).
 """
@@ -38,21 +43,53 @@ from megarl.roles.rollout import Rollout
 BUCKET_BYTES = 48 << 10  # small: several buckets
 
 
+_REDUCTIONS = {"by_uuid": False}  # SGLang's monkey_patch_torch_reductions has run in this process
+STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"  # what torchrun's agent exports to its workers
+
+
+def _gpu_uuid(node_id: str) -> str:
+    return f"GPU-{node_id}"
+
+
 class _Serializer:
-    """Stands in for SGLang's MultiprocessingSerializer (CUDA-IPC handles): a copy, pickled."""
+    """Stands in for SGLang's MultiprocessingSerializer (CUDA-IPC handles): a copy, pickled with
+    the device field torch's ``reduce_tensor`` writes: the sending process's device ordinal (0:
+    each worker sees one GPU, its node GPU <rank>), or that GPU's uuid once SGLang's reductions
+    are patched in (sglang/srt/utils/patch_torch.py, 0.5.6.post2)."""
 
     @staticmethod
     def serialize(tensor):
-        return pickle.dumps(tensor.clone())
+        node_gpu = str(dist.get_rank())
+        device = _gpu_uuid(node_gpu) if _REDUCTIONS["by_uuid"] else 0
+        return pickle.dumps((device, node_gpu, tensor.clone()))
 
     @staticmethod
-    def deserialize(data):
-        return pickle.loads(data)
+    def deserialize(data, visible: List[str]):
+        """(tensor, GPU it is opened on, GPU it lives on) in a process that sees the node GPUs
+        ``visible``: torch's rebuild opens an ordinal among them, SGLang's finds the uuid's."""
+        device, node_gpu, tensor = pickle.loads(data)
+        if isinstance(device, int):
+            opened = visible[device]
+        else:
+            matches = [gpu for gpu in visible if _gpu_uuid(gpu) == device]
+            if not matches:
+                raise RuntimeError(f"Invalid device_uuid={device}")
+            opened = matches[0]
+        return tensor, opened, node_gpu
+
+
+def _monkey_patch_torch_reductions():
+    _REDUCTIONS["by_uuid"] = True
 
 
 @dataclass
 class _LocalSerializedTensor:
     values: List[bytes]
+
+
+@dataclass
+class _FlushCacheReqOutput:
+    success: bool
 
 
 def engine_devices(kwargs) -> List[str]:
@@ -69,12 +106,16 @@ def engine_devices(kwargs) -> List[str]:
 
 
 def install_fake_sglang(log: list, offloaded) -> None:
-    """A recording ``sglang`` package: Engine, model_runner.LocalSerializedTensor, utils.MultiprocessingSerializer."""
+    """A recording ``sglang`` package: Engine, model_runner.LocalSerializedTensor,
+    utils.MultiprocessingSerializer, utils.patch_torch.monkey_patch_torch_reductions."""
+
+    _REDUCTIONS["by_uuid"] = False
 
     class Engine:
         def __init__(self, **kwargs):
-            self.kwargs, self.loaded = kwargs, {}
+            self.kwargs, self.loaded, self.opened = kwargs, {}, []
             self.devices = engine_devices(kwargs)
+            self.store_env = os.environ.get(STORE_ENV)  # what its scheduler processes inherit
             log.append(("start", kwargs["load_format"], kwargs["enable_memory_saver"], kwargs["tp_size"]))
 
         def release_memory_occupation(self, tags=None):
@@ -85,11 +126,17 @@ def install_fake_sglang(log: list, offloaded) -> None:
 
         def update_weights_from_tensor(self, named_tensors, flush_cache=True):
             for name, payload in named_tensors:  # one payload per TP rank, rank order
-                self.loaded[name] = [_Serializer.deserialize(v) for v in payload.values]
+                self.loaded[name] = []
+                for tp_rank, value in enumerate(payload.values):  # TP worker tp_rank sees self.devices
+                    tensor, opened, lives_on = _Serializer.deserialize(value, self.devices)
+                    self.loaded[name].append(tensor)
+                    self.opened.append([name, tp_rank, opened, lives_on])
             log.append(("update_weights_from_tensor", flush_cache))
+            return True, "Success"
 
         def flush_cache(self):
             log.append(("flush_cache",))
+            return _FlushCacheReqOutput(success=True)
 
         def generate(self, input_ids, sampling_params, return_logprob):
             log.append(("generate", len(input_ids), offloaded()))
@@ -102,9 +149,12 @@ def install_fake_sglang(log: list, offloaded) -> None:
     runner.LocalSerializedTensor = _LocalSerializedTensor
     utils = types.ModuleType("sglang.srt.utils")
     utils.MultiprocessingSerializer = _Serializer
+    patch_torch = types.ModuleType("sglang.srt.utils.patch_torch")
+    patch_torch.monkey_patch_torch_reductions = _monkey_patch_torch_reductions
     sys.modules.update({"sglang": sglang, "sglang.srt": types.ModuleType("sglang.srt"),
                         "sglang.srt.model_executor": types.ModuleType("sglang.srt.model_executor"),
-                        "sglang.srt.model_executor.model_runner": runner, "sglang.srt.utils": utils})
+                        "sglang.srt.model_executor.model_runner": runner, "sglang.srt.utils": utils,
+                        "sglang.srt.utils.patch_torch": patch_torch})
 
 
 def hf_export(args, full) -> dict:
@@ -118,10 +168,11 @@ def colocated(record, model_cfg, rollout_cfg, args, rg, state, full) -> None:
     params = [p for chunk in state.model for p in chunk.parameters()]
     install_fake_sglang(log, offloaded=lambda: all(p.untyped_storage().nbytes() == 0 for p in params))
     rank = dist.get_rank()
-    # one GPU per worker, as Ray gives it: its device 0 is the node's GPU <rank>
+    # one GPU per worker, as Ray gives it: its device 0 is the node's GPU <rank>; the agent-store
+    # variable as torchrun's agent exports it to its workers
     with mock.patch("torch.cuda.is_available", return_value=True), mock.patch("torch.cuda.current_device",
                                                                                return_value=0), \
-            mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": str(rank)}):
+            mock.patch.dict(os.environ, {"CUDA_VISIBLE_DEVICES": str(rank), STORE_ENV: "True"}):
         engine = colocated_rollout(model_cfg, rollout_cfg, args, rg, state.model)
     tp_ranks = dist.get_process_group_ranks(engine.groups.pg.tp)
     if engine.engine is not None and engine.engine.devices != [str(r) for r in tp_ranks]:
@@ -148,6 +199,9 @@ def colocated(record, model_cfg, rollout_cfg, args, rg, state, full) -> None:
     expected = hf_export(args, full)
     if engine.engine is not None:
         loaded = engine.engine.loaded
+        record["sglang_engine_store_env"] = engine.engine.store_env
+        record["sglang_ipc_wrong_gpu"] = [e for e in engine.engine.opened if e[2] != e[3]][:4]
+        record["sglang_ipc_handles"] = len(engine.engine.opened)
         record["sglang_names_equal"] = sorted(loaded) == sorted(expected)
         record["sglang_payloads_exact"] = all(
             len(values) == rg.gen.tp and all(torch.equal(v, expected[n]) for v in values) for n, values in loaded.items())

@@ -181,6 +181,16 @@ def test_sglang_payloads_are_the_hf_export(results, case):
 
 
 @pytest.mark.parametrize("case", SGLANG)
+def test_sglang_engine_env_and_ipc_devices(results, case):
+    """The engine's processes start without torchrun's agent-store variable (their rendezvous
+    hosts its own store), and every CUDA-IPC handle opens on the GPU its tensor lives on in the TP
+    worker that takes it (by the GPU's uuid: each worker's own device ordinal is 0)."""
+    r = results[case]
+    assert r["sglang_engine_store_env"] is None
+    assert r["sglang_ipc_handles"] > 0 and r["sglang_ipc_wrong_gpu"] == []
+
+
+@pytest.mark.parametrize("case", SGLANG)
 def test_sglang_split_broadcast_is_the_hf_export(results, case):
     """Every planned tensor arrives at the receiver bit-identical to the HF export; rank 0
     broadcasts each byte of the model once; buckets of several tensors stay within the budget."""

@@ -62,6 +62,30 @@ def test_the_pinned_release_takes_every_call(wheel):
     assert conf.check(conf.megarl_calls(), api) == []
 
 
+def test_every_answer_is_read_as_the_pinned_release_gives_it(wheel):
+    """The weight calls answer (success, message), flush_cache a FlushCacheReqOutput, the memory
+    calls nothing (SGLang 0.5.6.post2's TokenizerManager coroutines); every call megarl makes has
+    an entry in ENGINE_ANSWERS, and the names it imports lazily exist."""
+    from megarl.rollout.sglang_engine import ENGINE_ANSWERS
+
+    api = conf.sglang_api(conf.wheel_reader(wheel))
+    assert {m: api.answers[m] for m in ["update_weights_from_tensor", "update_weights_from_distributed",
+                                        "init_weights_update_group", "flush_cache", "release_memory_occupation",
+                                        "resume_memory_occupation"]} == {
+        "update_weights_from_tensor": "Tuple[bool, str]", "update_weights_from_distributed": "Tuple[bool, str]",
+        "init_weights_update_group": "Tuple[bool, str]", "flush_cache": "FlushCacheReqOutput",
+        "release_memory_occupation": "None", "resume_memory_occupation": "None"}
+    assert sorted(ENGINE_ANSWERS) == METHODS
+    use = conf.megarl_calls()
+    assert {(m, n) for _, m, n in use.imports} == {
+        ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"),
+        ("sglang.srt.utils", "MultiprocessingSerializer"),  # through sglang/srt/utils/__init__.py's import *
+        ("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions")}
+    unread = {k: v for k, v in ENGINE_ANSWERS.items() if k != "flush_cache"}
+    assert any(re.search(r"Engine.flush_cache: sglang_engine.ENGINE_ANSWERS does not say how to read", e)
+               for e in conf.check(use, api, unread))
+
+
 @pytest.mark.parametrize("path, old, new, named", [
     # a parameter renamed in a method megarl calls by keyword
     (conf.ENGINE_SOURCE, "named_tensors: List[Tuple[str, torch.Tensor]]", "tensors: List[Tuple[str, torch.Tensor]]",
@@ -82,6 +106,18 @@ def test_the_pinned_release_takes_every_call(wheel):
     # a memory-saver tag renamed
     (conf.CONSTANTS_SOURCE, 'GPU_MEMORY_TYPE_CUDA_GRAPH = "cuda_graph"', 'GPU_MEMORY_TYPE_CUDA_GRAPH = "graphs"',
      r"memory-saver tag 'cuda_graph' is not one of SGLang's"),
+    # an answer megarl reads changes type
+    (conf.MANAGER_SOURCES[0], "async def flush_cache(self: TokenizerManager) -> FlushCacheReqOutput:",
+     "async def flush_cache(self: TokenizerManager) -> bool:",
+     r"megarl/transports/\S+:\d+: Engine.flush_cache answers bool in this release; megarl reads FlushCacheReqOutput"),
+    # a call whose answer megarl ignores starts answering
+    (conf.MANAGER_SOURCES[0], "        await self.release_memory_occupation_communicator(obj)",
+     "        return await self.release_memory_occupation_communicator(obj)",
+     r"Engine.release_memory_occupation answers \? in this release; megarl reads None"),
+    # a name megarl imports lazily is gone
+    ("sglang/srt/utils/patch_torch.py", "def monkey_patch_torch_reductions():", "def patch_reductions():",
+     r"megarl/transports/cuda_ipc.py:\d+: from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions: "
+     r"the release has no"),
 ])
 def test_a_renamed_name_fails_naming_the_call_site(wheel, path, old, new, named):
     api = conf.sglang_api(conf.wheel_reader(wheel, replace={path: (old, new)}))

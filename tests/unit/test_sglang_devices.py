@@ -12,8 +12,9 @@ import pytest
 from megarl.config import ConfigError
 from megarl.config.schema import RolloutLayoutConfig
 from megarl.controller.group import gpu_assignment
-from megarl.rollout.sglang_engine import (check_engine_devices, physical_device, release_tuple, rendezvous_warning,
-                                          visible_devices, worker_env)
+from megarl.rollout.engine_files import engine_env
+from megarl.rollout.sglang_engine import (check_engine_devices, engine_environment, physical_device, release_tuple,
+                                          rendezvous_warning, worker_env)
 
 
 def test_physical_device_reads_the_visible_list():
@@ -33,15 +34,19 @@ def test_engine_spans_its_tp_ranks_gpus_on_one_host():
         check_engine_devices([("n0", "0"), ("n0", "0")])  # the old fractional GPUs of split placement
 
 
-def test_visible_devices_is_set_for_the_engine_then_restored(monkeypatch):
+def test_engine_environment_is_set_for_the_engine_then_restored(monkeypatch):
+    """The engine's GPUs visible, torchrun's agent-store flag unset while it starts; this
+    process's environment back afterwards, also when the start fails."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    with visible_devices(["1", "2"]):
-        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,2"
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with engine_env(engine_environment(["1", "2"])):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,2" and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1" and os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    with pytest.raises(KeyError), visible_devices(["0"]):
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    with pytest.raises(KeyError), engine_env(engine_environment(["0"])):
         raise KeyError("the engine failed to start")
-    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
 
 
 def test_workers_take_sglangs_nccl_cumem_setting(monkeypatch):
