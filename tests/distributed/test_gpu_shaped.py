@@ -23,7 +23,8 @@ def results(tmp_path_factory, monkeypatch_module):
     out = torchrun(2, "tests/distributed/gpu_shaped_worker.py", str(tmp_path_factory.mktemp("gpu_shaped")))
     records = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
     found = {r["case"]: r["error"] for r in records}
-    found["vllm_details"] = next(r for r in records if r["case"] == "vllm")
+    found["vllm_tg2"] = next(r for r in records if r["case"] == "vllm_colocated_tg2")["ranks"]
+    found["vllm_tg1"] = next(r for r in records if r["case"] == "vllm_colocated_tg1")["ranks"]
     found["lora_details"] = next(r for r in records if r["case"] == "lora")
     found["delta_details"] = next(r for r in records if r["case"] == "delta")
     return found
@@ -37,21 +38,44 @@ def monkeypatch_module():
 
 def test_verbs_run_on_the_device_as_written(results):
     fixed = {k: v for k, v in results.items() if k.startswith("fixed/")}
-    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head", "fixed/vllm", "fixed/lora",
-                          "fixed/delta"}
+    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head", "fixed/lora", "fixed/delta"}
     assert all(v is None for v in fixed.values()), fixed
 
 
-def test_vllm_gpu_path_on_the_device(results):
-    """The vllm backend's GPU path (its engine a recording stand-in: vLLM's CPU build cannot be a
-    CUDA engine): from the CUDA-shaped generation shard to the host file the engine reads, exactly
-    the native rollout's weights by HF name; the engine gets its GPU keywords, sleeps while the
-    trainer holds the device, wakes the weights before the sync and the KV cache after."""
-    r = results["vllm_details"]
-    assert r["error"] is None and r["responses"] == 6
-    assert r["gpu_keywords"] == [True, 0.5] and r["weights_exact"] is True
-    assert r["calls"] == ["reset_prefix_cache", "sleep1", "wake:weights", "reset_prefix_cache", "wake:kv_cache",
-                          "generate"]
+def test_vllm_engine_spans_its_tp_ranks_gpus_under_ray(results):
+    """vLLM at t_g=2 with one visible GPU per rank (a Ray worker's): the engine starts with both
+    generation-TP ranks' GPUs visible, its own multiprocessing executor (not its Ray one, which
+    would wait for GPUs megarl's actors hold), worker i on the GPU of generation-TP rank i."""
+    r = results["vllm_tg2"][0]
+    assert r["error"] is None, r["error"]
+    assert r["tp_ranks"] == [0, 1] and r["devices"] == ["0", "1"] and r["env"]["CUDA_VISIBLE_DEVICES"] == "0,1", r
+    assert r["keywords"] == {"distributed_executor_backend": "mp", "enable_sleep_mode": True,
+                             "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2}, r["keywords"]
+
+
+@pytest.mark.parametrize("case", ["vllm_tg2", "vllm_tg1"])
+def test_vllm_gpu_path_moves_no_weight_through_a_file(results, case):
+    """The vllm backend's GPU path (its engine a recording stand-in of vLLM's LLM and weight-transfer
+    API): no weight file is written; every sync goes through vLLM's ``ipc`` engine (init once, then
+    start, one update per bucket, finish), each worker opening only its own GPU's handles; each
+    worker receives exactly the hand-over plan's tensors (the model's whole HF tensors: vLLM's
+    loaders cut their own TP slice), equal to the trainer's, and its bytes are the plan's; the
+    micro-DP resharder's bytes per rank are its plan's. Sleeping discards the weights (level 2:
+    the next sync replaces them all); the weights wake before the sync, the KV cache after it."""
+    ranks = results[case]
+    assert all(r["error"] is None and r["new_files"] == [] for r in ranks), ranks
+    assert all(r["reshard_bytes"] == [r["reshard_planned"]] * 2 for r in ranks), ranks
+    engines = [r for r in ranks if "workers" in r]
+    assert len(engines) == (1 if case == "vllm_tg2" else 2) and all(r["responses"] == 4 for r in ranks)
+    for r in engines:
+        assert r["syncs"] == 2 and all(all(s) for s in r["as_planned"]) and all(all(s) for s in r["exact"]), r
+        assert r["received_bytes"] == [[r["planned_bytes"]] * r["workers"]] * 2 and r["planned_bytes"] > 0, r
+        assert r["engine_bytes"] == [r["planned_bytes"]] * 2 and r["env"]["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+        updates = r["rpcs"].count("update_weights") // 2
+        assert r["rpcs"] == ["init_weight_transfer_engine"] + (
+            ["start_weight_update"] + ["update_weights"] * updates + ["finish_weight_update"]) * 2, r["rpcs"]
+        assert r["calls"] == ["reset_prefix_cache", "sleep2", "wake:weights", "reset_prefix_cache", "wake:kv_cache",
+                              "generate"], r["calls"]
 
 
 def test_lora_on_the_device(results):

@@ -17,7 +17,8 @@ from megarl.config import ConfigError, load_config
 from megarl.hybrid.hf_names import shard_buckets
 from megarl.hybrid.shards import LocalTensor, ModelSpec, TensorSpec
 from megarl.rollout.types import SamplingParams, row_seeds
-from megarl.rollout.vllm_engine import CPU_HEAD_DIMS, bucket_file, gone, request_params
+from megarl.rollout.vllm_engine import CPU_HEAD_DIMS, gone, request_params
+from megarl.transports.vllm_reload import bucket_file
 
 VLLM = ["parallel.rollout.engine=vllm", "model.hf_config=configs/models/tiny-digits-hd32.json"]
 

