@@ -160,9 +160,17 @@ def own_files(path: Path, rank: int) -> List[Path]:
             + [path / name for name in shared if (path / name).is_file()])
 
 
+def _step_per_parameter(inner) -> bool:
+    """Where an Adam keeps its step count: torch's Adam/AdamW in each parameter's state (a tensor),
+    Transformer Engine's (and apex's) FusedAdam in each param group (``group["step"]``, an int;
+    its per-parameter state holds only its moments, and its state_dict() raises KeyError on any
+    other key)."""
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+
+
 def _materialize_adam_state(optimizer) -> None:
-    """Give a fresh torch Adam its per-parameter state (moments and step) so that Megatron can
-    describe it for loading; without TE/apex it reads the step from that state."""
+    """Give a fresh Adam its per-parameter state so that Megatron can describe it for loading: the
+    moments, and torch Adam's step (without TE/apex Megatron reads the step from that state)."""
     for opt in _optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
@@ -170,12 +178,37 @@ def _materialize_adam_state(optimizer) -> None:
                 st = inner.state[param]
                 st.setdefault("exp_avg", torch.zeros_like(param.data))
                 st.setdefault("exp_avg_sq", torch.zeros_like(param.data))
-                st.setdefault("step", torch.tensor(0.0))
+                if _step_per_parameter(inner):
+                    st.setdefault("step", torch.tensor(0.0))
 
 
 def _adam_step(optimizer) -> Optional[float]:
-    steps = {float(st["step"]) for opt in _optimizers(optimizer) for st in opt.optimizer.state.values() if "step" in st}
-    return steps.pop() if len(steps) == 1 else None
+    """The optimizer's step count (the same for every parameter and group), None before its first step."""
+    steps = set()
+    for opt in _optimizers(optimizer):
+        inner = opt.optimizer
+        if _step_per_parameter(inner):
+            steps |= {float(st["step"]) for st in inner.state.values() if "step" in st}
+        else:  # TE's FusedAdam steps only groups with parameters
+            steps |= {float(g["step"]) for g in inner.param_groups if g["params"] and "step" in g}
+    assert len(steps) <= 1, f"the optimizer's parameters are at different steps {sorted(steps)}"
+    return steps.pop() if steps else None
+
+
+def _restore_adam_step(optimizer, step: float) -> None:
+    """Put the saved step where the optimizer keeps it, so that Adam's bias correction continues.
+    torch Adam: each parameter gets its own tensor (Megatron 0.16 restores it from the loading
+    template, as one tensor shared by all parameters, and Adam would then add 1 per parameter).
+    TE's FusedAdam: every param group (Megatron aligns the step of empty groups too); megarl's
+    model-space load takes no param groups from the checkpoint, so without this the step restarts."""
+    for opt in _optimizers(optimizer):
+        inner = opt.optimizer
+        if _step_per_parameter(inner):
+            for param_state in inner.state.values():
+                param_state["step"] = torch.tensor(step, dtype=torch.float32)
+        else:
+            for group in inner.param_groups:
+                group["step"] = int(step)
 
 
 @torch.no_grad()
@@ -264,12 +297,7 @@ def load_train_state(state: TrainState, path: Path) -> bool:
     if same_layout:
         _set_rng_state(local["rng"])
     if state.optimizer is not None and local.get("adam_step") is not None:
-        # Megatron 0.16 restores torch Adam's step (kept in each parameter's state when there
-        # is no TE/apex) from the loading template, and as one tensor shared by all parameters
-        # (Adam would then add 1 per parameter): each gets its own, saved value.
-        for opt in _optimizers(state.optimizer):
-            for param_state in opt.optimizer.state.values():
-                param_state["step"] = torch.tensor(local["adam_step"], dtype=torch.float32)
+        _restore_adam_step(state.optimizer, local["adam_step"])
     return same_layout
 
 

@@ -6,6 +6,7 @@ order of float reductions), while zeroing the restored moments moves the second 
 so the optimizer state is what makes them equal. The bucket-space format refuses a tp change
 with a message that says what to do, and resumes exactly in its own layout."""
 
+import functools
 import json
 
 from tests.distributed.launch import torchrun
@@ -13,6 +14,7 @@ from tests.distributed.launch import torchrun
 TOL = 1e-5
 
 
+@functools.lru_cache(maxsize=None)  # one session per worker mode, shared by its tests
 def results(which):
     out = torchrun(4, "tests/distributed/train_ckpt_worker.py", which)
     return [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
@@ -36,7 +38,7 @@ def test_resume_into_another_layout():
 
 
 def test_bucket_format_refuses_a_tp_change_and_resumes_in_place():
-    (r,) = results("refusal")
+    r = results("refusal")[0]
     assert r["error"] and "dp_reshardable" in r["error"] and "tp=2→1" in r["error"], r
     assert "trainer.checkpoint_format=reshardable" in r["error"], r
     assert r["exact_layout"] and r["resumed"] == r["reference"], r
@@ -50,3 +52,17 @@ def test_async_save_holds_the_weights_of_its_moment():
     # finalize (after the writers) is left to the driver's manifest
     assert r["hashes"] == {"ranks": [f"rank_{i}" for i in range(4)], "uncovered": [".metadata", "metadata.json"],
                            "wrong": []}, r["hashes"]
+
+
+def test_te_fused_adam_resumes_bit_exactly():
+    """Transformer Engine's FusedAdam (megarl.testing.fused_adam: its step in param_group["step"],
+    only exp_avg and exp_avg_sq per parameter), with the distributed optimizer (model-space format)
+    and without: the checkpoint saves and restores its step, and the 2 steps after the resume equal
+    the uninterrupted run's losses and weights bit for bit (Adam's bias correction continues)."""
+    cases = [r for r in results("refusal") if r.get("case") == "fused_adam"]
+    assert [r["distributed"] for r in cases] == [True, False]
+    for r in cases:
+        assert r["optimizer"] == r["expected"], r
+        assert r["error"] is None, r
+        assert r["saved_steps"] == [2.0] and r["restored_steps"] == [2.0], r
+        assert r["resumed"] == r["reference"] and r["weights_equal"], r

@@ -135,6 +135,59 @@ def async_case():
             "reference": reference, "resumed": resumed, "hashes": hashes}
 
 
+def weights_digest(state):
+    """SHA-256 of this rank's weights, gathered from every rank (a bit-exact comparison)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for chunk in state.model:
+        for param in chunk.parameters():
+            digest.update(param.detach().float().numpy().tobytes())
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, digest.hexdigest())
+    return out
+
+
+def adam_steps(state):
+    """The step count each inner optimizer keeps: TE's in its param groups, torch's per parameter."""
+    opts = [o.optimizer for o in getattr(state.optimizer, "chained_optimizers", [state.optimizer])]
+    return sorted({float(g["step"]) for o in opts for g in o.param_groups if g["params"] and "step" in g}
+                  | {float(s["step"]) for o in opts for s in o.state.values() if "step" in s})
+
+
+def fused_adam_case(distributed):
+    """Transformer Engine's FusedAdam (the testing stand-in, built by megatron-core as TE's): its
+    step lives in the param groups and its state has no per-parameter step. Save after 2 steps,
+    resume in the same layout: the next 2 steps equal the uninterrupted run's bit for bit."""
+    from megarl.testing.fused_adam import FusedAdam, installed
+
+    model, layout = "configs/models/tiny-llama.json", Layout(tp=2, dp=2)
+    path = shared_dir() / "state"
+    with installed():
+        state = build(model, layout, seed=11, distributed=distributed)
+        kind = type(getattr(state.optimizer, "chained_optimizers", [state.optimizer])[0].optimizer).__name__
+        train(state, range(0, 2))
+        saved_steps = adam_steps(state)
+        save_train_state(state, path)
+        reference = train(state, range(2, STEPS))
+        reference_weights = weights_digest(state)
+        state.groups.destroy()
+        state = build(model, layout, seed=99, distributed=distributed)
+        try:
+            load_train_state(state, path)
+            error = None
+        except Exception as err:  # noqa: BLE001  (recorded for the test's message)
+            error = f"{type(err).__name__}: {err}"
+        restored_steps = adam_steps(state)
+        resumed = train(state, range(2, STEPS)) if error is None else None
+        resumed_weights = weights_digest(state) if error is None else None
+        state.groups.destroy()
+    remove(path)
+    return {"case": "fused_adam", "distributed": distributed, "optimizer": kind, "expected": FusedAdam.__name__,
+            "error": error, "saved_steps": saved_steps, "restored_steps": restored_steps, "reference": reference,
+            "resumed": resumed, "weights_equal": resumed_weights == reference_weights}
+
+
 def recorded_hashes(path):
     """What the ranks' background writers recorded (integrity.record_hashes): the ranks that
     left a sidecar, the files none covers, and the recorded digests that differ from the files."""
@@ -158,8 +211,8 @@ if __name__ == "__main__":
         results = [relayout_case(*case) for case in CASES]
     elif which == "async":
         results = [async_case()]
-    else:
-        results = [refusal_case()]
+    else:  # the same-layout resumes share this session: the bucket format's and TE FusedAdam's
+        results = [refusal_case(), fused_adam_case(distributed=True), fused_adam_case(distributed=False)]
     if dist.get_rank() == 0:
         for r in results:
             print("RESULT " + json.dumps(r), flush=True)
