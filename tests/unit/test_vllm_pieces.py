@@ -171,3 +171,43 @@ def test_the_cpu_build_has_none_of_the_cuda_linked_packages():
 
     assert vllm.__version__ == "0.32.0" and torch.__version__.endswith("+cpu")
     assert [m for m in ("torchvision", "torchaudio", "torchcodec", "triton") if importlib.util.find_spec(m)] == []
+
+
+def test_hand_overs_are_registered_by_device():
+    """GPUs: vLLM's ipc weight-transfer engine, which discards the weights while asleep only when
+    every sync replaces them all; the CPU build: the carrier file and reload_weights, weights kept."""
+    from megarl.rollout.backends.vllm import HAND_OVERS, hand_over
+    from megarl.transports import EngineHandOver
+    from megarl.transports.vllm_ipc import IpcHandOver
+    from megarl.transports.vllm_reload import ReloadHandOver
+
+    assert hand_over("cuda") is IpcHandOver and hand_over("cpu") is ReloadHandOver and len(HAND_OVERS) == 2
+    assert all(issubclass(hand_over(d), EngineHandOver) for d in HAND_OVERS)
+    assert ReloadHandOver.on_host and ReloadHandOver(None, keeps_weights=False).sleep_level == 1
+    ipc = IpcHandOver.__new__(IpcHandOver)  # no GPU here to read a UUID from
+    ipc.keeps_weights = False
+    assert ipc.sleep_level == 2 and not ipc.on_host
+    ipc.keeps_weights = True
+    assert ipc.sleep_level == 1
+    assert ipc.engine_kwargs() == {"weight_transfer_config": {"backend": "ipc"}}
+    with pytest.raises(ValueError, match="no weight hand-over for xpu"):
+        hand_over("xpu")
+
+
+def test_ipc_update_info_is_what_vllms_ipc_engine_parses(monkeypatch):
+    """One worker's entries become vLLM 0.32's IPCWeightTransferUpdateInfo (read from the installed vLLM)."""
+    import base64
+    import pickle
+
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    from megarl.transports.vllm_ipc import update_info
+
+    entries = [("model.embed_tokens.weight", "bfloat16", (8, 4), {"GPU-a": ("args", 1)}),
+               ("model.norm.weight", "bfloat16", (4,), {"GPU-a": ("args", 2)})]
+    info = update_info(entries)
+    assert pickle.loads(base64.b64decode(info["ipc_handles_pickled"])) == [{"GPU-a": ("args", 1)}, {"GPU-a": ("args", 2)}]
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # what the engine starts with
+    parsed = IPCWeightTransferUpdateInfo(**info)
+    assert parsed.names == ["model.embed_tokens.weight", "model.norm.weight"] and parsed.shapes == [[8, 4], [4]]
+    assert parsed.ipc_handles == [{"GPU-a": ("args", 1)}, {"GPU-a": ("args", 2)}]
