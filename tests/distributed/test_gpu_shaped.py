@@ -53,6 +53,33 @@ def test_vllm_engine_spans_its_tp_ranks_gpus_under_ray(results):
                              "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2}, r["keywords"]
 
 
+def test_vllm_split_placement_moves_no_weight_through_a_file(tmp_path, monkeypatch):
+    """Split placement (two worlds of one rank each: the trainer, and the rollout with its vLLM
+    engine): each sync's point-to-point transfer brings the rollout rank exactly its shard (the
+    transfer plan's bytes), and the engine's one worker takes the plan's tensors through vLLM's
+    ipc engine, equal to the trainer's at both syncs; no weight file is written."""
+    import socket
+    import threading
+
+    monkeypatch.setenv("MEGARL_GPU_SHAPED", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = "tests/distributed/vllm_gpu_worker.py"
+    trainer = threading.Thread(target=torchrun, args=(1, worker, "trainer", str(port)), daemon=True)
+    trainer.start()
+    out = torchrun(1, worker, "rollout", str(port))
+    trainer.join(timeout=300)
+    r = next(json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT "))
+    assert r["error"] is None and r["new_files"] == [], r
+    assert r["sync_bytes"] == [[r["transfer_planned"]] * 2] * 2 and r["transfer_planned"] > 0, r
+    assert r["syncs"] == 2 and all(all(s) for s in r["as_planned"]) and all(all(s) for s in r["exact"]), r
+    assert r["received_bytes"] == [[r["planned_bytes"]]] * 2 and r["devices"] == ["0"], r
+    assert r["rpcs"] == ["init_weight_transfer_engine"] + (
+        ["start_weight_update"] + ["update_weights"] * (r["rpcs"].count("update_weights") // 2)
+        + ["finish_weight_update"]) * 2, r["rpcs"]
+
+
 @pytest.mark.parametrize("case", ["vllm_tg2", "vllm_tg1"])
 def test_vllm_gpu_path_moves_no_weight_through_a_file(results, case):
     """The vllm backend's GPU path (its engine a recording stand-in of vLLM's LLM and weight-transfer

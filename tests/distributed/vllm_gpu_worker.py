@@ -271,3 +271,86 @@ def colocated_case(worker, cfg, gen_tp: int) -> dict:
     dist.all_gather_object(gathered, record)
     return {"case": record["case"], "error": next((r["error"] for r in gathered if r["error"]), None),
             "ranks": gathered}
+
+
+# ----------------------------------------------------------------------------- split placement
+SPLIT_MODEL = "configs/models/tiny-digits.json"
+
+
+def split_plan():
+    from megarl.hybrid import ModelSpec
+    from megarl.hybrid.transfer import plan_transfer
+    from megarl.models.hf_config import megatron_args_from_hf
+    from megarl.parallel import Layout
+
+    args = megatron_args_from_hf(SPLIT_MODEL)
+    model = ModelSpec.from_args(args)
+    return args, model, plan_transfer(model, Layout(tp=1), Layout(tp=1), 1 << 14)
+
+
+def split_trainer(port: int) -> None:
+    """The trainer's world (one rank): its weights point to point to the rollout's rank, twice."""
+    from megarl.transports.p2p import P2PSender
+    from tests.distributed.delta_worker import chunk_of, full_model
+
+    args, model, plan = split_plan()
+    chunk = chunk_of(model, full_model(model), plan.sources[0]).cuda()
+    sender = P2PSender(plan, [chunk])
+    sender.connect("127.0.0.1", port)
+    sender.send()
+    with torch.no_grad():
+        for p in chunk.parameters():
+            p.add_(0.25)
+    sender.send()
+
+
+def split_rollout_side(port: int) -> dict:
+    """The rollout's world (one rank, t_g=1): the vllm backend's split engine, fed point to point."""
+    from megarl.config import ModelConfig
+    from megarl.config.schema import LayoutsConfig, MegarlConfig, RolloutLayoutConfig
+    from megarl.rollout.backends import rollout_backend
+    from tests.distributed.delta_worker import full_model
+
+    install()
+    args, model, plan = split_plan()
+    cfg = MegarlConfig(model=ModelConfig(hf_config=SPLIT_MODEL), parallel=LayoutsConfig(
+        rollout=RolloutLayoutConfig(engine="vllm", tp=1, bucket_mb=1)))
+    record = {"case": "vllm_split", "error": None}
+    before = carrier_files()
+    try:
+        with one_gpu_per_rank(0):
+            engine = rollout_backend("vllm").split(cfg, args, plan)
+            engine.connect_weights("127.0.0.1", port)
+            pairs = []
+            for version in (1, 2):
+                engine.update_weights(version)
+                pairs.append(list(engine.sync_bytes()))
+        full = full_model(model)
+        llm = engine.llm
+        first = check_syncs(types.SimpleNamespace(devices=llm.devices, syncs=llm.syncs[:1]), engine,
+                            hf_export(args, cfg.model, full.items()))
+        second = check_syncs(types.SimpleNamespace(devices=llm.devices, syncs=llm.syncs[1:]), engine,
+                             hf_export(args, cfg.model, ((k, v + 0.25) for k, v in full.items())))
+        record.update(first)
+        record["exact"] = first["exact"] + second["exact"]
+        record["as_planned"] = first["as_planned"] + second["as_planned"]
+        record["received_bytes"] = first["received_bytes"] + second["received_bytes"]
+        record["syncs"] = len(llm.syncs)
+        record["sync_bytes"] = pairs
+        record["transfer_planned"] = plan.received(0) * engine.dtype.itemsize
+        record["rpcs"], record["devices"], record["env"] = llm.rpcs, llm.devices, llm.env
+        engine.shutdown()
+    except Exception as err:  # noqa: BLE001 - the test shows what failed
+        record["error"] = f"{type(err).__name__}: {err}"
+    record["new_files"] = sorted(set(carrier_files()) - set(before))
+    return record
+
+
+if __name__ == "__main__":
+    from megarl.runtime import init_distributed
+
+    init_distributed()
+    if sys.argv[1] == "trainer":
+        split_trainer(int(sys.argv[2]))
+    else:
+        print("RESULT " + json.dumps(split_rollout_side(int(sys.argv[2]))), flush=True)
