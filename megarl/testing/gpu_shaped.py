@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from megarl.runtime import cpu_mode
 from megarl.runtime.cpu_mode import _is_cuda_device as _device_is_cuda
+from megarl.testing import device_memory
 from megarl.runtime.distributed import GPU_SHAPED_ENV, gpu_shaped_requested
 
 CUDA = torch.device("cuda", 0)
@@ -119,7 +120,9 @@ def _as_cuda(t):
             t.__class__ = CudaShapedTensor  # keeps _is_param: still an nn.Parameter to isinstance
             t._is_param = True
         else:
-            return t.as_subclass(CudaShapedTensor)
+            t = t.as_subclass(CudaShapedTensor)
+    if isinstance(t, torch.Tensor):
+        device_memory.track(t)  # the device memory model counts its storage
     return t
 
 
@@ -170,8 +173,9 @@ class _GpuShapedMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _BACKWARD:
             return self._backward(func, args, kwargs)
-        if kwargs.get("pin_memory"):
+        if kwargs.get("pin_memory"):  # host memory, counted as the caching host allocator pins it
             kwargs["pin_memory"] = False
+            return device_memory.pinned(self.__torch_function__(func, types, args, kwargs))
         if func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
             return _move(func, args, kwargs)
         if func is torch.Tensor.numpy and is_cuda(args[0]):
@@ -537,7 +541,6 @@ def _patch_torch_cuda() -> None:
     cuda.device_count = lambda: 1
     cuda.get_device_name = lambda *a, **k: "GPU-shaped harness (CPU)"
     cuda.get_device_capability = lambda *a, **k: (9, 0)
-    cuda.mem_get_info = lambda *a, **k: (64 << 30, 80 << 30)
     cuda.is_bf16_supported = lambda *a, **k: True
     torch.cuda.nccl.version = lambda: (2, 21, 5)
     # torch's argument parser refuses the stand-in stream before any override is asked; CPU work
@@ -587,6 +590,7 @@ def enable() -> bool:
         _patch_distributed()
         cpu_mode.fix_missing_transformer_engine()
         _patch_module_moves()
+        device_memory.enable()  # torch.cuda's memory queries read the model from here on
         _mode = _GpuShapedMode()
         _mode.__enter__()
         return True
