@@ -81,3 +81,92 @@ def test_harness_rules():
     data = bytes.fromhex(next(line for line in proc.stdout.splitlines() if line.startswith("PICKLED "))[8:])
     with pytest.raises(RuntimeError, match="deserialize object on a CUDA device"):
         pickle.loads(data)
+
+
+PAIRING = """
+import datetime, os, sys
+import torch, torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from megarl.testing import gpu_shaped as gs
+from megarl.testing.nccl_p2p import PairingMismatch
+assert gs.enable()
+rank = int(os.environ["RANK"])
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+gloo = dist.new_group([0, 1], backend="gloo")
+spanning = dist.ProcessGroupNCCL(dist.PrefixStore("spanning", c10d._get_default_store()), rank, 2)
+
+def two_messages(device, first, second, send, recv):
+    \"\"\"Rank 0 sends ``first`` (tag 1) then ``second`` (tag 2); rank 1 receives them in the other order.\"\"\"
+    a = torch.arange(first[1], device=device).to(first[0])
+    b = torch.arange(second[1], device=device).to(second[0]) + 100
+    if rank == 0:
+        works = [send(a, 1, 1), send(b, 1, 2)]
+        for w in works:
+            w.wait()
+        return "sent"
+    got_b, got_a = torch.empty_like(b), torch.empty_like(a)
+    works = [recv(got_b, 0, 2), recv(got_a, 0, 1)]
+    try:
+        for w in works:
+            w.wait()
+    except PairingMismatch as e:
+        return "MISMATCH " + str(e)
+    assert torch.equal(got_a.cpu(), a.cpu()) and torch.equal(got_b.cpu(), b.cpu()), (got_a, got_b)
+    return "paired by tag"
+
+c10d_ops = lambda group: (lambda t, peer, tag: dist.isend(t, peer, group=group, tag=tag),
+                          lambda t, peer, tag: dist.irecv(t, peer, group=group, tag=tag))
+object_ops = (lambda t, peer, tag: spanning.send([t], peer, tag), lambda t, peer, tag: spanning.recv([t], peer, tag))
+for name, device, ops in (("gloo", "cpu", c10d_ops(gloo)), ("nccl", "cuda", c10d_ops(None)),
+                          ("ProcessGroupNCCL", "cuda", object_ops)):
+    for dtypes in ((torch.float32, 4), (torch.bfloat16, 16)), ((torch.float32, 4), (torch.float32, 4)):
+        print(f"CASE {name} {dtypes[0][0]}/{dtypes[1][0]}: {two_messages(device, *dtypes, *ops)}", flush=True)
+
+# the same order on both sides (any tags) pairs on NCCL, also with both directions in one batch
+x = torch.arange(6.0, device="cuda") + 10 * rank
+mine, theirs = torch.empty(6, device="cuda"), torch.empty(6, device="cuda")
+peer = 1 - rank
+ops = [dist.P2POp(dist.irecv, mine, peer, tag=3), dist.P2POp(dist.isend, x, peer, tag=3),
+       dist.P2POp(dist.irecv, theirs, peer, tag=9), dist.P2POp(dist.isend, x * 2, peer, tag=9)]
+for w in dist.batch_isend_irecv(ops):
+    w.wait()
+expect = torch.arange(6.0) + 10 * peer
+assert torch.equal(mine.cpu(), expect) and torch.equal(theirs.cpu(), 2 * expect), (mine, theirs)
+if rank == 0:
+    dist.send(x, 1, tag=4)
+else:
+    assert dist.recv(mine, 0, tag=4) == 0 and torch.equal(mine.cpu(), torch.arange(6.0))
+dist.barrier()
+print("OK", flush=True)
+"""
+
+
+def test_point_to_point_pairs_as_nccl():
+    """NCCL pairs a pair of ranks' messages in posting order, ignoring tags: two sends received in the
+    other order pair by tag on gloo and are refused on NCCL-shaped groups (c10d's and a
+    ProcessGroupNCCL built directly), naming both sides; the same order with any tags pairs."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"PYTHONPATH": str(ROOT), "PORT": str(port), "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(PAIRING)], cwd=ROOT, env=env | {"RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.strip().endswith("OK"), out[-3000:] + err[-4000:]
+    cases = {line.split(": ", 1)[0][5:]: line.split(": ", 1)[1] for line in outs[1][0].splitlines()
+             if line.startswith("CASE ")}
+    assert cases["gloo torch.float32/torch.bfloat16"] == cases["gloo torch.float32/torch.float32"] == "paired by tag"
+    for group in ("nccl", "ProcessGroupNCCL"):
+        for dtypes in ("torch.float32/torch.bfloat16", "torch.float32/torch.float32"):
+            assert cases[f"{group} {dtypes}"].startswith("MISMATCH "), cases
+    text = cases["nccl torch.float32/torch.bfloat16"]
+    assert ("rank 1 (group rank 1)'s receive #1 from rank 0 (group rank 0) (tag 2, bfloat16 [16], 16 elements) is "
+            "paired with rank 0 (group rank 0)'s send #1 to rank 1 (group rank 1) (tag 1, float32 [4], 4 elements)"
+            in text), text
+    assert "receive #3 from rank 0 (tag 2, float32 [4], 4 elements) is paired with rank 0's send #3 to rank 1 (tag 1, " \
+        "float32 [4], 4 elements)" in cases["ProcessGroupNCCL torch.float32/torch.float32"], cases  # same size: by tag
