@@ -16,6 +16,9 @@ CUDA device, and checks devices as CUDA torch and NCCL would:
   makes: CPU scalars (0-dim tensors), CPU index tensors, and copies between devices;
 * process groups asked for NCCL (the default backend here) run on gloo and accept only
   CUDA-shaped tensors; groups asked for gloo accept only CPU tensors, as on a GPU machine;
+* point-to-point on NCCL-shaped groups pairs as NCCL does, in posting order per pair of ranks,
+  ignoring tags, and a receive paired with a send it disagrees with raises
+  (:mod:`megarl.testing.nccl_p2p`);
 * ``torch.Generator(device="cuda")`` gives a generator that reports ``cuda``, and sampling CUDA
   probabilities with a CPU generator (or CPU probabilities with a CUDA one) raises, as torch does.
 
@@ -46,6 +49,8 @@ from megarl.runtime import cpu_mode
 from megarl.runtime.cpu_mode import _is_cuda_device as _device_is_cuda
 from megarl.testing import device_memory
 from megarl.runtime.distributed import GPU_SHAPED_ENV, gpu_shaped_requested
+from megarl.runtime.distributed import collective_timeout
+from megarl.testing import nccl_p2p
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -388,6 +393,32 @@ _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor
 
 
 _internal = threading.local()  # inside torch's object collectives, which place their own tensors
+_P2P = {"send": True, "isend": True, "recv": False, "irecv": False}  # name -> sends
+_pairings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # c10d group -> nccl_p2p.Pairing
+
+
+def _paired(name, args, kwargs):
+    """``dist.send/recv/isend/irecv`` on an NCCL-shaped group: NCCL's pairing (nccl_p2p)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    names = ("tensor", "dst" if _P2P[name] else "src", "group", "tag", "group_dst" if _P2P[name] else "group_src")
+    bound = dict(zip(names, args), **kwargs)
+    group = c10d._group_or_default_group(bound.get("group"))
+    if bound.get(names[1]) is None and bound.get(names[4]) is None:
+        raise RuntimeError(f"torch.distributed.{name}: a receive from any source; NCCL has none (name the peer)")
+    peer = c10d._canonicalize_group_rank(group, bound.get(names[1]), bound.get(names[4]))
+    if c10d._rank_not_in_group(group):
+        return None
+    if group not in _pairings:
+        _pairings[group] = nccl_p2p.Pairing(group, f"NCCL-shaped group {group.group_name!r}", collective_timeout(),
+                                            lambda r, g=group: f"{c10d.get_global_rank(g, r)} (group rank {r})")
+    tensor = bound["tensor"]
+    tensor = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    work = getattr(_pairings[group], "send" if _P2P[name] else "recv")(tensor, peer, bound.get("tag", 0))
+    if name in ("isend", "irecv"):
+        return work
+    work.wait()
+    return None if _P2P[name] else c10d.get_global_rank(group, peer)
 
 
 def _checked(name, original):
@@ -398,6 +429,8 @@ def _checked(name, original):
         # gloo gets the CPU storage: plain tensors share it, so in-place results land in place
         # (torch re-enters the patched function through __torch_function__: checked once)
         plain = tree_map(_as_cpu, (args, kwargs))
+        if name in _P2P and group_device(_group_of(name, args, kwargs)).type == "cuda":
+            return _paired(name, *plain)
         _internal.depth = getattr(_internal, "depth", 0) + 1
         try:
             return original(*plain[0], **plain[1])
@@ -440,10 +473,17 @@ class _ProcessGroupNCCL:
             self._timeout = datetime.timedelta(minutes=10)
 
     def __init__(self, store, rank: int, size: int, options=None):
-        self._pg = dist.ProcessGroupGloo(store, rank, size, (options or self.Options())._timeout)
+        timeout = (options or self.Options())._timeout
+        self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._pairing = nccl_p2p.Pairing(self._pg, f"ProcessGroupNCCL (size {size})", timeout)
 
     def __getattr__(self, name):
         attr = getattr(self._pg, name)
+        if name in ("send", "recv"):  # NCCL's pairing: posting order, tags ignored (nccl_p2p)
+            attr = functools.partial(lambda call, tensors, peer, tag=0: call(tensors[0], peer, tag),
+                                     getattr(self._pairing, name))
+        elif name == "recv_anysource":
+            raise AttributeError("ProcessGroupNCCL has no receive from any source (name the peer)")
         if name not in self._TENSOR_METHODS:
             return attr
 
@@ -484,6 +524,12 @@ def _patch_distributed() -> None:
             op.tensor = _as_cpu(op.tensor)  # gloo gets the CPU storage, which the tensor shares
         _internal.depth = getattr(_internal, "depth", 0) + 1
         try:
+            if p2p_op_list and group_device(p2p_op_list[0].group).type == "cuda":
+                # NCCL's group call posts the ops in list order: each pairs as its own op does
+                works = [op.op(op.tensor, group=op.group, tag=op.tag,
+                               **{"group_dst" if _P2P[op.op.__name__] else "group_src": op.group_peer})
+                         for op in p2p_op_list]
+                return [w for w in works if w is not None]
             return batch(p2p_op_list)
         finally:
             _internal.depth -= 1
