@@ -61,7 +61,7 @@ from megarl.models import build_model, gated_delta_net
 from megarl.models.hf_config import MegatronModelArgs
 from megarl.models import routing_replay
 from megarl.parallel import LayoutError
-from megarl.rollout.sampling import generator_for, sample
+from megarl.rollout.sampling import row_key, row_keys, sample
 from megarl.rollout.types import Response, RolloutEngine, RolloutStats, SamplingParams, dp_rows
 from megarl.runtime import cpu_mode, progress
 from megarl.transports import WeightReceiver
@@ -219,14 +219,15 @@ class NativeRollout(RolloutEngine):
             return None
         return logits[:, -1, : self.vocab]
 
-    def _sampled(self, logits, sampling: SamplingParams, generators):
-        """The next tokens and their log-probs [rows] each; at p_g > 1 the last stage samples and
-        broadcasts them to its pipeline (token ids are exact in float64, and so are fp32 log-probs)."""
+    def _sampled(self, logits, sampling: SamplingParams, keys: torch.Tensor, step: int):
+        """The next tokens and their log-probs [rows] each, row i drawing from its stream
+        ``keys[i]`` at counter ``step``; at p_g > 1 the last stage samples and broadcasts them to
+        its pipeline (token ids are exact in float64, and so are fp32 log-probs)."""
         if self.stages is None:
-            return sample(logits, sampling, generators)
-        both = torch.empty(len(generators), 2, dtype=torch.float64, device=self.weights[0].device)
+            return sample(logits, sampling, keys, step)
+        both = torch.empty(len(keys), 2, dtype=torch.float64, device=self.weights[0].device)
         if self.last_stage:
-            chosen, chosen_logp = sample(logits, sampling, generators)
+            chosen, chosen_logp = sample(logits, sampling, keys, step)
             both[:, 0], both[:, 1] = chosen, chosen_logp
         dist.broadcast(both, src=self.stages[-1], group=self.groups.pg.pp)
         return both[:, 0].long(), both[:, 1]
@@ -274,7 +275,7 @@ class NativeRollout(RolloutEngine):
         blocked = ~(valid[:, None, None, :width] | eye)
         context = _DecodeContext(len(rows), total) if self.kv_cache else None
         active = list(range(len(rows)))
-        generators = [generator_for(*sampling.stream_key(seed, p), s, device=device) for p, s in rows]
+        keys = row_keys((row_key(*sampling.stream_key(seed, p), s) for p, s in rows), device)  # [rows]
         produced: List[List[int]] = [[] for _ in rows]
         log_probs: List[List[float]] = [[] for _ in rows]
         finish = [""] * len(rows)
@@ -290,7 +291,7 @@ class NativeRollout(RolloutEngine):
         stop = set(sampling.stop_token_ids)
         for step in range(sampling.max_new_tokens):
             progress.tick()  # a decode step: what the driver's hang check sees advance
-            chosen, chosen_logp = self._sampled(logits, sampling, [generators[i] for i in active])
+            chosen, chosen_logp = self._sampled(logits, sampling, keys, step)
             keep = []
             for j, (i, token, logp) in enumerate(zip(active, chosen.tolist(), chosen_logp.tolist())):
                 produced[i].append(token)
@@ -314,6 +315,7 @@ class NativeRollout(RolloutEngine):
                 if context is not None:
                     context.keep_rows(index, position)
                 valid, tokens = valid.index_select(0, index), tokens.index_select(0, index)
+                keys = keys.index_select(0, index)
                 active = [active[j] for j in keep]
             valid[:, position] = True
             if context is not None:  # only the new token; keys come from the cache

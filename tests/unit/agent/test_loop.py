@@ -235,14 +235,14 @@ def test_sample_step_rewards_and_overlong_budget(reward):
 def test_engines_seed_an_episode_turn_alone():
     """Per-prompt seeds make a row's draws independent of the call's other rows: the SGLang
     request seed and the native engine's stream (sampling.stream_key) follow the prompt's seed."""
-    from megarl.rollout.sampling import generator_for
+    from megarl.rollout.sampling import row_key, row_keys, uniforms
     from megarl.rollout.sglang_engine import request_params
 
     together = SamplingParams(seed=3, prompt_seeds=[11, 22])
     alone = SamplingParams(seed=9, prompt_seeds=[22])
     assert request_params([(0, 0), (1, 0)], together)[1] == request_params([(0, 0)], alone)[0]
     assert request_params([(0, 0)], together)[0]["sampling_seed"] != request_params([(0, 0)], alone)[0]["sampling_seed"]
-    draw = lambda sampling, p: torch.rand(4, generator=generator_for(*sampling.stream_key(sampling.seed, p), 0))
+    draw = lambda sampling, p: uniforms(row_keys([row_key(*sampling.stream_key(sampling.seed, p), 0)]), torch.arange(4))
     assert torch.equal(draw(together, 1), draw(alone, 0)) and not torch.equal(draw(together, 0), draw(alone, 0))
     plain = SamplingParams(seed=3)  # no prompt seeds: (seed, prompt index) as before
     assert plain.stream_key(3, 1) == (3, 1)
