@@ -38,8 +38,11 @@ class RaySession:
         # the GPU-shaped harness of a driver run under it reaches its workers on any cluster
         from megarl.runtime.distributed import GPU_SHAPED_ENV, gpu_shaped_requested
 
+        from megarl.runtime.memory import allocator_env
+
+        # expandable segments for the workers' allocator, merged into the user's setting
         self.worker_env = {RUN_TAG: self.run_id, **({"GLOO_SOCKET_IFNAME": "lo"} if self.private else {}),
-                           **({GPU_SHAPED_ENV: "1"} if gpu_shaped_requested() else {})}
+                           **({GPU_SHAPED_ENV: "1"} if gpu_shaped_requested() else {}), **allocator_env(os.environ)}
         self.liveness = None
         # Ctrl-C reaches the watchdog even when this process cannot take it (see InterruptNotice)
         self.interrupts = InterruptNotice()

@@ -33,6 +33,7 @@ from megarl.roles.rollout import Rollout
 from megarl.rollout.backends import rollout_backend
 from megarl.runtime import init_distributed, peak_gpu_gb, peak_rss_gb, progress, set_seed
 from megarl.runtime.devices import to_device, to_host
+from megarl.runtime.memory import device_used_gb, peak_gpu_reserved_gb
 
 def needs_reference(algo) -> bool:
     return algo.kl_coef > 0
@@ -219,11 +220,15 @@ class RLWorker:
                            seed=self.cfg.trainer.seed + batch.policy_version + 1)
 
     def _peak_memory(self) -> Dict[str, float]:
-        """Peak host RSS (and GPU memory) of the run so far, the max over all ranks."""
+        """Peak host RSS (and GPU memory: torch's allocated and reserved peaks, and the device's
+        use now, which counts the rollout engines' processes) of the run so far, the max over all ranks."""
         cuda = torch.cuda.is_available()
-        peaks = torch.tensor([peak_rss_gb(), peak_gpu_gb() if cuda else 0.0], device="cuda" if cuda else "cpu")
+        gpu = [peak_gpu_gb(), peak_gpu_reserved_gb(), device_used_gb()] if cuda else [0.0, 0.0, 0.0]
+        peaks = torch.tensor([peak_rss_gb(), *gpu], device="cuda" if cuda else "cpu")
         torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
         out = {"memory/worker_peak_rss_gb": peaks[0].item()}
         if cuda:
             out["memory/worker_peak_gpu_gb"] = peaks[1].item()
+            out["memory/worker_peak_gpu_reserved_gb"] = peaks[2].item()
+            out["memory/device_used_gb"] = peaks[3].item()
         return out

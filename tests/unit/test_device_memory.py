@@ -61,6 +61,8 @@ with progress.phase("actor.update_actor"):                        # megarl's pha
 with progress.phase("rollout.update_weights"):
     torch.cuda.empty_cache()
     vllm = device_memory.start_engine("vllm", 0.5)                 # 2 GiB of 4: fits on the empty device
+from megarl.runtime import memory                                  # megarl's metrics read the model
+assert memory.device_used_gb() == 2.0 and memory.peak_gpu_reserved_gb() >= 1.0
 assert device_memory.report() == {"actor.update_actor": {"allocated": 1.0, "device": 1.0},
                                   "rollout.update_weights": {"allocated": 0.0, "device": 2.0}}, device_memory.report()
 start = device_memory.engine_starts()[0]
@@ -108,3 +110,14 @@ def test_device_memory_model():
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_allocator_env_merges_expandable_segments():
+    from megarl.runtime.memory import allocator_env
+
+    assert allocator_env({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert allocator_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"}
+    assert allocator_env({"PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8"}) == {
+        "PYTORCH_ALLOC_CONF": "garbage_collection_threshold:0.8,expandable_segments:True"}
+    assert allocator_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) == {}  # the user's choice stays
