@@ -8,18 +8,23 @@ collective over both groups (the training ranks send, the rollout ranks receive)
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
 from megarl.config import ConfigError
 from megarl.config.schema import REWARD_MODEL, Loop, Placement, RolloutCorrection
-from megarl.controller.group import RoleProxy, WorkerGroup, wait_groups
 from megarl.rollout.backends import rollout_layout, transfer_plan
+
+if TYPE_CHECKING:  # Ray's worker groups: imported where a split run starts them, so that
+    # check_placement (megarl.controller.prepare) runs without Ray (benchmarks/gpu/check_loop.py)
+    from megarl.controller.group import RoleProxy, WorkerGroup
 
 class SplitRollout:
     """The rollout role of split placement: generation on the rollout's group, weight syncs
     from the trainer's group to it."""
 
     def __init__(self, trainer: WorkerGroup, rollout: WorkerGroup, proxy: RoleProxy):
+        from megarl.controller.group import wait_groups
+
         self.trainer, self.rollout, self.proxy = trainer, rollout, proxy
         address, port = trainer.call_one("rendezvous")  # the spanning group's store: trainer rank 0
         wait_groups([(trainer, trainer.submit("connect_weights", address, port)),
@@ -40,6 +45,8 @@ class SplitRollout:
         largest difference, over rollout ranks, between what a rank received and its
         generation shard (0: each received exactly its shard); ``sync/peak_extra_mb`` and
         ``sync/delta_copy_mb`` over both groups' ranks."""
+        from megarl.controller.group import wait_groups
+
         sent, received = wait_groups([(self.trainer, self.trainer.submit("publish_weights")),
                                       (self.rollout, self.rollout.submit("call", "rollout", "update_weights",
                                                                          policy_version))])

@@ -129,19 +129,3 @@ def test_delta_sync_on_the_device(results):
 @pytest.mark.parametrize("case", sorted(FAULTS))
 def test_each_fault_put_back_is_refused(results, case):
     assert results[case] is not None and FAULTS[case] in results[case], results[case]
-
-
-def test_ray_less_loop_of_the_gpu_check(tmp_path):
-    """benchmarks/gpu/check_loop.py, the GPU check's RL loop without Ray, under the harness at tp=2:
-    PPO's roles with the trainer's state offloaded while generating, a checkpoint each step
-    reloaded into the same weights."""
-    env = {"MEGARL_GPU_SHAPED": "1"}
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        out = torchrun(2, "benchmarks/gpu/check_loop.py", str(tmp_path), "trainer.train_steps=2",
-                       "trainer.offload.params=true", "trainer.offload.grads=true", "trainer.offload.optimizer=true")
-    rows = [json.loads(line[5:]) for line in out.splitlines() if line.startswith("LOOP {")]
-    assert "LOOP_OK" in out and len(rows) == 3
-    assert rows[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and "critic/loss" in rows[0]
-    assert rows[0]["rollout/logp_max_abs_diff"] <= 1e-2  # bf16, as on a GPU (tests/e2e/test_gpu_shaped.py)

