@@ -2,6 +2,7 @@
 transformers' own ``generate`` and vLLM on the same weights.
 
     python benchmarks/rollout.py [--max-new 64] [--repeats 3] [--no-vllm] [--profile]
+    python benchmarks/rollout.py sampler   # token selection alone: per-row multinomial vs batched
 
 Each setting runs under torchrun on this machine (gloo on CPU, NCCL on GPUs): the actor is built
 in its training layout, the rollout in the generation layout is fed by the hybrid engine, and
@@ -245,7 +246,8 @@ def main() -> None:
     import time
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", default="all", choices=["all", "worker"])
+    parser.add_argument("what", nargs="?", default="all", choices=["all", "worker", "sampler"],
+                        help="sampler: only the token-selection timing of one decode step, old against batched")
     parser.add_argument("--model", default="")
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="runs per setting; the best counts")
@@ -259,6 +261,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.what == "worker":
         worker(args)
+        return
+    if args.what == "sampler":
+        import torch
+
+        from benchmarks.rollout_probes import sampler_step_times
+
+        torch.set_num_threads(1)
+        print("\n".join(sampler_step_times()))
         return
     begin = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",

@@ -237,3 +237,56 @@ def profile_native(rollout, prompts, sampling, top: int = 8) -> List[str]:
                    f"{e.count:7d} calls {e.self_cpu_time_total / max(e.count, 1):7.1f} us/call")
     return out
 
+
+
+# ----------------------------------------------------------------------------- the sampler alone
+
+
+def sampler_step_times(vocabs=(4096, 151936), batches=(1, 16, 64), repeats: int = 20) -> List[str]:
+    """Time per decode step of token selection alone, in one run, best of ``repeats``: the
+    sampler before issue 42 (one ``torch.multinomial`` per row, a generator per row), the batched
+    one (:func:`megarl.rollout.sampling.sample`: inversion with one counter-based uniform per
+    row), and Gumbel-max over the same counter-based hash (one uniform per vocabulary entry, the
+    alternative it was chosen over). Each includes the step's read of the tokens to the host, as
+    the decode loop does. Temperature 0.8, top-p 0.9, fp32 logits from ``torch.randn``."""
+    import torch
+
+    from megarl.rollout import SamplingParams
+    from megarl.rollout.sampling import _mix32, filter_logits, row_key, row_keys, sample
+
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+
+    def per_row(logits, generators):
+        probs = torch.softmax(filter_logits(logits.float() / 0.8, 0, 0.9), dim=-1)
+        return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+
+    def gumbel(logits, keys, step):
+        index = torch.arange(logits.shape[-1], dtype=torch.int64)
+        bits = _mix32((_mix32(keys ^ step)[:, None] ^ index) & 0xFFFF_FFFF)
+        exponential = -((((bits >> 8).float() + 0.5) * 2.0 ** -24).log())
+        probs = torch.softmax(filter_logits(logits.float() / 0.8, 0, 0.9), dim=-1)
+        return (probs / exponential).argmax(-1)
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+        return 1e3 * min(times)
+
+    out = [f"token selection per decode step (ms, best of {repeats}, {torch.get_num_threads()} thread(s), "
+           f"T=0.8, top-p 0.9; each with the step's host read)",
+           f"{'vocab':>7s} {'batch':>5s} {'per-row multinomial':>20s} {'batched (inversion)':>20s} "
+           f"{'speed-up':>9s} {'Gumbel-max (hashed)':>20s}"]
+    for vocab in vocabs:
+        for batch in batches:
+            logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch))
+            generators = [torch.Generator().manual_seed(row_key(1, i, 0)) for i in range(batch)]
+            keys = row_keys(row_key(1, i, 0) for i in range(batch))
+            old = best(lambda: per_row(logits, generators).tolist())
+            new = best(lambda: sample(logits, params, keys, 7)[0].tolist())
+            hashed = best(lambda: gumbel(logits, keys, 7).tolist())
+            out.append(f"{vocab:7d} {batch:5d} {old:20.3f} {new:20.3f} {old / new:8.1f}x {hashed:20.3f}")
+    return out
