@@ -21,7 +21,8 @@ class WeightLoader:
 
         with safe_open(path, framework="pt", device="cpu") as f:
             names = list(f.keys())
-            with _cpu_experts_repacked(self.model_runner.get_model()):
+            model = self.model_runner.get_model()
+            with _cpu_experts_repacked(model), _tied_heads_reprocessed(model):
                 self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names))
         return len(names)
 
@@ -63,4 +64,52 @@ class _cpu_experts_repacked:
     def __exit__(self, *exc):
         for method, kernel in self.kernels:
             method.moe_kernel = kernel
+        return False
+
+
+class _tied_heads_reprocessed:
+    """A tied output layer (``lm_head.tie_weights(embed_tokens)``: Llama, Qwen2/3, SmolLM) shares
+    the embedding's Parameter but is a module of its own, and the checkpoint has no tensor for it
+    (``load_weights`` skips ``lm_head.``). vLLM 0.32's in-place reload
+    (``reload/layerwise.py``: ``finalize_layerwise_processing``) therefore finds it loaded nothing,
+    puts its kernel tensors back and skips its ``process_weights_after_loading``; on CPU that is
+    ``dispatch_cpu_unquantized_gemm``, which packs the weight into a oneDNN (or sgl) kernel of its
+    own, so the head kept the start-up dummy weights' kernel: log-probs ~ -ln(vocabulary) although
+    the shared weight holds the new values. After the reload, each tied module whose shared
+    Parameter was reloaded (the embedding's, by the names ``load_weights`` reports) runs its quant
+    method's ``process_weights_after_loading`` again, as a fresh load does after every tensor has
+    arrived; a reload without the embedding leaves the head alone."""
+
+    def __init__(self, model):
+        owner = {}  # id(Parameter) -> the name it is loaded under (its first module's)
+        for name, param in model.named_parameters():
+            owner.setdefault(id(param), name)
+        self.model, self.loaded = model, set()
+        self.tied = []  # (module, name of the Parameter it shares)
+        for prefix, module in model.named_modules():
+            weight = module._parameters.get("weight")
+            if weight is None or getattr(module, "quant_method", None) is None:
+                continue
+            shared = owner.get(id(weight))
+            if shared is not None and shared != f"{prefix}.weight":
+                self.tied.append((module, shared))
+
+    def __enter__(self):
+        if self.tied:  # the names vLLM's model reports as loaded
+            load = self.model.load_weights
+
+            def load_weights(weights):
+                loaded = load(weights)
+                self.loaded.update(loaded or ())
+                return loaded
+
+            self.model.load_weights = load_weights
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        self.model.__dict__.pop("load_weights", None)
+        if exc_type is None:
+            for module, shared in self.tied:
+                if shared in self.loaded:
+                    module.quant_method.process_weights_after_loading(module)
         return False
