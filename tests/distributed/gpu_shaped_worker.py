@@ -72,13 +72,13 @@ def main(work: str) -> None:
     attempt("fault/batch_not_moved", log_probs)
     rl_worker.to_device = moved
 
-    # Finding 3: CPU generators for the sampling device
+    # Finding 3 (once CPU generators for the sampling device): the rows' stream keys on the CPU
     from megarl.rollout import native
 
-    for_device = native.generator_for
-    native.generator_for = lambda seed, p, s, device=None: for_device(seed, p, s)
-    attempt("fault/cpu_generators", lambda: worker.call("rollout", "generate", PROMPTS, sampled))
-    native.generator_for = for_device
+    for_device = native.row_keys
+    native.row_keys = lambda keys, device=None: for_device(keys)
+    attempt("fault/cpu_sampler_keys", lambda: worker.call("rollout", "generate", PROMPTS, sampled))
+    native.row_keys = for_device
 
     # Finding 2: a CPU tensor in an NCCL collective (the resharder's change flags)
     from megarl.hybrid import executor

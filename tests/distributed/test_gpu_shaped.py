@@ -1,7 +1,8 @@
 """The GPU-shaped harness sees the device faults of issue 24: the demo's RLWorker, verb by verb
 at actor tp=2 (tests/distributed/gpu_shaped_worker.py), runs as written, and refuses each fault
 put back: the batch's device move removed (finding 1), a CPU tensor in an NCCL collective
-(finding 2), CPU generators for CUDA probabilities (finding 3), a module built on the CPU
+(finding 2), the sampler's per-row stream keys on the CPU for CUDA logits (finding 3; once CPU
+generators), a module built on the CPU
 (finding 5). Results come back to the host."""
 
 import json
@@ -12,7 +13,7 @@ from tests.distributed.launch import torchrun
 
 pytestmark = pytest.mark.gpu_shaped
 FAULTS = {"fault/batch_not_moved": "embedding: expected all tensors to be on the same device",
-          "fault/cpu_generators": "Expected a 'cuda' device type for generator but found 'cpu'",
+          "fault/cpu_sampler_keys": "mul: expected all tensors to be on the same device",
           "fault/cpu_collective": "a cpu tensor of shape [15] on a NCCL group",
           "fault/value_head_on_cpu": "linear: expected all tensors to be on the same device"}
 
