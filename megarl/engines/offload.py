@@ -22,7 +22,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel
 
 from megarl.engines.train_state import TrainState
-from megarl.runtime.memory import reset_peak_memory, window_peaks_gb
+from megarl.runtime.memory import pinned_host_bytes, reset_peak_memory, unpin_host, window_peaks_gb
 
 KINDS = ("params", "grads", "optimizer")
 
@@ -77,8 +77,8 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 class Offloaded:
     """Host copies of a state's storages; ``reload()`` puts them back."""
 
-    def __init__(self, storages: List[torch.UntypedStorage], copies: List[torch.Tensor]):
-        self.storages, self.copies = storages, copies
+    def __init__(self, storages: List[torch.UntypedStorage], copies: List[torch.Tensor], pinned: bool = False):
+        self.storages, self.copies, self.pinned = storages, copies, pinned
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +90,9 @@ class Offloaded:
             _bytes(storage).copy_(host, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        if self.pinned:
+            for host in self.copies:
+                unpin_host(host)
         self.storages, self.copies = [], []
 
 
@@ -103,14 +106,15 @@ def offload(state: TrainState, kinds: Sequence[str] = KINDS) -> Offloaded:
     copies = []
     for storage in storages:
         source = _bytes(storage)
-        host = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=pin)
+        # exact page-locked buffers: the caching host allocator would round each up to a power of two
+        host = pinned_host_bytes(source.numel()) if pin else torch.empty(source.numel(), dtype=torch.uint8)
         host.copy_(source, non_blocking=pin)
         copies.append(host)
     if pin:
         torch.cuda.synchronize()
     for storage in storages:
         storage.resize_(0)
-    return Offloaded(storages, copies)
+    return Offloaded(storages, copies, pinned=pin)
 
 
 class PhaseOffload:

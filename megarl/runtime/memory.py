@@ -50,6 +50,24 @@ def peak_gpu_gb() -> float:
     return max(torch.cuda.max_memory_allocated(), _reset_gpu_peak_bytes) / 2**30
 
 
+def pinned_host_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory, exactly: a host tensor registered with
+    ``cudaHostRegister`` (torch's caching host allocator, behind ``pin_memory=True``, rounds each
+    block up to a power of two: 17.6 GB would pin 32 GB). Release it with :func:`unpin_host`."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        err = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed (cudaError {err})")
+    return host
+
+
+def unpin_host(host: torch.Tensor) -> None:
+    """Unregister a :func:`pinned_host_bytes` buffer (before it is freed)."""
+    if host.numel():
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+
+
 def peak_gpu_reserved_gb() -> float:
     """torch's peak CUDA memory reserved by this process's caching allocator (allocated, plus
     freed blocks it keeps), per-phase resets included."""

@@ -101,6 +101,20 @@ assert m.pinned_bytes() == 7 << 20
 assert torch.cuda.cudart().cudaHostUnregister(exact.data_ptr()) == 0
 del p; gc.collect()
 assert m.pinned_bytes() == 0
+host = memory.pinned_host_bytes((3 << 20) + 5)                      # megarl's offload buffers: exact
+assert m.pinned_bytes() == (3 << 20) + 5
+memory.unpin_host(host)
+assert m.pinned_bytes() == 0
+
+from types import SimpleNamespace                                   # the trainer's offload pins exactly
+from megarl.engines.offload import offload
+lin = torch.nn.Linear(60, 60).cuda()                                # 14400 + 240 bytes (rounded: 16384 + 256)
+live = torch.cuda.memory_allocated()
+handle = offload(SimpleNamespace(model=[lin], optimizer=None), ("params",))
+assert torch.cuda.memory_allocated() == live - 14640
+assert m.pinned_bytes() == 14640, m.pinned_bytes()
+handle.reload()
+assert m.pinned_bytes() == 0 and torch.cuda.memory_allocated() == live
 print("OK")
 """
 
