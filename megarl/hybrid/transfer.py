@@ -192,7 +192,7 @@ class ShardSender(_Side):
         model, in_flight = self.plan.model, []
         nbytes = lambda bufs: sum(b.numel() * b.element_size() for b in bufs)  # noqa: E731
         for index, bucket in enumerate(self.plan.buckets):
-            works, bufs, scratch, packed = [], [], 0, {}
+            works, bufs, scratch, packed, payloads = [], [], 0, {}, []
             for (dst, code), segs in self._pairs(bucket, lambda s: s.dst if s.src == self.rank else None).items():
                 key = (index, code, tuple((s.tensor, s.start, s.stop) for s in segs))
                 if key not in packed:  # the same ranges to several rollout replicas: packed (and encoded) once
@@ -208,10 +208,12 @@ class ShardSender(_Side):
                         bufs.append(buf)
                     packed[key] = message
                 message = packed[key]
-                if self.plan.delta:
+                if self.plan.delta:  # every header of the bucket before its payloads, as the receiver posts
                     works.append(self.group.send([message.header], dst, message_tag(index, code, header=True)))
                     stats.elements_changed += message.nnz
                     message = message.payload
+                payloads.append((message, dst, code))
+            for message, dst, code in payloads:  # in the receiver's order per peer: NCCL ignores tags
                 works.append(self.group.send([message], dst, message_tag(index, code)))
                 stats.bytes_sent += message.numel() * message.element_size()
             stats.peak_extra_bytes = max(stats.peak_extra_bytes, nbytes(bufs) + scratch

@@ -32,6 +32,7 @@ from megarl.hybrid.transfer import ShardReceiver, ShardSender, connect, plan_tra
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.parallel import Layout
 from megarl.runtime import init_distributed
+from megarl.runtime.devices import compute_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 STEPS = 20
@@ -41,6 +42,8 @@ BUCKET = 256 << 10
 def hf_config(name: str) -> dict:
     if name == "dense":
         return json.loads(Path("configs/models/tiny-llama.json").read_text()) | {"num_key_value_heads": 4}
+    if name == "deepseek":  # its routers' expert_bias stays fp32 beside bf16 weights
+        return json.loads(Path("configs/models/tiny-deepseek-v3.json").read_text())
     moe = json.loads(Path("configs/models/tiny-qwen3-moe.json").read_text())
     if name == "moe64":  # 64 experts: one layer's experts (1.5 MiB fp32) exceed the bucket
         moe |= {"num_local_experts": 64, "num_experts": 64, "num_hidden_layers": 2, "moe_intermediate_size": 64}
@@ -78,7 +81,7 @@ def chunk_of(model: ModelSpec, full, locals_) -> torch.nn.Module:
             if not hasattr(module, part):
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(data.clone()))
+        module.register_parameter(leaf, torch.nn.Parameter(data.clone().to(compute_device())))
     return root
 
 
@@ -87,6 +90,11 @@ def step(chunk: torch.nn.Module, lr: float, index: int) -> None:
     """An Adam-like step: every element moves by lr, its sign from its own bits (replicas agree)."""
     for param in chunk.parameters():
         param.add_(lr * torch.sign(torch.sin(param * 1e4 + index)))
+
+
+def rollout_dtype(name: str, dtype: str) -> torch.dtype:
+    """The rollout's dtype of a tensor: Megatron keeps a router's expert_bias in fp32."""
+    return torch.float32 if name.endswith("expert_bias") else DTYPES[dtype]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -161,7 +169,8 @@ def split(name: str, dtype: str, lr: float, bucket: int = BUCKET, steps: int = S
         sides = [ShardSender(plan, rank, [chunk]) for plan in plans]
     else:
         v = rank - 2
-        sides = [ShardReceiver(plan, v, {t.name: torch.empty(t.shape, dtype=DTYPES[dtype])
+        sides = [ShardReceiver(plan, v, {t.name: torch.empty(t.shape, dtype=rollout_dtype(t.name, dtype),
+                                                             device=compute_device())
                                          for t in plan.shards[v]}) for plan in plans]
     for side in sides:
         side.connect(group)

@@ -72,3 +72,25 @@ def test_peak_extra_memory_is_bounded_by_the_bucket(results, case):
         assert max(rank["peak"] + rank["peak_sender"] if "peak_sender" in rank else rank["peak"]) <= 2 * bucket
     if "moe64" in case:
         assert record["ranks"][0]["layer_experts"] > 40 * record["ranks"][0]["bucket"]
+
+
+HARNESS_CASE = "split:deepseek:bf16:1e-6:256"
+
+
+@pytest.mark.gpu_shaped
+def test_split_delta_pairs_as_on_nccl(tmp_path, monkeypatch):
+    """A DeepSeek-V3 (its routers' fp32 expert_bias beside bf16 weights: two dtypes between one pair
+    of ranks in one bucket) at split placement under the GPU-shaped harness, whose NCCL-shaped
+    spanning group pairs messages in posting order, ignoring tags: the delta sync equals the full
+    sync bit for bit after each of 20 steps. Sending each payload right after its header (before
+    the fix) paired a header receive with a payload and was refused."""
+    monkeypatch.setenv("MEGARL_GPU_SHAPED", "1")
+    records = [json.loads(line[7:]) for line in torchrun(4, WORKER, str(tmp_path), HARNESS_CASE).splitlines()
+               if line.startswith("RESULT ")]
+    assert len(records) == 1
+    ranks = receivers(records[0])
+    assert len(ranks) == 2
+    for rank in ranks:
+        assert len(rank["equal"]) == SYNCS and all(rank["equal"])
+        assert rank["received"][0] == rank["dense_received"][0] > 0
+        assert 0 < max(rank["received"][1:]) <= 0.10 * rank["dense_received"][1]
