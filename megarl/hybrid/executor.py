@@ -154,6 +154,9 @@ class Resharder:
         self.outputs = dict(outputs or {})
         self.gen = {t.spec: t for t in plan.gen[self.rank]}
         self.targets = {t.spec: t for t in plan.targets[self.rank]}
+        # the generation tensors this executor allocates itself: :meth:`release` may free them
+        self.owned = [t.name for t in plan.gen[self.rank] if t.name not in self.outputs]
+        self.released, self.parked = False, None
         for t in plan.gen[self.rank]:
             out = self.outputs.get(t.name)
             if out is None:
@@ -177,6 +180,29 @@ class Resharder:
         codes = codes.to(group_device())
         dist.all_reduce(codes, op=dist.ReduceOp.MAX)
         return [_CODE_DTYPES.get(c, d) for c, d in zip(codes.tolist(), self.dtypes)]
+
+    def release(self) -> None:
+        """Free the generation tensors this executor allocated itself, once an engine holds a copy
+        (colocated vLLM and SGLang): kept, they stay on the device through training, 1/t_g of the
+        model. The next sync grows them back and moves every tensor; with ``delta`` their values wait
+        on the host meanwhile (the next changes apply to them)."""
+        if self.released or not self.owned:
+            return
+        if self.delta:
+            self.parked = {name: self.outputs[name].to("cpu", copy=True) for name in self.owned}
+        for name in self.owned:
+            self.outputs[name].untyped_storage().resize_(0)
+        self.versions.clear()  # frozen weights must move again into the regrown tensors
+        self.released = True
+
+    def _regrow(self) -> None:
+        parked, self.parked = self.parked, None
+        for name in self.owned:
+            out = self.outputs[name]
+            out.untyped_storage().resize_(out.numel() * out.element_size())
+            if parked is not None:
+                out.copy_(parked[name])
+        self.released = False
 
     # -- which tensors moved since the last sync: every rank must agree, so flags are all-reduced
     def _changed(self, force: bool) -> torch.Tensor:
@@ -205,6 +231,8 @@ class Resharder:
 
     def _sync(self, force: bool) -> Dict[str, torch.Tensor]:
         begin = time.perf_counter()
+        if self.released:
+            self._regrow()
         stats = SyncStats()
         changed = self._changed(force)
         model = self.plan.model

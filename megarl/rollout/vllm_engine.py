@@ -263,6 +263,7 @@ class VLLMRollout(RolloutEngine):
         start = time.perf_counter()
         self.executor.sync()
         handed, peak = self._hand_over()
+        getattr(self.executor, "release", lambda: None)()  # the engine holds the weights: the shard's buffers go
         last = self.executor.last
         last.engine_bytes = handed
         last.peak_extra_bytes = max(last.peak_extra_bytes, peak)

@@ -124,4 +124,5 @@ class CudaIpcSender:
             dist.barrier(group=self.groups.pg.tp)  # keep the IPC handles alive until loaded
         if engine is not None:
             engine.flush_cache()
+        self.resharder.release()  # the engine holds the weights: the generation shard's buffers go
         self.resharder.last.seconds = time.perf_counter() - start
