@@ -19,7 +19,7 @@ from megarl.algorithms.presets import preset, resolve
 from megarl.checkpoint.train_state import load_train_state, save_train_state, weights_checksum
 from megarl.config.schema import REWARD_MODEL, Placement
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
-from megarl.engines.offload import PhaseOffload
+from megarl.engines.offload import KINDS, PhaseOffload, offload
 from megarl.engines.train_state import build_frozen_state, build_train_state, copy_weights
 from megarl.hybrid import regroup
 from megarl.models.flops import gpu_peak_tflops
@@ -124,7 +124,17 @@ class RLWorker:
             self.sender = backend.sender(cfg, args, layout, state.model)
             return info | {"verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
         regrouping = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
+        # The engine starts with the trained states off the device (vLLM refuses to start below its
+        # gpu_memory_utilization of free memory, SGLang sizes its pool from what is free), and gives
+        # its memory back before they return; its weights come back for the first sync, its KV cache
+        # once the trainer has offloaded after it (as every step).
+        away = [offload(s, KINDS) for s in self.phases.states]
+        torch.cuda.empty_cache()  # the freed blocks back to the device, for the engine's processes
         engine = backend.colocated(cfg, args, regrouping, state.model)
+        engine.release_memory()
+        for handle in away:
+            handle.reload()
+        engine.resume_memory()
         self.roles["rollout"] = Rollout(engine, self.phases)
         return info | {"micro_dp_group": list(regrouping.micro_dp_group(torch.distributed.get_rank())),
                        "gen_layout": str(regrouping.gen),
