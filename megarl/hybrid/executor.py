@@ -150,13 +150,22 @@ class Resharder:
         codes = codes.to(group_device())
         dist.all_reduce(codes, op=dist.ReduceOp.MAX)
         self.dtypes = [_CODE_DTYPES[c] for c in codes.tolist()]
+        # Ranks agree on which tensors are frozen (moved only when their version changes).
+        frozen = torch.zeros(len(plan.model.tensors), dtype=torch.int32)
+        for spec, tensor in self.originals.items():
+            frozen[spec] = int(isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
+                               and spec not in self.fillers)  # a merged LoRA weight moves every sync
+        frozen = frozen.to(group_device())
+        dist.all_reduce(frozen, op=dist.ReduceOp.MAX)
+        self.frozen = [bool(f) for f in frozen.tolist()]
         self.device = some.device
         self.outputs = dict(outputs or {})
         self.gen = {t.spec: t for t in plan.gen[self.rank]}
         self.targets = {t.spec: t for t in plan.targets[self.rank]}
         # the generation tensors this executor allocates itself: :meth:`release` may free them
         self.owned = [t.name for t in plan.gen[self.rank] if t.name not in self.outputs]
-        self.released, self.parked = False, None
+        self.released = False
+        self.parked: Dict[str, torch.Tensor] = {}  # generation tensors waiting on the host (release)
         for t in plan.gen[self.rank]:
             out = self.outputs.get(t.name)
             if out is None:
@@ -184,24 +193,29 @@ class Resharder:
     def release(self) -> None:
         """Free the generation tensors this executor allocated itself, once an engine holds a copy
         (colocated vLLM and SGLang): kept, they stay on the device through training, 1/t_g of the
-        model. The next sync grows them back and moves every tensor; with ``delta`` their values wait
-        on the host meanwhile (the next changes apply to them)."""
+        model. The next sync grows them back. What it will not move waits on the host meanwhile:
+        frozen weights (copied once, again only after a sync moved them), so that they still move
+        only when their version changes; with ``delta`` every value (the next changes apply to them)."""
         if self.released or not self.owned:
             return
-        if self.delta:
-            self.parked = {name: self.outputs[name].to("cpu", copy=True) for name in self.owned}
+        moved = self.last.changed
+        for t in self.plan.gen[self.rank]:
+            if t.name not in self.owned or not (self.delta or self.frozen[t.spec]):
+                continue
+            if t.name not in self.parked or moved is None or bool(moved[t.spec]):
+                self.parked[t.name] = self.outputs[t.name].to("cpu", copy=True)
         for name in self.owned:
             self.outputs[name].untyped_storage().resize_(0)
-        self.versions.clear()  # frozen weights must move again into the regrown tensors
         self.released = True
 
     def _regrow(self) -> None:
-        parked, self.parked = self.parked, None
         for name in self.owned:
             out = self.outputs[name]
             out.untyped_storage().resize_(out.numel() * out.element_size())
-            if parked is not None:
-                out.copy_(parked[name])
+            if name in self.parked:
+                out.copy_(self.parked[name])
+        if self.delta:
+            self.parked.clear()  # every value moves back: the host copy is not kept
         self.released = False
 
     # -- which tensors moved since the last sync: every rank must agree, so flags are all-reduced
