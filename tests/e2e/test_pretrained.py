@@ -2,8 +2,9 @@
 Qwen3-MoE, a Mistral sliding a window of 8 and a Qwen2-MoE, each with its own tokenizer (ChatML
 template, two EOS ids) and briefly trained by plain transformers, go into ``megarl train
 model.path=DIR`` at tp=2·pp=2 (Llama, 4 ranks), tp=2 (Mistral, 2 ranks) and tp=2·ep=2 (the MoEs,
-2 ranks), and the Llama with its rollout on vLLM (its CPU build; 2 ranks at tp=2, heads of 32,
-vLLM's CPU attention's least). The first step's old log-probs (and the rollout's) equal
+2 ranks), and the Qwen3-MoE with its rollout on vLLM (its CPU build; 2 ranks at tp=2·ep=2, heads of
+32, vLLM's CPU attention's least; a dense model from an HF directory on vLLM, tied and at a real
+small model's widths: tests/e2e/test_vllm.py). The first step's old log-probs (and the rollout's) equal
 transformers' log-probs of the same sequences (<= 1e-4), and on the native engine the rollout's
 equal the trainer's (``rollout/logp_max_abs_diff`` <= 1e-5); with lr=0, ``megarl export-hf`` gives back every
 tensor bit-exact (but GLM's expert biases, which Megatron's load balancing moves by its rate at
@@ -34,7 +35,6 @@ TOL = 1e-4
 LAYOUTS = {  # case -> (nproc, actor layout)
     "llama": (4, "{tp: 2, pp: 2}"),
     "qwen3_moe": (2, "{tp: 2, ep: 2, etp: 1}"),
-    "llama+vllm": (2, "{tp: 2}"),  # the rollout on vLLM (its CPU build): 2 heads of 32 (its CPU attention's least)
     # an MoE on vLLM: its CPU experts' prepacking redone at every in-place reload (vllm_worker)
     "qwen3_moe+vllm": (2, "{tp: 2, ep: 2, etp: 1}"),
     "mistral": (2, "{tp: 2}"),  # with a sliding window (WINDOW) shorter than its sequences
@@ -48,11 +48,10 @@ LAYOUTS = {  # case -> (nproc, actor layout)
     # Qwen3.5's vision-language checkpoint: its text model trained, its vision tower carried into the export
     "qwen3_5_moe": (2, "{tp: 2, ep: 2, etp: 1}"),
 }
-ROLLOUT = {"llama+vllm": ", engine: vllm", "qwen3_moe+vllm": ", engine: vllm"}
+ROLLOUT = {"qwen3_moe+vllm": ", engine: vllm"}
 WINDOW = 8  # the chat prompts alone are longer
 GPT_OSS_WINDOW = 8  # tiny-gpt-oss.json's, on its 1st and 3rd layers: the chat prompts alone are longer
-OVERRIDES = {"llama+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
-             "qwen3_moe+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
+OVERRIDES = {"qwen3_moe+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
              "mistral": {"sliding_window": WINDOW}, "gpt_oss": {"sliding_window": GPT_OSS_WINDOW}}
 # the same checkpoint read by transformers without its window: far other log-probs (the window mattered)
 NO_WINDOW = {"mistral": (WINDOW, {"sliding_window": None}),

@@ -4,9 +4,12 @@ placement one step off (the trainer's 2 ranks, the rollout's own rank with its e
 model with head_dim 32 (tiny-digits-hd32; vLLM's CPU attention takes no smaller head), fp32.
 
 Acceptance (issue 27): the first step's rollout/logp_max_abs_diff <= 1e-4 (measured 4.8e-7), and
-over 100 steps of the synchronous loop the mean reward of the last 10% of steps within 0.03 of the
-native engine's run with the same seed (the engines draw from their own random streams, so the
-curves are not equal: this bounds their difference).
+over 100 steps of the synchronous loop the vLLM run learns, its mean reward of the last 10% of
+steps near the native engine's run with the same seed. The engines draw from their own random
+streams, so the curves are not equal, and that difference is a draw: the last-10% means of seeds
+1, 2, 3 were native 0.132, 0.180, 0.209 and vLLM 0.175, 0.196, 0.161 (measured 2026-12-05 with the
+batched native sampler; one run's sd 0.027, so two runs differ by sd 0.038). The bound is three of
+those, 0.12; the 0.03 it replaces held for the earlier sampler's draws by chance (0.043 with this one).
 
 One step off, the split run is checked against vLLM's colocated one-step-off run, which it equals
 exactly, instead of against the native engine's curve: one step off, the demo's learning rate makes
@@ -18,7 +21,10 @@ native failed on AMD EPYC hosts and passed on Intel ones).
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from tests.e2e.test_rl import history, mean
 
@@ -51,7 +57,7 @@ def test_colocated_learns_as_the_native_engine(colocated, native):
     got, want = mean(colocated[-10:]), mean(native[-10:])
     print(f"last 10% mean reward: vllm {got:.4f}, native {want:.4f} (first 10%: {mean(colocated[:10]):.4f}, "
           f"{mean(native[:10]):.4f})")
-    assert abs(got - want) <= 0.03
+    assert abs(got - want) <= 0.12  # 3 sd of two seeds' difference (module docstring)
     assert got > mean(colocated[:10]) + 0.05  # it learns
 
 
@@ -86,3 +92,60 @@ def test_split_one_step_off(split, colocated_one_step_off):
     assert split[0]["sync/bytes_fraction"] == 0 and all(0 < r["sync/bytes_fraction"] <= 1 for r in split[1:])
     assert all(r["sync/delta_copy_mb"] > 0 for r in split)
     assert all(r["sync/bytes_over_shard_max"] == 0 for r in split)  # what a full sync would move: the shard
+
+
+# ----------------------------------------------------------------------------- a user's tied model
+TIED_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """``megarl train model.path=DIR parallel.rollout.engine=vllm`` on one rank (tp=1, vLLM's own
+    engine) from an HF directory holding a random model of SmolLM-135M's widths, tied embeddings
+    included (hidden 576, 9 heads of 64, 3 KV heads, vocabulary 49152; 4 of its 30 layers). The
+    entropy bonus moves every weight each step (exact_match scores these random answers 0), so
+    every sync reloads a changed tied embedding into the engine."""
+    from tests.e2e.test_pretrained import megarl
+    from tests.fixtures.hf_models import chat_examples, make_tied_llama, make_tokenizer
+
+    work = tmp_path_factory.mktemp("tied")
+    model_dir = make_tied_llama(work / "model", make_tokenizer(work / "tokenizer"), num_layers=4)
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": c[:1], "answer": c[1]["content"]}) + "\n"
+                            for c in chat_examples(8, seed=7)))
+    (work / "run.yaml").write_text(f"""
+parallel: {{actor: {{tp: 1}}, rollout: {{tp: 1}}}}
+data: {{train_files: [{data}], prompts_per_step: 4}}
+algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 8, entropy_coef: 0.01}}
+trainer: {{train_steps: {TIED_STEPS}, nproc_per_node: 1, run_dir: {work / 'run'}}}
+logging: {{mlflow: false, progress_bar: false, rollout_dump_interval: 1}}
+""")
+    proc = megarl("train", str(work / "run.yaml"), f"model.path={model_dir}", "parallel.rollout.engine=vllm",
+                  cwd=work)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    return model_dir, work / "run", rows
+
+
+def test_tied_real_width_model_on_vllm_every_step(tied):
+    """Every step, vLLM's log-probs of its samples equal the trainer's (fp32, <= 1e-5), as the
+    tied embedding changes (before the fix: -10.7 ~ -ln 49152 per token, uniform over the
+    vocabulary, 2.19 off); the first step's equal transformers' (<= 1e-4). Greedy decoding on this
+    model equals transformers' in the contract (tests/distributed/test_vllm_contract.py)."""
+    import transformers
+
+    model_dir, run_dir, rows = tied
+    assert [r["step"] for r in rows] == list(range(1, TIED_STEPS + 1))
+    for r in rows:
+        assert r["rollout/logp_max_abs_diff"] <= 1e-5 and r["actor/grad_norm"] > 0, r
+    dumped = [json.loads(line) for line in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for row in dumped:
+        ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+        start = len(row["prompt_ids"])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, start - 1:-1].float(), dim=-1)
+        logp = logp.gather(1, ids[0, start:, None]).squeeze(1)
+        worst = max(worst, (torch.tensor(row["rollout_log_probs"]) - logp).abs().max().item())
+    assert len(dumped) == 8 and worst <= 1e-4, worst
