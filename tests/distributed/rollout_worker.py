@@ -40,6 +40,21 @@ from megarl.runtime import init_distributed, set_seed
 MODELS = {"llama": "configs/models/tiny-llama.json", "qwen3-moe": "configs/models/tiny-qwen3-moe.json",
           "deepseek": "configs/models/tiny-deepseek-v3.json", "gpt-oss": "configs/models/tiny-gpt-oss.json",
           "qwen3-next": "configs/models/tiny-qwen3-next.json"}
+TIED = "smollm"  # tied embeddings at a real small model's widths (SmolLM-135M's, 4 layers), written per run
+
+
+def model_config(work: Path, name: str) -> str:
+    """The HF config file of ``name``: MODELS's, or for TIED one written into ``work``."""
+    if name != TIED:
+        return MODELS[name]
+    from tests.fixtures.hf_models import smollm_config
+
+    path = work / f"{TIED}.json"
+    if not path.exists():  # written by the reference run, before any multi-rank session reads it
+        path.write_text(json.dumps(smollm_config(4)))
+    return str(path)
+
+
 PROMPTS = [[5, 17, 42], [9, 9, 120, 33, 2, 45, 6], [3], [200, 31, 4, 15, 60, 7, 7, 8, 100, 1], [77, 78]]
 MAX_NEW = 8
 
@@ -52,9 +67,9 @@ def emit(record) -> None:
 def reference(work: Path, name: str) -> None:
     groups = build_groups(Layout())
     set_seed(11, groups)
-    chunks = build_model(ModelConfig(hf_config=MODELS[name]), groups)
+    chunks = build_model(ModelConfig(hf_config=model_config(work, name)), groups)
     save_model(chunks, work / f"{name}-ckpt")
-    model, vocab = chunks[0].eval(), megatron_args_from_hf(MODELS[name]).vocab_size
+    model, vocab = chunks[0].eval(), megatron_args_from_hf(model_config(work, name)).vocab_size
     torch.save({k: v.detach().clone() for k, v in list(model.named_parameters()) + list(model.named_buffers())},
                work / f"{name}-full.pt")  # for the SGLang adapter's checks (sglang_worker.py)
     greedy = []
@@ -130,8 +145,8 @@ def run(work: Path, case: str) -> None:
     train, gen = rest.split(">")
     tp, pp, dp, ep = (int(x) for x in train.split(","))
     gen_tp, gen_ep, gen_pp = (int(x) for x in (gen + ",1").split(",")[:3])
-    model_cfg = ModelConfig(hf_config=MODELS[name])
-    args = megatron_args_from_hf(MODELS[name])
+    model_cfg = ModelConfig(hf_config=model_config(work, name))
+    args = megatron_args_from_hf(model_config(work, name))
     groups = build_groups(Layout(tp=tp, pp=pp, dp=dp, ep=ep, etp=1 if ep > 1 else None))
     set_seed(11, groups)
     state = build_frozen_state(model_cfg, groups, str(work / f"{name}-ckpt"))

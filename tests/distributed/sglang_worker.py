@@ -235,7 +235,7 @@ def split(record, args, layout, state, full) -> None:
     dist.all_gather_object(sent, stats.bytes_sent)
     record["broadcast_sent"] = sent
     record["broadcast_buckets"] = len(plan)
-    record["broadcast_max_bucket"] = max(b.nbytes for b in plan if len(b.keys) > 1)
+    record["broadcast_max_bucket"] = max((b.nbytes for b in plan if len(b.keys) > 1), default=0)
     if rank == last:
         expected = hf_export(args, full)
         record["broadcast_names_equal"] = sorted(received) == sorted(expected)

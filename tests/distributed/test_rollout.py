@@ -17,7 +17,9 @@ context, left-padded prompts, finished rows dropped) at t_g=2, e_g=2 and p_g=2.
 
 The rollout-backend contract (test_rollout_backend_contract): every backend of the registry that
 runs here, native and SGLang through its recording stand-in, built by the registry and driven by
-the Rollout role through the same two loop steps, in the SGLang cases' layouts."""
+the Rollout role through the same two loop steps, in the SGLang cases' layouts, one of them
+(``smollm``) a tied model at a real small model's widths (SmolLM-135M's: hidden 576, 9 heads of 64,
+3 KV heads, vocabulary 49152; 4 layers) at tp=1."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ TOL = 1e-5
 CASES = {  # world size -> model@t,p,d,e>t_g,e_g[,p_g][+bf16]
     2: ["llama@2,1,1,1>1,1+bf16", "llama@2,1,1,1>2,1+sglang", "qwen3-moe@2,1,1,1>2,1", "qwen3-moe@1,1,2,2>1,2",
         "llama@1,2,1,1>1,1,2", "qwen3-moe@1,2,1,1>1,1,2", "gpt-oss@1,1,2,2>1,2",
-        "qwen3-next@2,1,1,1>2,1", "qwen3-next@1,1,2,2>1,2", "qwen3-next@1,2,1,1>1,1,2"],
+        "qwen3-next@2,1,1,1>2,1", "qwen3-next@1,1,2,2>1,2", "qwen3-next@1,2,1,1>1,1,2",
+        "smollm@1,1,2,1>1,1+sglang"],  # tied embeddings at SmolLM-135M's widths (rollout_worker.TIED)
     4: ["llama@2,2,1,1>1,1+sglang", "llama@2,1,2,1>2,1", "qwen3-moe@2,1,2,2>1,1+sglang", "deepseek@2,1,2,1>1,1",
         "qwen3-moe@1,1,4,2>1,2"],
 }
@@ -46,7 +49,7 @@ ALL = [c.partition("+")[0] for cases in CASES.values() for c in cases]  # "+bf16
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("rollout")
-    torchrun(1, WORKER, "reference", str(work), "llama", "qwen3-moe", "deepseek", "gpt-oss", "qwen3-next")
+    torchrun(1, WORKER, "reference", str(work), "llama", "qwen3-moe", "deepseek", "gpt-oss", "qwen3-next", "smollm")
     out = {}
     for world, cases in CASES.items():
         for line in torchrun(world, WORKER, "run", str(work), *cases).splitlines():
