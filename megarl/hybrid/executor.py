@@ -174,6 +174,11 @@ class Resharder:
                 raise ValueError(f"rank {self.rank}: generation tensor '{t.name}' is {tuple(out.shape)}, "
                                  f"the plan expects {t.shape} in layout {plan.regrouping.gen}")
         self.wire = self._wire_dtypes()
+        # the tensors it allocates take memory from the first sync on, not before: a colocated
+        # engine starts after this (with the trainer offloaded), and must find the device free
+        for name in self.owned:
+            self.outputs[name].untyped_storage().resize_(0)
+        self.released = bool(self.owned)
         self.versions: Dict[int, int] = {}
         self.sent = deltas.LastSent()  # delta: what the peers hold of this rank's messages
         self.last = SyncStats()

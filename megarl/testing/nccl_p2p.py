@@ -158,3 +158,6 @@ class Pairing:
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the receive
                 entry.error = e
             entry.posted.set()
+            # this thread lets go of the receive while it waits for the next: kept, the caller's
+            # buffer would outlive its phase in the device memory model (NCCL holds none)
+            entry = mine = None

@@ -3,6 +3,7 @@
 each device fault of issue 24 put back by a monkeypatch: the harness must refuse each one.
 Prints ``RESULT {"case": ..., "error": ...}`` lines on rank 0 (error None: the verb ran)."""
 
+import gc
 import json
 import os
 import sys
@@ -115,6 +116,64 @@ def main(work: str) -> None:
             print("RESULT " + json.dumps(record), flush=True)
     lora_case(worker, cfg, batch_of(out["sampled"]))
     delta_case(worker, cfg)
+    memory_case(work)
+
+
+def memory_case(work: str) -> None:
+    """A colocated PPO step (actor, critic, reference) with its rollout on vLLM (the recording
+    stand-in, its pool on the harness's device memory model), driven verb by verb through a
+    second RLWorker: the engine's start (what this process held then), each verb's peak and its
+    live bytes at start and end. Then the same sync with Resharder.release undone: the generation
+    shard's buffers outlive the sync (what the test must catch)."""
+    from megarl.hybrid.executor import Resharder
+    from megarl.testing import device_memory
+    from tests.distributed import vllm_gpu_worker
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    record = {"case": "memory", "error": None}
+    m = device_memory.model()
+    seen, started = len(m.history), len(m.starts)
+
+    def phases():
+        return [[p.name, p.live_start, p.peak, p.device_peak, p.live_end] for p in m.history[seen:]]
+
+    def run():
+        vllm_gpu_worker.install()
+        cfg = load_config(["configs/grpo_demo.yaml"], [f"trainer.run_dir={work}/ppo", "logging.mlflow=false",
+                                                        "algorithm.name=ppo", "algorithm.kl_coef=0.01",
+                                                        "parallel.rollout.engine=vllm", "trainer.offload.params=true",
+                                                        "trainer.offload.grads=true", "trainer.offload.optimizer=true"])
+        with vllm_gpu_worker.one_gpu_per_rank(rank):
+            gc.collect()  # the earlier cases' garbage (reference cycles) dies now, not during this case
+            record["before"] = m.refresh()  # the session's first worker's model, held throughout
+            w = rl_worker.RLWorker(rank, world, cfg)
+            w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            record["set_up"] = m.refresh()  # the trained states back, the engine asleep
+            record["starts"] = [dict(s) for s in m.starts[started:]]
+            record["budget"] = m.total
+            w.call("rollout", "update_weights", 1)
+            responses = w.call("rollout", "generate", PROMPTS, SamplingParams(temperature=1.0, n=2, max_new_tokens=4,
+                                                                              seed=1))
+            w.call("rollout", "release_memory")
+            batch = batch_of(responses)
+            w.call("actor", "compute_log_prob", batch)
+            w.call("reference", "compute_log_prob", batch)
+            w.call("critic", "compute_values", batch)
+            w.call("rollout", "resume_memory")
+            record["phases"] = phases()
+            kept = Resharder.release
+            Resharder.release = lambda self: None  # the buffers kept after the hand-over, as before the fix
+            try:
+                w.call("rollout", "update_weights", 2)
+            finally:
+                Resharder.release = kept
+            record["unreleased"] = phases()[-1]
+            w.call("rollout", "release_memory")
+            w.roles["rollout"].engine.shutdown()
+
+    attempt("fixed/memory", run)
+    if rank == 0:
+        print("RESULT " + json.dumps(record), flush=True)
 
 
 def lora_case(worker, cfg, batch: Batch) -> None:

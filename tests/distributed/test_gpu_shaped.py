@@ -28,6 +28,7 @@ def results(tmp_path_factory, monkeypatch_module):
     found["vllm_tg1"] = next(r for r in records if r["case"] == "vllm_colocated_tg1")["ranks"]
     found["lora_details"] = next(r for r in records if r["case"] == "lora")
     found["delta_details"] = next(r for r in records if r["case"] == "delta")
+    found["memory_details"] = next(r for r in records if r["case"] == "memory")
     return found
 
 
@@ -39,7 +40,8 @@ def monkeypatch_module():
 
 def test_verbs_run_on_the_device_as_written(results):
     fixed = {k: v for k, v in results.items() if k.startswith("fixed/")}
-    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head", "fixed/lora", "fixed/delta"}
+    assert set(fixed) == {"fixed/generate", "fixed/log_prob", "fixed/value_head", "fixed/lora", "fixed/delta",
+                          "fixed/memory"}
     assert all(v is None for v in fixed.values()), fixed
 
 
@@ -130,3 +132,45 @@ def test_delta_sync_on_the_device(results):
 @pytest.mark.parametrize("case", sorted(FAULTS))
 def test_each_fault_put_back_is_refused(results, case):
     assert results[case] is not None and FAULTS[case] in results[case], results[case]
+
+
+PPO_STEP = ["rollout.update_weights", "rollout.generate", "rollout.release_memory", "actor.compute_log_prob",
+            "reference.compute_log_prob", "critic.compute_values", "rollout.resume_memory"]
+
+
+def kept(phase, before: int, trainer: int) -> int:
+    """Bytes a phase leaves live beyond what it should: a sync ends with the trained states offloaded
+    and its own buffers freed (only what the process held before the PPO worker came); the release
+    brings the trained states back; every other verb ends as it began."""
+    name, start, _, _, end = phase
+    if name == "rollout.update_weights":
+        return end - before
+    return end - start - (trainer if name == "rollout.release_memory" else 0)
+
+
+def test_memory_model_on_a_colocated_ppo_step(results):
+    """The device memory model over a colocated PPO step (actor, critic, reference; vLLM's
+    stand-in engine, its pool 0.5 of the device): the engine started while the worker's trained
+    states were off the device and before any generation buffer existed; each verb's peak is
+    reported, the engine's pool counted only while it is awake; no buffer outlives its verb
+    (tolerance: 1% of the trained states, what lazily built module buffers take). With the
+    resharder's release undone, its generation buffers outlive the sync and the same check fails."""
+    r = results["memory_details"]
+    assert r["error"] is None, r["error"]
+    trainer = r["set_up"] - r["before"]  # the PPO worker's trained states, resident after set-up
+    slack = trainer // 100
+    (start,) = r["starts"]
+    assert start["engine"] == "vllm" and start["pool"] > 0
+    assert start["process_live"] - r["before"] <= slack, (start, r["before"], trainer)
+    assert [p[0] for p in r["phases"]] == PPO_STEP
+    for name, live_start, peak, device_peak, live_end in r["phases"]:
+        assert peak >= max(live_start, live_end) > 0, name
+        if name in ("rollout.update_weights", "rollout.generate"):  # awake throughout
+            assert device_peak >= peak + start["pool"], (name, peak, device_peak)
+        elif name.startswith("rollout."):  # release_memory, resume_memory: awake at one end
+            assert device_peak >= min(live_start, live_end) + start["pool"], (name, peak, device_peak)
+        else:  # the training verbs: the engine asleep, its pool given back
+            assert device_peak == peak, (name, peak, device_peak)
+    for phase in r["phases"]:
+        assert kept(phase, r["before"], trainer) <= slack, (phase, r["before"], trainer)
+    assert kept(r["unreleased"], r["before"], trainer) > trainer // 10, r["unreleased"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import glob
+import itertools
 import json
 import os
 import pickle
@@ -37,17 +38,19 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from megarl.testing import gpu_shaped
+from megarl.testing import device_memory, gpu_shaped
 
-_IPC: Dict[int, torch.Tensor] = {}  # the stand-in's CUDA-IPC handles: what each one shares
+_IPC: Dict[int, torch.Tensor] = {}  # the stand-in's CUDA-IPC handles: what each one shares, until the update ends
+_KEYS = itertools.count()
 
 
 def stand_in_reduce_tensor(tensor: torch.Tensor):
     """``torch.multiprocessing.reductions.reduce_tensor`` of a CUDA tensor: (rebuild, its args)."""
     if not gpu_shaped.is_cuda(tensor):
         raise RuntimeError("CUDA IPC of a host tensor: torch would share it through a shared-memory file")
-    _IPC[len(_IPC)] = tensor
-    return None, ("harness-ipc", len(_IPC) - 1)
+    key = next(_KEYS)
+    _IPC[key] = tensor
+    return None, ("harness-ipc", key)
 
 
 def visible_devices() -> List[str]:
@@ -86,7 +89,11 @@ class StandInLLM:
         self.uuids = [f"GPU-{d}" for d in self.devices]
         self.backend = (kwargs.get("weight_transfer_config") or {}).get("backend")
         self.calls, self.rpcs, self.syncs, self.active = [], [], [], False
-        self.llm_engine = types.SimpleNamespace(engine_core=None)
+        # its memory on the harness's device model: the pool it reserves at start (refused as vLLM
+        # refuses below gpu_memory_utilization x total free), given back asleep and at shutdown
+        self.pool = device_memory.start_engine("vllm", kwargs.get("gpu_memory_utilization", 0.9))
+        stop = lambda: self.pool and device_memory.model().stop_engine(self.pool)  # noqa: E731
+        self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=stop))
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,6 +118,7 @@ class StandInLLM:
         elif method == "finish_weight_update":
             assert self.active, "finish_weight_update called without a matching start_weight_update"
             self.active = False
+            _IPC.clear()  # the update's shared tensors: the sender frees them once it is over
         else:
             raise AssertionError(f"the GPU path called worker method {method} {args}: weights go through vLLM's "
                                  f"weight-transfer API")
@@ -135,9 +143,13 @@ class StandInLLM:
 
     def sleep(self, level):
         self.calls.append(f"sleep{level}")
+        if self.pool:
+            device_memory.model().release_engine(self.pool)
 
     def wake_up(self, tags):
         self.calls.append("wake:" + ",".join(tags))
+        if self.pool:
+            device_memory.model().resume_engine(self.pool)
 
     def generate(self, requests, params, use_tqdm=False, lora_request=None):
         self.calls.append("generate")
