@@ -32,7 +32,18 @@ master_addr="${MASTER_ADDR:-127.0.0.1}"
 master_port="${MASTER_PORT:-29500}"
 module="${MEGARL_MODULE:-megarl.entrypoints.train_lm}"
 
-cmd=(torchrun
+# the allocator's expandable_segments added to the user's own setting, as megarl gives its Ray
+# workers (megarl.runtime.memory.allocator_env): memory freed by an offload is not left fragmented
+alloc_var=PYTORCH_CUDA_ALLOC_CONF
+if [ -n "${PYTORCH_ALLOC_CONF:-}" ]; then alloc_var=PYTORCH_ALLOC_CONF; fi
+alloc="${!alloc_var:-}"
+case "$alloc" in
+  *expandable_segments*) ;;
+  "") alloc="expandable_segments:True" ;;
+  *) alloc="$alloc,expandable_segments:True" ;;
+esac
+
+cmd=(env "$alloc_var=$alloc" torchrun
   --nproc-per-node "$nproc"
   --nnodes "$nnodes"
   --node-rank "$node_rank"

@@ -47,9 +47,12 @@ def _train_lm(args: List[str]) -> int:
         return main(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(cfg.trainer.nproc_per_node), "-m", "megarl.entrypoints.train_lm", *args]
+    from megarl.runtime.memory import allocator_env
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore")
+    env.update(allocator_env(env))  # expandable_segments, as for the RL trainer's Ray workers
     return subprocess.call(cmd, env=env)
 
 

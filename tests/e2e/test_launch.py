@@ -47,8 +47,13 @@ def test_slurm_ray_steps_take_the_nodes_cpus():
 
 def test_torchrun_dry_run():
     out = run(["bash", "launch/torchrun.sh", "configs/lm_demo.yaml"], NNODES="2", NODE_RANK="1",
-              NPROC_PER_NODE="2", MASTER_ADDR="10.0.0.1")
+              NPROC_PER_NODE="2", MASTER_ADDR="10.0.0.1", PYTORCH_ALLOC_CONF="", PYTORCH_CUDA_ALLOC_CONF="")
     assert "--nproc-per-node 2 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1" in out
+    assert out.startswith("env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun ")
+    mine = run(["bash", "launch/torchrun.sh", "configs/lm_demo.yaml"], PYTORCH_ALLOC_CONF="",
+               PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")
+    # the user's setting kept, expandable_segments added (printf %q escapes the comma)
+    assert mine.startswith(r"env PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512\,expandable_segments:True torchrun "), mine
     assert "actor layout (tp=2, pp=1, dp=2) over 4 ranks" in out
     assert len([line for line in out.splitlines() if line.startswith("rank ")]) == 4
 
