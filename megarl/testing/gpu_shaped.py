@@ -568,6 +568,18 @@ def _patch_distributed() -> None:
         name = get_backend(group)
         return dist.Backend.NCCL if group_device(group).type == "cuda" and name == "gloo" else name
 
+    destroy = c10d.destroy_process_group
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        # the groups' pairings (and their threads) go with them
+        _pairings.clear() if group is None else _pairings.pop(group, None)
+        return destroy(group)
+
+    if not getattr(destroy, "_gpu_shaped", False):
+        destroy_process_group._gpu_shaped = True
+        dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+
     for module in (dist, c10d):
         module.init_process_group = init_process_group
         module.new_group = new_group_

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import weakref
 from typing import Callable, Dict, Optional
 
 import torch
@@ -108,12 +109,28 @@ class Pairing:
 
     def __init__(self, pg, name: str, timeout: datetime.timedelta,
                  rank_name: Callable[[int], str] = str):
-        self.pg, self.name, self.timeout, self.rank_name = pg, name, timeout, rank_name
+        # the group is held weakly: its owner (c10d's registry, or the stand-in that built it)
+        # decides its lifetime; a pairing is kept by the group (gpu_shaped's weak-keyed table)
+        self._pg = weakref.ref(pg)
+        self.name, self.timeout, self.rank_name = name, timeout, rank_name
         self.me = rank_name(pg.rank())
         self._lock = threading.Lock()
         self._sent: Dict[int, int] = {}
         self._received: Dict[int, int] = {}
         self._queues: Dict[int, "queue.Queue[_Received]"] = {}
+        # the serving threads hold this pairing weakly and stop with it: held strongly, a group
+        # built directly (the ProcessGroupNCCL stand-in's gloo group) outlived its owner to
+        # interpreter exit, and gloo's threads, destroyed after Python finalized, aborted the
+        # process (``terminate called without an active exception``, exit -6, 6 runs in 30)
+        weakref.finalize(self, _stop_serving, self._queues)
+
+    @property
+    def pg(self):
+        pg = self._pg()
+        if pg is None:
+            raise RuntimeError(f"{self.name}: the process group was destroyed; a point-to-point message after "
+                               f"destroy_process_group has no group to go on")
+        return pg
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> _Sent:
         with self._lock:  # descriptor and payload back to back: the channels stay in step
@@ -129,35 +146,45 @@ class Pairing:
             entry.desc_work = self.pg.recv([entry.desc], peer, _DESC_TAG)  # fixed size: always pairs
             if peer not in self._queues:
                 self._queues[peer] = queue.Queue()
-                threading.Thread(target=self._serve, args=(peer, self._queues[peer]), daemon=True,
+                threading.Thread(target=_serve, args=(weakref.ref(self), peer, self._queues[peer]), daemon=True,
                                  name=f"nccl-pairing-{peer}").start()
             self._queues[peer].put(entry)
         return entry
 
-    def _serve(self, peer: int, entries: "queue.Queue[_Received]") -> None:
-        """Post the payload receives from ``peer`` in order, each once its descriptor agrees."""
-        while True:
-            entry = entries.get()
-            try:
-                entry.desc_work.wait()
-                seq, tag, code, numel, nbytes, ndim, *dims = entry.desc.tolist()
-                mine = entry.tensor
-                if (code, numel, tag) != (_CODES.get(mine.dtype, -2), mine.numel(), entry.tag):
-                    scratch = torch.empty(nbytes, dtype=torch.uint8)  # drained: the sender completes
-                    self.pg.recv([scratch], peer, _DATA_TAG).wait()
-                    ours = _what(_CODES.get(mine.dtype, -1), mine.numel(), mine.dim(), list(mine.shape), entry.tag)
-                    entry.error = PairingMismatch(
-                        f"{self.name}: NCCL pairs point-to-point messages between two ranks in posting order and "
-                        f"ignores tags: rank {self.me}'s receive #{entry.seq} from rank {self.rank_name(peer)} "
-                        f"({ours}) is paired with rank {self.rank_name(peer)}'s send #{seq} to rank {self.me} "
-                        f"({_what(code, numel, ndim, dims, tag)}); on GPUs it would get that message (wrong "
-                        f"values, a truncation or a hang). Post the sends and receives between two ranks in the "
-                        f"same order on both sides.")
-                else:
-                    entry.data_work = self.pg.recv([mine], peer, _DATA_TAG)
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the receive
-                entry.error = e
-            entry.posted.set()
-            # this thread lets go of the receive while it waits for the next: kept, the caller's
-            # buffer would outlive its phase in the device memory model (NCCL holds none)
-            entry = mine = None
+
+def _stop_serving(queues: Dict[int, "queue.Queue[Optional[_Received]]"]) -> None:
+    for entries in list(queues.values()):
+        entries.put(None)
+
+
+def _serve(pairing_ref: "weakref.ref[Pairing]", peer: int, entries: "queue.Queue[Optional[_Received]]") -> None:
+    """Post the payload receives from ``peer`` in order, each once its descriptor agrees; return
+    once the pairing is gone (nothing here keeps it, or its group, alive between receives)."""
+    while True:
+        entry = entries.get()
+        self = pairing_ref() if entry is not None else None
+        if self is None:
+            return
+        try:
+            entry.desc_work.wait()
+            seq, tag, code, numel, nbytes, ndim, *dims = entry.desc.tolist()
+            mine = entry.tensor
+            if (code, numel, tag) != (_CODES.get(mine.dtype, -2), mine.numel(), entry.tag):
+                scratch = torch.empty(nbytes, dtype=torch.uint8)  # drained: the sender completes
+                self.pg.recv([scratch], peer, _DATA_TAG).wait()
+                ours = _what(_CODES.get(mine.dtype, -1), mine.numel(), mine.dim(), list(mine.shape), entry.tag)
+                entry.error = PairingMismatch(
+                    f"{self.name}: NCCL pairs point-to-point messages between two ranks in posting order and "
+                    f"ignores tags: rank {self.me}'s receive #{entry.seq} from rank {self.rank_name(peer)} "
+                    f"({ours}) is paired with rank {self.rank_name(peer)}'s send #{seq} to rank {self.me} "
+                    f"({_what(code, numel, ndim, dims, tag)}); on GPUs it would get that message (wrong "
+                    f"values, a truncation or a hang). Post the sends and receives between two ranks in the "
+                    f"same order on both sides.")
+            else:
+                entry.data_work = self.pg.recv([mine], peer, _DATA_TAG)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the receive
+            entry.error = e
+        entry.posted.set()
+        # the thread lets go of the receive and the pairing while it waits for the next: kept, the
+        # caller's buffer would outlive its phase in the device memory model (NCCL holds none)
+        entry = mine = self = None

@@ -138,6 +138,18 @@ if rank == 0:
 else:
     assert dist.recv(mine, 0, tag=4) == 0 and torch.equal(mine.cpu(), torch.arange(6.0))
 dist.barrier()
+
+# a pairing keeps neither its group nor its threads past the group's owner: held to interpreter exit,
+# a gloo group is destroyed after Python finalized and aborts the process (exit -6)
+import gc, threading, time, weakref
+spanning_gloo = weakref.ref(spanning._pg)
+del spanning, object_ops, gloo, ops, w  # w: the last receive (its pairing)
+dist.destroy_process_group()
+gc.collect()
+deadline = time.monotonic() + 30
+while any(t.name.startswith("nccl-pairing") for t in threading.enumerate()) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("LEFT", spanning_gloo() is not None, sorted(t.name for t in threading.enumerate() if t.name.startswith("nccl")))
 print("OK", flush=True)
 """
 
@@ -158,6 +170,7 @@ def test_point_to_point_pairs_as_nccl():
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and out.strip().endswith("OK"), out[-3000:] + err[-4000:]
+    assert all("LEFT False []" in out for out, _ in outs), [out[-500:] for out, _ in outs]
     cases = {line.split(": ", 1)[0][5:]: line.split(": ", 1)[1] for line in outs[1][0].splitlines()
              if line.startswith("CASE ")}
     assert cases["gloo torch.float32/torch.bfloat16"] == cases["gloo torch.float32/torch.float32"] == "paired by tag"
