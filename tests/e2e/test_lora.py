@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli import megarl_here
 from tests.e2e.test_pretrained import tensors
 from tests.fixtures.hf_models import chat_examples, make_hf_model, make_tokenizer
 from tests.ray_cluster import joined
@@ -50,11 +51,6 @@ def env():
 def train_command(config: Path, *overrides: str):
     args = ("train", str(config), *overrides)
     return [sys.executable, "-m", "megarl.cli", *args, *joined(args)]
-
-
-def megarl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megarl.cli", *args], cwd=cwd, env=env(), capture_output=True,
-                          text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +93,12 @@ logging: {{mlflow: false, progress_bar: false}}
 def vllm_run(user):
     work, model_dir = user
     run = work / "vllm"
-    proc = subprocess.run(train_command(work / "run.yaml", "parallel.rollout.engine=vllm", "trainer.train_steps=3",
-                                        "trainer.save_interval=3", "logging.rollout_dump_interval=1",
-                                        f"trainer.run_dir={run}"),
-                          cwd=work, env=env(), capture_output=True, text=True, timeout=900)
+    proc = megarl_here("train", str(work / "run.yaml"), "parallel.rollout.engine=vllm", "trainer.train_steps=3",
+                       "trainer.save_interval=3", "logging.rollout_dump_interval=1", f"trainer.run_dir={run}", cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for extra in ([], ["--adapter"]):
         out = work / ("adapter_export" if extra else "merged_export")
-        export = megarl("export-hf", str(run), str(out), *extra, cwd=work)
+        export = megarl_here("export-hf", str(run), str(out), *extra, cwd=work)
         assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
     return run
 
@@ -119,12 +113,10 @@ def adapter_run(user):
     bonus moves them whatever the rewards."""
     work, _ = user
     run = work / "vllm_adapter"
-    proc = subprocess.run(train_command(work / "run.yaml", "parallel.rollout.engine=vllm",
-                                        "parallel.rollout.lora_sync=adapter", "model.lora.path=null",
-                                        "model.lora.rank=8", "optimizer.lr=1.0e-2", "algorithm.entropy_coef=0.01",
-                                        "trainer.train_steps=3",
-                                        f"trainer.run_dir={run}"),
-                          cwd=work, env=env(), capture_output=True, text=True, timeout=900)
+    proc = megarl_here("train", str(work / "run.yaml"), "parallel.rollout.engine=vllm",
+                       "parallel.rollout.lora_sync=adapter", "model.lora.path=null", "model.lora.rank=8",
+                       "optimizer.lr=1.0e-2", "algorithm.entropy_coef=0.01", "trainer.train_steps=3",
+                       f"trainer.run_dir={run}", cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return run
 
@@ -242,8 +234,7 @@ def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
     whole, killed = work / "whole", work / "killed"
     steps = ["trainer.train_steps=4", "trainer.save_interval=2", "trainer.placement=split", "parallel.rollout.nproc=1",
              "algorithm.name=ppo"]
-    done = subprocess.run(train_command(work / "run.yaml", *steps, f"trainer.run_dir={whole}"), cwd=work, env=env(),
-                          capture_output=True, text=True, timeout=900)
+    done = megarl_here("train", str(work / "run.yaml"), *steps, f"trainer.run_dir={whole}", cwd=work)
     assert done.returncode == 0, done.stderr[-3000:]
     proc = subprocess.Popen(train_command(work / "run.yaml", *steps, f"trainer.run_dir={killed}"), cwd=work,
                             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -256,8 +247,7 @@ def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and what it started in its session
         proc.wait()
     assert not (killed / "final.json").exists(), "killed too late: the run had finished"
-    resumed = subprocess.run(train_command(work / "run.yaml", *steps, f"trainer.run_dir={killed}"), cwd=work,
-                             env=env(), capture_output=True, text=True, timeout=900)
+    resumed = megarl_here("train", str(work / "run.yaml"), *steps, f"trainer.run_dir={killed}", cwd=work)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming after step 2" in resumed.stdout
     a, b = ([json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (whole, killed))
@@ -270,7 +260,7 @@ def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
         assert r["rollout/logp_max_abs_diff"] <= TOL and r["sync/bytes_over_shard_max"] == 0, r
         assert r["sync/bytes_received"] == adapted, (r["sync/bytes_received"], adapted)
     for r in (whole, killed):
-        assert megarl("export-hf", str(r), str(r / "adapter"), "--adapter", cwd=work).returncode == 0
+        assert megarl_here("export-hf", str(r), str(r / "adapter"), "--adapter", cwd=work).returncode == 0
     from safetensors.torch import load_file
 
     final_a, final_b = (load_file(r / "adapter" / "adapter_model.safetensors") for r in (whole, killed))
@@ -278,6 +268,6 @@ def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
     for k in final_a:
         assert torch.equal(final_a[k], final_b[k]), k
     # its checkpoint holds adapters, not a model: as a model.path it is refused, saying what to use
-    again = megarl("train", str(work / "run.yaml"), f"model.path={whole / 'checkpoints' / 'step_000004'}",
+    again = megarl_here("train", str(work / "run.yaml"), f"model.path={whole / 'checkpoints' / 'step_000004'}",
                    "model.lora.path=null", "model.lora.rank=8", f"trainer.run_dir={work / 'again'}", cwd=work)
     assert again.returncode == 2 and "is a LoRA run's checkpoint: it holds the adapters" in again.stderr, again.stderr

@@ -4,19 +4,12 @@ SIGTERM and SIGKILL, and export-hf of a run: tests/faults/test_interrupted_runs.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from tests import ray_cluster
+from tests.cli import megarl_here
 from tests.distributed.launch import ROOT
 
 ARGS = ["configs/grpo_demo.yaml", "trainer.train_steps=8", "trainer.save_interval=2", "logging.progress_bar=false",
         "data.prompts_per_step=4", "algorithm.samples_per_prompt=4"]
-
-
-def env():
-    return dict(os.environ, PYTHONWARNINGS="ignore", RAY_AUTH_MODE="disabled")
 
 
 def metrics(run_dir):
@@ -28,9 +21,8 @@ def test_async_checkpoints_resume_into_another_layout(tmp_path):
     once complete; the run resumes at tp=1 (dp=2) with the same weights (float64 sums of squares
     agree to 1e-12) and trains on, the rollout in step with the trainer."""
     run_dir = tmp_path / "run"
-    base = [sys.executable, "-m", "megarl.cli", "train", *ARGS, f"trainer.run_dir={run_dir}", *ray_cluster.overrides()]
-    first = subprocess.run(base + ["trainer.train_steps=4", "trainer.async_save=true"], cwd=ROOT, env=env(),
-                           capture_output=True, text=True, timeout=600)
+    base = ["train", *ARGS, f"trainer.run_dir={run_dir}"]
+    first = megarl_here(*base, "trainer.train_steps=4", "trainer.async_save=true", cwd=ROOT)
     assert first.returncode == 0, first.stderr[-3000:]
     root = run_dir / "checkpoints"
     assert (root / "latest").read_text() == "step_000004"
@@ -38,15 +30,13 @@ def test_async_checkpoints_resume_into_another_layout(tmp_path):
     saved = json.loads((run_dir / "final.json").read_text())["actor_weights_checksum"]
 
     tp1 = base + ["parallel.actor.tp=1"]
-    same = subprocess.run(tp1 + ["trainer.train_steps=4"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=600)
+    same = megarl_here(*tp1, "trainer.train_steps=4", cwd=ROOT)
     assert same.returncode == 0, same.stderr[-3000:]
     assert "resuming after step 4" in same.stdout and "into another layout" in same.stdout, same.stdout[-2000:]
     loaded = json.loads((run_dir / "final.json").read_text())["actor_weights_checksum"]
     assert abs(loaded - saved) <= 1e-12 * saved
 
-    more = subprocess.run(tp1 + ["trainer.train_steps=6"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=600)
+    more = megarl_here(*tp1, "trainer.train_steps=6", cwd=ROOT)
     assert more.returncode == 0, more.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 7))

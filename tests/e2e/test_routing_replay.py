@@ -15,23 +15,14 @@ expert group) produces the trainer's log-probs: the first PPO ratio is 1."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli import megarl_here as megarl
 from tests.fixtures.hf_models import chat_examples, make_hf_model, make_tokenizer
-from tests.ray_cluster import joined
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def megarl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
 
 
 def config(work: Path, model_dir: Path, data: Path, replay: bool, rollout: str = "{tp: 1, dtype: bfloat16}",

@@ -105,7 +105,7 @@ def tied(tmp_path_factory):
     included (hidden 576, 9 heads of 64, 3 KV heads, vocabulary 49152; 4 of its 30 layers). The
     entropy bonus moves every weight each step (exact_match scores these random answers 0), so
     every sync reloads a changed tied embedding into the engine."""
-    from tests.e2e.test_pretrained import megarl
+    from tests.cli import megarl_here as megarl
     from tests.fixtures.hf_models import chat_examples, make_tied_llama, make_tokenizer
 
     work = tmp_path_factory.mktemp("tied")

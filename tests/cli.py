@@ -1,0 +1,54 @@
+"""The ``megarl`` command of the end-to-end tests, two ways:
+
+* :func:`megarl`: as a user types it, a new interpreter (``python -m megarl.cli``), from ``cwd``;
+* :func:`megarl_here`: the same CLI ``main`` with the test process as the driver, from ``cwd``:
+  the command line, its exit codes and the teardown of whatever it started are the CLI's own,
+  without a new interpreter's start-up and imports (3-4 s a command here, 8-12 s of a short
+  ``megarl train`` run's wall time on 2 cores). Its output is captured, and echoed.
+
+A ``train`` command joins the suite's shared Ray cluster either way (:func:`tests.ray_cluster.joined`).
+Runs whose subject is the process itself (a signal, a kill, the exit of a new interpreter) use
+:func:`megarl`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.ray_cluster import joined
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def megarl(*args: str, cwd: Path, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
+    return subprocess.run([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd, env=environ,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class _Tee(io.StringIO):
+    def __init__(self, echo):
+        super().__init__()
+        self.echo = echo
+
+    def write(self, text):
+        self.echo.write(text)
+        return super().write(text)
+
+
+def megarl_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    from megarl.cli import main
+
+    here, out, err = os.getcwd(), _Tee(sys.stdout), _Tee(sys.stderr)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([*args, *joined(args)])
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["megarl", *args], code, out.getvalue(), err.getvalue())
