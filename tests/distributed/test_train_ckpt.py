@@ -14,10 +14,17 @@ from tests.distributed.launch import torchrun
 TOL = 1e-5
 
 
-@functools.lru_cache(maxsize=None)  # one session per worker mode, shared by its tests
-def results(which):
-    out = torchrun(4, "tests/distributed/train_ckpt_worker.py", which)
+MODES = ("relayout", "refusal", "async")
+
+
+@functools.lru_cache(maxsize=None)  # one session for every worker mode, shared by the tests
+def session():
+    out = torchrun(4, "tests/distributed/train_ckpt_worker.py", *MODES)
     return [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+
+
+def results(which):
+    return [r for r in session() if r["mode"] == which]
 
 
 def close(a, b, tol=TOL):

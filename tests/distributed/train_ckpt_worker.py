@@ -206,13 +206,13 @@ def recorded_hashes(path):
 
 if __name__ == "__main__":
     init_distributed()
-    which = sys.argv[1]
-    if which == "relayout":
-        results = [relayout_case(*case) for case in CASES]
-    elif which == "async":
-        results = [async_case()]
-    else:  # the same-layout resumes share this session: the bucket format's and TE FusedAdam's
-        results = [refusal_case(), fused_adam_case(distributed=True), fused_adam_case(distributed=False)]
-    if dist.get_rank() == 0:
-        for r in results:
-            print("RESULT " + json.dumps(r), flush=True)
+    for which in sys.argv[1:]:  # the modes share this session (test_train_ckpt runs them all in one)
+        if which == "relayout":
+            results = [relayout_case(*case) for case in CASES]
+        elif which == "async":
+            results = [async_case()]
+        else:  # the same-layout resumes: the bucket format's and TE FusedAdam's
+            results = [refusal_case(), fused_adam_case(distributed=True), fused_adam_case(distributed=False)]
+        if dist.get_rank() == 0:
+            for r in results:
+                print("RESULT " + json.dumps({"mode": which} | r), flush=True)
