@@ -42,13 +42,27 @@ class _Tee(io.StringIO):
 
 
 def megarl_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The test process is left as it was: its directory, its environment (a command sets the
+    process group's MASTER_ADDR, WORLD_SIZE, RANK...: inherited by later tests' subprocesses, a
+    ``train-lm`` saw a world of 1 and Ctrl-C tests hung), its signal handlers and its garbage
+    collector."""
+    import gc
+    import signal
+
     from megarl.cli import main
 
     here, out, err = os.getcwd(), _Tee(sys.stdout), _Tee(sys.stderr)
+    environ = dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main([*args, *joined(args)])
     finally:
         os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
+        for s, handler in handlers.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        gc.unfreeze()  # the CLI freezes its objects for its own exit
     return subprocess.CompletedProcess(["megarl", *args], code, out.getvalue(), err.getvalue())
