@@ -69,6 +69,7 @@ VLLM_PIN = "0.32.0"  # the release megarl is written and tested against (vllm-cp
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 EXTENSION = "megarl.rollout.vllm_worker.WeightLoader"
+IDLE_SPIN_S = 0.005  # on CPU, a vLLM worker busy-waits this long after a message (vLLM: 1 s; vllm_worker.py)
 
 
 def require_vllm():
@@ -130,6 +131,7 @@ class VLLMRollout(RolloutEngine):
         self.hand = hand_over(compute_device().type)(self.groups.pg.tp, keeps_weights or adapters is not None)
         self.shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # LoRA adapters' directory
         self.llm = None
+        self.idle_spin_queues = 0  # the engine's message queues set to go idle at once (CPU)
         self.pids: List[int] = []
         self.watch: Optional[EngineWatch] = None
         # lora_sync=adapter: the engine serves the actor's adapters (whole, PEFT-named, from
@@ -161,6 +163,8 @@ class VLLMRollout(RolloutEngine):
                     enable_sleep_mode=cuda, **lora_kwargs, **gpu_kwargs)
             self.pids = engine_pids(self.llm)
             self.watch = EngineWatch(self.llm, self.pids)
+            if not cuda:  # CPU: no core to spare for vLLM's busy-waiting after each call
+                self.idle_spin_queues = sum(self._rpc("megarl_idle_spin", IDLE_SPIN_S))
         self.hand.connect(self._rpc if self.llm is not None else None)
         self.released: set = set()
         self.stale = True

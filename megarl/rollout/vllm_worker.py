@@ -26,6 +26,21 @@ class WeightLoader:
                 self.model_runner.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names))
         return len(names)
 
+    def megarl_idle_spin(self, seconds: float) -> int:
+        """Make this worker's shared-memory message queues go idle ``seconds`` after a message
+        instead of vLLM's 1 s of busy-looping (``SpinCondition.busy_loop_s``); their writer
+        notifies every message, so a reader woken from its poll loses nothing. On CPU the spin
+        held a core for a second after every call, beside the engine's own compute and the
+        colocated trainer's (a vLLM step here: 0.48 s -> 0.34 s). The queues found."""
+        import gc
+
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        found = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+        for condition in found:
+            condition.busy_loop_s = seconds
+        return len(found)
+
     def megarl_weights_digest(self) -> float:
         """The sum of every parameter (a cheap fingerprint for tests; repacked tensors included)."""
         import torch

@@ -57,6 +57,14 @@ def test_vllm_is_handed_only_what_moved(results, case):
     assert r["first_engine_bytes"] > 0 and r["unchanged_engine_bytes"] == 0 and r["unchanged_equal"]
 
 
+@pytest.mark.parametrize("case", ["vllm", "vllm:tied"])
+def test_vllm_workers_do_not_busy_wait_on_cpu(results, case):
+    """On CPU each engine's worker message queues go idle 5 ms after a message (vLLM busy-waits
+    1 s, a core held after every call beside the engine's compute and the trainer's); the
+    contract's checks above ran with them so."""
+    assert results[case]["idle_spin_queues"] >= 1, results[case]["idle_spin_queues"]
+
+
 def test_vllm_is_handed_the_weights_one_bucket_at_a_time(results):
     """The hand-over streams (here 4 buckets, each decoder layer alone, and the contract's log-probs
     equal the trainer's through them): its peak extra memory, the largest bucket's host tensors

@@ -99,6 +99,7 @@ def contract(spec: str) -> dict:
     r["first_engine_bytes"] = role.update_weights(0).get("sync/engine_bytes", 0)
     r["first_peak_extra_bytes"] = rollout.sync_stats().peak_extra_bytes
     r["first_hand_over"] = hand_overs[0] if hand_overs else None
+    r["idle_spin_queues"] = getattr(rollout, "idle_spin_queues", None)  # vLLM on CPU: its workers' queues quieted
     sampling = SamplingParams(temperature=1.0, n=3, max_new_tokens=MAX_NEW, seed=5)
     first = role.generate(PROMPTS, sampling)
     again = role.generate(PROMPTS, sampling)
