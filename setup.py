@@ -25,6 +25,8 @@ setup(
         "psutil>=5.9",
         "pyarrow>=15",
         "numpy>=1.26",
+        # the math reward (megarl/rewards/verifiers.py): HF's symbolic answer checker
+        "math-verify>=0.9,<0.10",
     ],
     extras_require={
         # NVIDIA apex is a source install (see README); PyPI's "apex" is an unrelated package.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 class Choice(StrEnum):
@@ -392,9 +392,14 @@ class AlgorithmConfig:
     samples_per_prompt: int = bounded(8, ge=1)
     """Responses sampled per prompt (the group of GRPO/RLOO/DAPO)."""
     reward_fn: str = "reverse_digits"
-    """A registered verifier (reverse_digits, gsm8k, math, countdown, exact_match) or ``module:function``
-    (trusted code, run in reward worker processes): ``fn(response, answer)``, optionally also taking
-    ``prompt=`` and ``extra=`` (the dataset row's other fields) as keywords."""
+    """A registered verifier (reverse_digits, gsm8k, math, countdown, exact_match), ``module:function``
+    or ``path/to/file.py:function`` (trusted code, run in reward worker processes): ``fn(response,
+    answer)``, optionally also taking ``prompt=`` and ``extra=`` (the dataset row's other fields) as
+    keywords, or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``; the
+    default of ``reward_fn_by_source``."""
+    reward_fn_by_source: Dict[str, str] = field(default_factory=dict)
+    """The reward function of each ``data_source`` (the dataset rows' field), e.g. ``{openai/gsm8k:
+    gsm8k, my_math: rewards.py:score}``; rows of other sources (or none) get ``reward_fn``."""
     reward_timeout_s: float = bounded(10.0, gt=0)
     """Per-sample reward time limit in seconds, from that sample's own start in a worker; a sample past
     it has its worker killed. A timeout, an exception, a non-number or NaN/inf scores 0 and is counted

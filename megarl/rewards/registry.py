@@ -1,8 +1,11 @@
-"""Reward functions by name, or a user's by import path (``package.module:function``).
+"""Reward functions by name, or a user's by import path (``package.module:function``) or file
+(``path/to/my_reward.py:function``, relative to the directory the command runs in).
 
 A reward function is ``fn(response_text: str, answer) -> float``; it may also take the record's
-``prompt`` and ``extra`` (its other dataset fields) as keywords, or ``**kwargs``. It runs in the
-trainer's reward worker processes, loaded there by import path: trusted code, with the trainer's
+``prompt`` and ``extra`` (its other dataset fields) as keywords, or ``**kwargs``. verl's
+``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` works unchanged (known
+by its parameter names; its ``dict`` result's ``"score"`` is the reward). It runs in the trainer's
+reward worker processes, loaded there by import path or file: trusted code, with the trainer's
 permissions. A registered function must therefore be a module-level one.
 """
 
@@ -10,7 +13,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from megarl.registry import Registry, load_object
+import os
+
+from megarl.registry import Registry, is_file_path, load_object
 from megarl.rewards import verifiers
 from megarl.tasks import reverse_digits
 
@@ -24,9 +29,11 @@ REWARD_FUNCTIONS.register("exact_match")(verifiers.exact_match)
 
 
 def resolve_reward_fn(name: str) -> RewardFn:
-    """A registered name, or ``module.path:function``."""
+    """A registered name, ``module.path:function`` or ``path/to/file.py:function``."""
     if ":" not in name:
         return REWARD_FUNCTIONS.get(name)
+    if is_file_path(name) and not os.path.isfile(name.rpartition(":")[0]):
+        raise ValueError(f"algorithm.reward_fn='{name}': no such file {os.path.abspath(name.rpartition(':')[0])}")
     try:
         fn = load_object(name)
     except Exception as err:  # the module may fail in any way as it is imported (trusted, user code)
@@ -43,6 +50,9 @@ def reward_fn_path(name: str) -> str:
         fn = resolve_reward_fn(name)
     except KeyError as err:
         raise ValueError(f"algorithm.reward_fn: {err.args[0]}") from None
+    if is_file_path(name):  # the workers may start elsewhere: the file by its absolute path
+        file, _, attr = name.rpartition(":")
+        return f"{os.path.abspath(file)}:{attr}"
     if ":" in name:
         return name
     path = f"{fn.__module__}:{fn.__qualname__}"

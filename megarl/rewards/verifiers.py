@@ -1,5 +1,5 @@
-"""Rule-based verifiers: final answers of GSM8K, ``\\boxed{}`` math answers (numbers and
-fractions compared by value), countdown expressions, and the built-in digit reversal."""
+"""Rule-based verifiers: final answers of GSM8K (numbers compared by value), ``\\boxed{}`` math
+answers (HF's math-verify), countdown expressions, and the built-in digit reversal."""
 
 from __future__ import annotations
 
@@ -77,8 +77,29 @@ def gsm8k_reward(response: str, answer) -> float:
     return float(same_answer(gsm8k_answer(response), expected))
 
 
+MATH_TIMEOUT_S = 5  # seconds (whole: signal.alarm): math-verify's limit on parsing and on comparing one answer
+
+
 def math_reward(response: str, answer) -> float:
-    return float(same_answer(boxed_answer(response), answer))
+    """1 when the response's final answer (its last ``\\boxed{}``, else its last LaTeX or plain
+    expression) equals ``answer`` mathematically, by HF's math-verify: fractions, roots and pi
+    symbolically, sets, intervals, equations (``x=5`` against ``5``), percentages, units in
+    ``\\text{}`` and multiple-choice letters. Parsing and comparing each take at most
+    MATH_TIMEOUT_S (math-verify's signal-based limit, in the reward worker's main thread)."""
+    import threading
+
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, StringExtractionConfig, parse, verify
+
+    timeout = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    text = str(answer).strip()
+    if "$" not in text and "\\boxed" not in text:
+        text = f"${text}$"  # a bare LaTeX answer (the datasets' convention)
+    gold = parse(text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig(), StringExtractionConfig()],
+                 parsing_timeout=timeout)
+    got = parse(response, parsing_timeout=timeout)
+    if not gold or not got:
+        return 0.0
+    return float(verify(gold, got, timeout_seconds=timeout))
 
 
 _ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub)

@@ -18,7 +18,54 @@ from typing import Any, Optional, Tuple
 from megarl.registry import load_object
 
 KEYWORDS = ("prompt", "extra")  # what a reward function may take beyond (response, answer)
+# verl's compute_score(data_source, solution_str, ground_truth, extra_info): known by these names
+VERL = ("data_source", "solution_str", "ground_truth", "extra_info")
 _HEADER = struct.Struct("!I")
+
+
+def is_verl_style(fn) -> bool:
+    """Whether ``fn`` takes verl's ``solution_str`` and ``ground_truth`` (by name)."""
+    try:
+        names = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return {"solution_str", "ground_truth"} <= names
+
+
+def caller(fn):
+    """``call(response, answer, context) -> value``: ``fn`` called in its own convention: verl's
+    keywords (``data_source`` and ``extra_info`` from the record's fields), or megarl's
+    ``(response, answer)`` with the keywords it accepts."""
+    if is_verl_style(fn):
+        names = set(inspect.signature(fn).parameters)
+
+        def verl(response, answer, context):
+            extra = context["extra"] or {}
+            given = {"data_source": extra.get("data_source"), "solution_str": response, "ground_truth": answer,
+                     "extra_info": extra.get("extra_info", extra)}
+            return fn(**{k: v for k, v in given.items() if k in names})
+
+        return verl
+    keywords = accepted_keywords(fn)
+    return lambda response, answer, context: fn(response, answer, **{k: context[k] for k in keywords})
+
+
+def load_scorer(spec):
+    """``call(response, answer, context)`` for a spec from :func:`megarl.trainer.steps.reward_spec`:
+    one function's path, or ``{"default": path, "by_source": {data_source: path}}`` (each row scored
+    by its ``data_source``'s function, else the default)."""
+    if isinstance(spec, str):
+        return caller(load_object(spec))
+    loaded = {}
+    for path in [spec["default"], *spec["by_source"].values()]:
+        loaded.setdefault(path, caller(load_object(path)))
+    table = {source: loaded[path] for source, path in spec["by_source"].items()}
+    default = loaded[spec["default"]]
+
+    def route(response, answer, context):
+        return table.get((context["extra"] or {}).get("data_source"), default)(response, answer, context)
+
+    return route
 
 
 def accepted_keywords(fn) -> Tuple[str, ...]:
@@ -35,7 +82,12 @@ def accepted_keywords(fn) -> Tuple[str, ...]:
 
 def as_reward(value: Any) -> Tuple[str, Any]:
     """``("ok", score)``, or the kind of failure and a description: a string or None is not a
-    reward even when it reads as a number, and NaN or inf would poison the advantages."""
+    reward even when it reads as a number, and NaN or inf would poison the advantages. A ``dict``
+    (verl's convention) gives its ``"score"``."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            return "non-numeric", f"returned a dict without a 'score' (keys {sorted(value)[:8]})"
+        value = value["score"]
     if value is None or isinstance(value, (str, bytes)):
         return "non-numeric", f"returned {type(value).__name__} {value!r:.60}"
     try:
@@ -93,8 +145,7 @@ def main() -> None:
     os.dup2(2, 1)
     path, memory_mb = read_frame(reader)
     try:
-        fn = load_object(path)
-        keywords = accepted_keywords(fn)
+        call = load_scorer(path)
     except Exception as err:  # reported to the driver, which names the function
         write_frame(writer, ("fail", f"{type(err).__name__}: {err}"))
         return
@@ -108,7 +159,7 @@ def main() -> None:
         index, response, answer, context = task
         start = time.perf_counter()
         try:
-            value = fn(response, answer, **{k: context[k] for k in keywords})
+            value = call(response, answer, context)
         except MemoryError:  # over algorithm.reward_memory_mb: this process is replaced
             write_frame(writer, (index, "memory", f"over algorithm.reward_memory_mb={memory_mb} MB of address "
                                                   f"space", time.perf_counter() - start))

@@ -74,6 +74,22 @@ class PromptStream:
         return self.ids[key]
 
 
+def reward_spec(algo):
+    """What a reward worker loads: the function's import path (or file), or with
+    ``algorithm.reward_fn_by_source`` the default's and each data source's (checked here, in the
+    driver, before the run starts)."""
+    default = reward_fn_path(algo.reward_fn)
+    if not algo.reward_fn_by_source:
+        return default
+    by_source = {}
+    for source, name in algo.reward_fn_by_source.items():
+        try:
+            by_source[str(source)] = reward_fn_path(name)
+        except ValueError as err:
+            raise ValueError(f"algorithm.reward_fn_by_source.{source}: {err}") from None
+    return {"default": default, "by_source": by_source}
+
+
 class Scorer:
     """Decode responses and score them with the configured reward function in worker processes
     (:class:`RewardPool`, started on first use, kept for the run: call :meth:`close`), or with the
@@ -85,7 +101,10 @@ class Scorer:
         if algo.reward_workers < 1:
             raise ValueError(f"algorithm.reward_workers={algo.reward_workers} must be >= 1")
         self.model = None
-        self.fn_path = None if algo.reward_fn == REWARD_MODEL else reward_fn_path(algo.reward_fn)
+        if algo.reward_fn_by_source and algo.reward_fn == REWARD_MODEL:
+            raise ValueError("algorithm.reward_fn_by_source with algorithm.reward_fn=model: the reward model scores "
+                             "every row; route by data_source between reward functions only")
+        self.fn_path = None if algo.reward_fn == REWARD_MODEL else reward_spec(algo)
         self.tokenizer, self.algo = tokenizer, algo
         self.pool: Optional[RewardPool] = None
         self.failures = 0  # failed and timed-out samples over the run (checkpointed)
