@@ -15,6 +15,12 @@ and a Qwen3.5 vision-language checkpoint (gated delta nets, whose state the nati
 while it decodes, and gated attention; tp=2·ep=2), the latter's vision tower carried into the
 export bit-exact.
 
+The Qwen2-MoE case's prompts come as verl's data preprocessing writes them (a parquet of
+``data_source``, chat-message ``prompt``, ``reward_model.ground_truth`` and ``extra_info``), scored
+by a verl-style ``compute_score`` file given as ``algorithm.reward_fn=verl_reward.py:compute_score``:
+each row's reward is what the file computes from its data source, response, ground truth and
+extra info.
+
 The Llama case runs the commands as a user types them (a new interpreter, from another directory);
 the others run the same CLI ``main`` with this process as the driver (the shared session: no
 interpreter start-up and imports per command)."""
@@ -73,6 +79,31 @@ def tensors(directory: Path) -> dict:
 
 
 SUBPROCESS = {"llama"}  # the cases run as a user types them (a new interpreter); the others in this one
+# the cases whose prompts come as verl prepares them (a parquet of data_source, chat-message prompt,
+# reward_model.ground_truth, extra_info), scored by a verl-style compute_score file, unchanged
+VERL = {"qwen2_moe"}
+VERL_SOURCE = "toy/reverse"
+VERL_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's signature and dict result; every argument shows in the score."""
+    assert data_source == "toy/reverse", data_source
+    return {"score": float(solution_str.strip() == ground_truth) + extra_info["weight"], "source": data_source}
+'''
+
+
+def verl_weight(content: str) -> float:
+    return (len(content) % 4) / 8  # the row's extra_info.weight
+
+
+def write_verl_parquet(path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": VERL_SOURCE, "prompt": chat[:1], "ability": "reverse",
+             "reward_model": {"style": "rule", "ground_truth": chat[1]["content"]},
+             "extra_info": {"index": i, "split": "train", "weight": verl_weight(chat[0]["content"])}}
+            for i, chat in enumerate(chat_examples(16, seed=7))]
+    pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -82,17 +113,22 @@ def post_trained(request, tmp_path_factory):
     work = tmp_path_factory.mktemp(case.replace("+", "_"))
     tokenizer = make_tokenizer(work / "tokenizer")
     model_dir = make_hf_model(kind, work / "model", tokenizer, overrides=OVERRIDES.get(case))
-    data = work / "prompts.jsonl"
-    with data.open("w") as f:
-        for chat in chat_examples(16, seed=7):
-            f.write(json.dumps({"prompt": chat[:1], "answer": chat[1]["content"]}) + "\n")
+    data, reward = work / "prompts.jsonl", "exact_match"
+    if case in VERL:  # as verl's data preprocessing writes it, and its reward file beside (a relative path)
+        data, reward = work / "train.parquet", "verl_reward.py:compute_score"
+        write_verl_parquet(data)
+        (work / "verl_reward.py").write_text(VERL_REWARD)
+    else:
+        with data.open("w") as f:
+            for chat in chat_examples(16, seed=7):
+                f.write(json.dumps({"prompt": chat[:1], "answer": chat[1]["content"]}) + "\n")
     nproc, layout = LAYOUTS[case]
     (work / "run.yaml").write_text(f"""
 model: {{path: {model_dir}}}
 parallel: {{actor: {layout}, rollout: {{tp: 1{ROLLOUT.get(case, "")}}}}}
 optimizer: {{lr: 0.0}}
 data: {{train_files: [{data}], prompts_per_step: 4}}
-algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 8}}
+algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: {reward}, max_new_tokens: 8}}
 trainer: {{train_steps: 1, save_interval: 1, nproc_per_node: {nproc}, run_dir: {work / 'run'}}}
 logging: {{mlflow: false, progress_bar: false, rollout_dump_interval: 1}}
 """)
@@ -143,6 +179,13 @@ def test_first_step_log_probs_equal_transformers(post_trained):
     assert rows[0]["prompt"].startswith("user\nreverse ") and rows[0]["prompt"].endswith("assistant\n")
     for row in rows:
         assert row["response_ids"][-1] in EOS_IDS or len(row["response_ids"]) == 8
+    if kind in VERL:  # verl's compute_score scored each row, its data_source and extra_info given
+        chats = {c[0]["content"]: c[1]["content"] for c in chat_examples(16, seed=7)}
+        for row in rows:
+            (content,) = [c for c in chats if f"user\n{c}" in row["prompt"]]
+            expected = float(row["response"].strip() == chats[content]) + verl_weight(content)
+            assert row["reward"] == pytest.approx(expected), (row["response"], chats[content], row["reward"])
+        assert len({r["reward"] for r in rows}) > 1  # the weights differ between rows
 
 
 def test_export_is_bit_exact_and_generates(post_trained):
