@@ -116,6 +116,15 @@ class LrDecay(Choice):
     cosine = "cosine"
 
 
+class Truncation(Choice):
+    """``data.truncation``: a prompt longer than ``data.max_prompt_length``."""
+
+    error = "error"
+    left = "left"
+    right = "right"
+    skip = "skip"
+
+
 class BadRows(Choice):
     """``data.bad_rows``: what a malformed dataset row does."""
 
@@ -343,6 +352,21 @@ class DataConfig:
     digit tokenizer (built-in task)."""
     chat_template: bool = True
     """Format prompts with the tokenizer's chat template when it has one."""
+    chat_template_path: Optional[str] = None
+    """A Jinja chat-template file used instead of the tokenizer's own (also for a tokenizer without one)."""
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of the chat template (``apply_chat_template``), e.g. ``{enable_thinking: false}``
+    for Qwen3's non-thinking mode."""
+    system_prompt: Optional[str] = None
+    """A system message put before every prompt that has none (chat template); without a template,
+    a line before the prompt's text."""
+    max_prompt_length: Optional[int] = None
+    """Prompt tokens at most (after the chat template); null = the model's room, its positions less
+    ``algorithm.max_new_tokens``. Longer prompts are handled by ``data.truncation``."""
+    truncation: Truncation = Truncation.error
+    """A prompt over ``data.max_prompt_length``: ``error`` (stop before any worker starts, naming its
+    file:row and length; with ``data.bad_rows=skip`` the row is dropped instead), ``left`` (keep its last tokens: the generation prompt stays), ``right``
+    (keep its first tokens) or ``skip`` (drop the row, logged and counted)."""
     builtin_size: int = bounded(4096, ge=1)
     """Prompts generated for the built-in task."""
     prompts_per_step: int = bounded(16, ge=1)

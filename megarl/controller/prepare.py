@@ -107,7 +107,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     if algo.routing_replay:
         routing_replay.check_config(backend.records_routing, args.num_experts, cfg.model.recompute_granularity)
     check_pretrained_sources(cfg)
-    tokenizer = load_tokenizer(data.tokenizer, data.chat_template)
+    tokenizer = load_tokenizer(data.tokenizer, data.chat_template, system_prompt=data.system_prompt,
+                               template_kwargs=data.chat_template_kwargs, template_path=data.chat_template_path)
     rm_vocab = None
     if algo.reward_fn == REWARD_MODEL:  # the reward model scores the policy's token ids
         rm_vocab = megatron_args_from_hf(cfg.reward_model.hf_config or cfg.model.hf_config).vocab_size
@@ -125,9 +126,22 @@ def prepare(cfg: MegarlConfig) -> Prepared:
             raise ConfigError(f"rollout.env with tokenizer {data.tokenizer}: {err}") from None
     response_room = agent.budget(algo.max_new_tokens) if agent else algo.max_new_tokens
     room = args.max_position_embeddings - response_room
-    stream = PromptStream(records, tokenizer, cfg.trainer.seed, room)
+    stream = prompt_stream(records, tokenizer, cfg, room)
     check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
     return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent)
+
+
+def prompt_stream(records, tokenizer, cfg: MegarlConfig, room: int) -> PromptStream:
+    """The prompts' stream with data.max_prompt_length (at most the model's ``room``) and data.truncation."""
+    data = cfg.data
+    limit = data.max_prompt_length
+    if limit is None:
+        return PromptStream(records, tokenizer, cfg.trainer.seed, room, data.truncation)
+    if not 1 <= limit <= room:
+        raise ConfigError(f"data.max_prompt_length={limit} must be in [1, {room}]: the model's positions less "
+                          f"algorithm.max_new_tokens leave {room} prompt tokens")
+    return PromptStream(records, tokenizer, cfg.trainer.seed, limit, data.truncation,
+                        limit=f"data.max_prompt_length={limit}")
 
 
 def check_weight_sync(cfg: MegarlConfig) -> None:

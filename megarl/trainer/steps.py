@@ -17,7 +17,7 @@ from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATO
 from megarl.agent.loop import Agent
 from megarl.algorithms.presets import preset, resolve
 from megarl.config import ConfigError
-from megarl.config.schema import REWARD_MODEL, BadRows, EpisodeReward
+from megarl.config.schema import REWARD_MODEL, BadRows, EpisodeReward, Truncation
 from megarl.data.datasets import PromptRecord
 from megarl.metrics import Metric, merge
 from megarl.protocol import Batch, Columns
@@ -27,15 +27,23 @@ from megarl.rollout import Response, SamplingParams
 log = logging.getLogger(__name__)
 
 
-class PromptStream:
-    """Records in a seeded random order, epoch after epoch, tokenized once."""
+class PromptTooLong(ValueError):
+    """A prompt over the stream's limit, with data.truncation=error or skip."""
 
-    def __init__(self, records: Sequence[PromptRecord], tokenizer, seed: int, max_prompt_tokens: int):
+
+class PromptStream:
+    """Records in a seeded random order, epoch after epoch, tokenized once. A prompt longer than
+    ``max_prompt_tokens`` is cut (``truncation`` left or right) or raises :class:`PromptTooLong`
+    (error and skip: :func:`check_prompt_tokens` stops or drops the row); ``limit`` names the limit."""
+
+    def __init__(self, records: Sequence[PromptRecord], tokenizer, seed: int, max_prompt_tokens: int,
+                 truncation: Truncation = Truncation.error, limit: Optional[str] = None):
         self.records, self.tokenizer = list(records), tokenizer
         self.rng = random.Random(seed)
         self.order: List[int] = []
         self.ids = {}
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.truncation = max_prompt_tokens, Truncation(truncation)
+        self.limit = limit or f"the model's room of {max_prompt_tokens} (max positions - algorithm.max_new_tokens)"
         self.position = 0  # records handed out so far (a resumable data position)
         self.lock = threading.Lock()
 
@@ -67,9 +75,14 @@ class PromptStream:
         key = id(record)
         if key not in self.ids:
             ids = self.tokenizer.prompt_ids(record.prompt)
-            if len(ids) > self.max_prompt_tokens:
-                raise ValueError(f"{record.source}: prompt of {len(ids)} tokens exceeds the model's room "
-                                 f"({self.max_prompt_tokens} = max positions - algorithm.max_new_tokens)")
+            limit = self.max_prompt_tokens
+            if len(ids) > limit:
+                if self.truncation == Truncation.left:
+                    ids = ids[-limit:]
+                elif self.truncation == Truncation.right:
+                    ids = ids[:limit]
+                else:
+                    raise PromptTooLong(f"{record.source}: prompt of {len(ids)} tokens exceeds {self.limit}")
             self.ids[key] = ids
         return self.ids[key]
 
@@ -346,9 +359,17 @@ def check_prompt_tokens(stream: PromptStream, vocab_size: int, bad_rows: Optiona
     worker starts, or with ``bad_rows="skip"`` (data.bad_rows; None: the built-in task's records,
     never skipped) is logged and dropped from the stream. The token ids stay cached for the run
     (10k short chat prompts through an HF chat template: about 0.9 s on one CPU core)."""
-    kept = []
+    kept, long = [], 0
     for record in stream.records:  # source: "file:row" or "task:index"
-        problem = _prompt_problem(stream, record, vocab_size)
+        try:
+            problem = _prompt_problem(stream, record, vocab_size)
+        except PromptTooLong as err:  # data.truncation=skip drops the row, and so does data.bad_rows=skip
+            if stream.truncation != Truncation.skip and bad_rows != BadRows.skip:
+                raise ConfigError(f"{err} (data.truncation=error; left or right cuts such prompts, skip drops "
+                                  f"their rows)") from None
+            log.warning("skipping %s", err)
+            long += 1
+            continue
         if problem is None:
             kept.append(record)
         elif bad_rows == BadRows.skip:
@@ -356,11 +377,15 @@ def check_prompt_tokens(stream: PromptStream, vocab_size: int, bad_rows: Optiona
         else:
             hint = " (set data.bad_rows=skip to skip such rows)" if bad_rows == BadRows.fail else ""
             raise ConfigError(f"{record.source}: {problem}{hint}")
+    if long:
+        log.warning("skipped %d of %d prompts over %s", long, len(stream.records), stream.limit)
     if len(kept) < len(stream.records):
-        log.warning("skipped %d of %d prompts (data.bad_rows=skip)", len(stream.records) - len(kept),
-                    len(stream.records))
+        if len(kept) + long < len(stream.records):
+            log.warning("skipped %d of %d prompts (data.bad_rows=skip)", len(stream.records) - len(kept) - long,
+                        len(stream.records))
         if not kept:
-            raise ConfigError("every prompt of data.train_files was skipped (data.bad_rows=skip); see the log above")
+            raise ConfigError("every prompt of the data files was skipped (data.bad_rows=skip, data.truncation="
+                              "skip); see the log above")
         stream.records = kept
     tok = stream.tokenizer
     for name, ids in (("EOS", tok.eos_token_ids), ("pad", [tok.pad_token_id])):
@@ -378,7 +403,9 @@ def _prompt_problem(stream: PromptStream, record, vocab_size: int) -> Optional[s
         ids = stream.token_ids(record)
     except (jinja2.TemplateError, TypeError, KeyError) as err:
         return f"the prompt does not render with data.tokenizer's chat template: {err}"
-    except ValueError as err:  # too long (the message names the row), or characters it cannot encode
+    except PromptTooLong:
+        raise
+    except ValueError as err:  # characters it cannot encode
         return str(err).removeprefix(f"{record.source}: ")
     if not ids:
         return "the prompt has no tokens"

@@ -90,7 +90,8 @@ def write_prompts(path: Path, rows: int = 30) -> Path:
 def test_every_row_is_checked_before_workers_start(tmp_path, caplog):
     data = write_prompts(tmp_path / "prompts.jsonl")
     with pytest.raises(ConfigError, match=rf"prompts.jsonl:{BAD_ROW}: prompt of 102 tokens exceeds the model's room "
-                                          r"\(59 = .*set data.bad_rows=skip"):
+                                          r"of 59 \(max positions - algorithm.max_new_tokens\) \(data.truncation=error; "
+                                          r"left or right cuts such prompts, skip drops their rows\)"):
         prepare(load_config([DEMO], [f"data.train_files=[{data}]"]))
     with caplog.at_level(logging.WARNING):
         prepared = prepare(load_config([DEMO], [f"data.train_files=[{data}]", "data.bad_rows=skip"]))
