@@ -8,7 +8,7 @@ setup(
     description="Megatron-native RLHF / RL post-training for dense and MoE LLMs",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # enum.StrEnum
     packages=find_packages(include=["megarl", "megarl.*"]),
     install_requires=[
         "torch>=2.6",

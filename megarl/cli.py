@@ -109,7 +109,10 @@ def _layout(args: List[str]) -> int:
 def _convert(args: List[str]) -> int:
     from megarl.checkpoint.cli import main as convert_main
 
-    return convert_main(args)
+    try:
+        return convert_main(args)
+    except SystemExit as done:  # argparse's --help (0) and usage errors (2): the command's exit code
+        return done.code if isinstance(done.code, int) else 2
 
 
 COMMANDS = {"train": _train, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
@@ -124,11 +127,42 @@ def _message(exc: BaseException) -> str:
     return str(exc)
 
 
+HELP = {
+    "train": """usage: megarl train CONFIG.yaml [CONFIG.yaml ...] [key=value ...] [--dry-run]
+
+RL post-training (GRPO, PPO, DAPO, GSPO, RLOO, REINFORCE++, ReMax) on Ray. The YAML files merge in
+order, then the key=value overrides (docs/configuration.md lists every key). --dry-run checks the
+configuration, the model and every data row, prints the layout of every role and starts nothing.
+A run resumes from its run directory's newest checkpoint (trainer.run_dir).""",
+    "export-hf": """usage: megarl export-hf RUN_DIR OUT [--dtype=auto|float32|bfloat16] [--adapter]
+
+The actor of RUN_DIR's newest checkpoint as an HF checkpoint in OUT (config, safetensors, the
+tokenizer and generation config). A LoRA run's adapters merged into the base; with --adapter its PEFT
+adapter directory instead.""",
+    "report": """usage: megarl report RUN_DIR
+
+Draw a run's curves (RUN_DIR/metrics.jsonl) to RUN_DIR/report/*.png.""",
+    "train-lm": """usage: megarl train-lm CONFIG.yaml [key=value ...]
+
+Supervised Megatron training on the built-in tasks (launches torchrun with trainer.nproc_per_node ranks).""",
+    "config": """usage: megarl config CONFIG.yaml [CONFIG.yaml ...] [key=value ...]
+
+Print the composed, validated configuration as YAML.""",
+    "layout": """usage: megarl layout CONFIG.yaml [key=value ...] [--world-size=N]
+
+Print every rank's coordinates (tp, pp, dp, ep, cp) in the actor's layout (default world size:
+trainer.nproc_per_node).""",
+}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__.strip())
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] in HELP and any(a in ("-h", "--help") for a in argv[1:]):  # convert prints its own
+        print(HELP[argv[0]])
+        return 0
     try:
         with torn_down():  # the exit code is the command's, whatever groups it started
             return COMMANDS[argv[0]](argv[1:])

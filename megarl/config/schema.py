@@ -393,9 +393,12 @@ class DataConfig:
     """``megarl train-lm``: probability that an answer digit of the built-in task is replaced by a
     random one (noisy demonstrations; ``make demo``'s warm start); 0 = clean."""
     global_batch_size: int = bounded(16, ge=1)
-    """Sequences per optimizer step over all data-parallel ranks; must divide by dp*micro_batch_size."""
+    """``megarl train-lm`` only: sequences per optimizer step over all data-parallel ranks; must
+    divide by dp*micro_batch_size. (``megarl train``: a step's rows are data.prompts_per_step x
+    algorithm.samples_per_prompt, split into algorithm.ppo_mini_batch_size updates and
+    data.micro_batch_tokens micro-batches.)"""
     micro_batch_size: int = bounded(2, ge=1)
-    """Sequences per micro-batch on one data-parallel rank."""
+    """``megarl train-lm`` only: sequences per micro-batch on one data-parallel rank."""
 
 
 REWARD_MODEL = "model"
@@ -458,6 +461,9 @@ class AlgorithmConfig:
     """PPO clip range below 1."""
     clip_high: float = bounded(0.2, ge=0)
     """PPO clip range above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
+    dual_clip_c: Optional[float] = bounded(None, gt=1)
+    """Dual-clip PPO (Ye et al. 2020): for negative advantages the clipped objective is bounded at
+    ``dual_clip_c`` x the advantage (typically 3); null = off. The ppo policy loss only."""
     agg_mode: AggMode = AggMode.token_mean
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
     norm_by_std: bool = True
@@ -526,7 +532,9 @@ class TrainerConfig:
     seed: int = 1234
     """Seed of model init, data and sampling."""
     log_interval: int = bounded(10, ge=1)
-    """Print metrics every this many steps."""
+    """Print a line of the step's main metrics every this many steps (and at the last):
+    ``megarl train`` (reward, response length, losses, grad norm, KL, rollout-trainer log-prob gap,
+    step time) and ``megarl train-lm`` (loss)."""
     run_dir: str = "runs/latest"
     """Where logs, metrics and checkpoints go."""
     save_dir: Optional[str] = None

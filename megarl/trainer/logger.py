@@ -56,12 +56,22 @@ def rollout_rows(batch: Batch, decode: Optional[Callable[[List[int]], str]] = No
     return rows
 
 
+CONSOLE = ("reward/mean", "response/length_mean", "actor/loss", "actor/grad_norm", "actor/approx_kl", "critic/loss",
+           "rollout/logp_max_abs_diff", "time/step_s")  # what trainer.log_interval's line shows, those present
+
+
+def console_line(record: Dict[str, float]) -> str:
+    """``step 10 | reward/mean 0.4125 | ...``: the step's main metrics on one line."""
+    parts = [f"step {record['step']}"] + [f"{k} {record[k]:.4g}" for k in CONSOLE if k in record]
+    return " | ".join(parts)
+
+
 class RunLogger:
     def __init__(self, cfg, total_steps: int, start_step: int = 0, mlflow_run_id: Optional[str] = None,
                  decode: Optional[Callable[[List[int]], str]] = None):
         """``start_step``: the last step already done (a resumed run keeps the metrics up to it).
         ``decode``: token ids -> text, for the samples written by ``logging.rollout_dump_interval``."""
-        self.cfg = cfg
+        self.cfg, self.total_steps = cfg, total_steps
         self.decode = decode
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +160,8 @@ class RunLogger:
         self.history.append(record)
         append_text(self.metrics_path, json.dumps(record) + "\n", f"step {step}'s metrics line")
         if self.mlflow:
-            self.mlflow.log_metrics({k.replace("/", "."): float(v) for k, v in record.items() if k != "step"}, step=step)
+            # the same names in every backend: MLflow takes the slashes (reward/mean, as in metrics.jsonl)
+            self.mlflow.log_metrics({k: float(v) for k, v in record.items() if k != "step"}, step=step)
         if self.tensorboard:
             for key, value in record.items():
                 if key != "step":
@@ -159,6 +170,9 @@ class RunLogger:
         if self.bar:
             self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", step_s=f"{seconds:.1f}")
             self.bar.update(1)
+        if step % self.cfg.trainer.log_interval == 0 or step == self.total_steps:
+            line = console_line(record)
+            self.bar.write(line) if self.bar else print(line, flush=True)
         self.step_start = time.perf_counter()
         return record
 

@@ -129,7 +129,7 @@ def test_mlflow_ui_serves_the_demo_run(demo):
         runs = _post(f"{api}/runs/search", {"experiment_ids": ids})["runs"]
         assert [r["info"]["run_name"] for r in runs] == ["grpo"] and runs[0]["info"]["status"] == "FINISHED"
         metrics = {m["key"]: m for m in runs[0]["data"]["metrics"]}
-        assert "reward.mean" in metrics and metrics["reward.mean"]["step"] == 2, sorted(metrics)
+        assert "reward/mean" in metrics and metrics["reward/mean"]["step"] == 2, sorted(metrics)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as response:
             assert b"<title>MLflow</title>" in response.read()  # the web UI's built page, not the landing-page error
     finally:
