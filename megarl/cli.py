@@ -11,7 +11,7 @@ Subcommands:
   layout     print every rank's coordinates in the actor layout (dry run; --world-size=N,
              default trainer.nproc_per_node)
 
-Exit codes: 0 done; 2 bad input (the field or file named); 3 a rank died or made no progress
+Exit codes: 0 done; 1 the run diverged (a role's non-finite outputs or updates, named) or failed; 2 bad input (the field or file named); 3 a rank died or made no progress
 (trainer.hang_timeout_s); 4 out of disk space; 130 Ctrl-C; 143 SIGTERM (after the step's checkpoint).
 """
 
@@ -175,6 +175,9 @@ def main(argv=None) -> int:
     except DiskFull as exc:  # names the path, the bytes needed and free; what was there is intact
         print(f"megarl {argv[0]}: error: {exc}", file=sys.stderr)
         return 4
+    except (NonFiniteOutput, NonFiniteUpdateError) as exc:  # diverged: the step and the role named
+        print(f"megarl {argv[0]}: error: {_message(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: the run's processes are already stopped on the way out
         print(f"megarl {argv[0]}: interrupted", file=sys.stderr)
         return 130

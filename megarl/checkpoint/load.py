@@ -269,13 +269,15 @@ def check_pretrained(path: str | Path, model_cfg, field: str = "model.path", val
         args = dataclasses.replace(args, tie_word_embeddings=False)
     if source.kind == "hf":
         shards = expected_shards(model_cfg, args, value_head)
-        _check_hf(source.weights, args, model_cfg.make_vocab_size_divisible_by, value_head, shards, field)
+        _check_hf(source.weights, args, model_cfg.make_vocab_size_divisible_by, value_head, shards, field,
+                  check_finite=getattr(model_cfg, "check_finite", True))
     else:
         _check_mcore(source.weights, model_cfg, args, value_head, field)
     return source
 
 
-def _check_hf(directory: Path, args, vocab_multiple: int, value_head: bool, shards: List, field: str) -> None:
+def _check_hf(directory: Path, args, vocab_multiple: int, value_head: bool, shards: List, field: str,
+              check_finite: bool = True) -> None:
     try:
         hf = HFCheckpoint(directory)  # verifies every file: present, headers whole, long enough
     except (ValueError, FileNotFoundError) as exc:
@@ -298,6 +300,22 @@ def _check_hf(directory: Path, args, vocab_multiple: int, value_head: bool, shar
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConversionError(f"{field}={directory}: {problems[0]}{more}")
+    if check_finite:
+        _check_finite(hf, plan.hf_names(), f"{field}={directory}")
+
+
+def _check_finite(hf, names, where: str) -> None:
+    """Every floating-point tensor of ``names`` holds finite values only (a NaN in a user's weights
+    would surface as a sampling error deep in a worker). Reads each tensor once, one at a time."""
+    for name in names:
+        tensor = hf.read(name)
+        if tensor.is_floating_point():
+            bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+            if bad:
+                raise ConversionError(f"{where}: tensor '{name}' (in {hf.weight_map[name]}) holds {bad} non-finite "
+                                      f"value(s) (NaN or inf) of {tensor.numel()}; the checkpoint is damaged or was "
+                                      f"saved from a diverged run. Fix or replace it (model.check_finite=false skips "
+                                      f"this check)")
 
 
 def _check_mcore(directory: Path, model_cfg, args, value_head: bool, field: str) -> None:

@@ -213,6 +213,9 @@ class ModelConfig:
     """Path to a Hugging Face ``config.json`` (or its directory); its ``model_type`` picks the
     architecture. null = ``path``'s config when ``path`` is set, else configs/models/tiny-llama.json
     (random init)."""
+    check_finite: bool = True
+    """Before any worker starts, read every tensor of an HF ``path`` once and refuse one holding NaN or
+    inf, naming it and its file (exit 2); reading takes seconds per GB."""
     make_vocab_size_divisible_by: int = bounded(128, ge=1)
     """Pad the vocabulary up to a multiple of this (tokens); the padded size must divide by every tp used."""
     params_dtype: ParamsDtype = ParamsDtype.auto

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.engines import batching
+from megarl.errors import NonFiniteUpdateError  # noqa: F401 - raised here, caught by megarl.cli
 from megarl.engines.batching import MicroBatch, Tensors
 from megarl.engines.train_state import TrainState
 from megarl.engines.vocab_parallel import log_prob_and_entropy
@@ -105,10 +106,6 @@ class MiniBatches:
                 mine = order[start + dp_rank * share: start + (dp_rank + 1) * share]
                 steps.append(mine.sort().values)
         return steps
-
-
-class NonFiniteUpdateError(RuntimeError):
-    """``trainer.max_bad_steps`` optimizer steps in a row had a non-finite loss or gradient."""
 
 
 class MegatronEngine:

@@ -19,6 +19,7 @@ from megarl.algorithms.presets import preset, resolve
 from megarl.config import ConfigError
 from megarl.config.schema import REWARD_MODEL, BadRows, EpisodeReward, Truncation
 from megarl.data.datasets import PromptRecord
+from megarl.errors import NonFiniteOutput
 from megarl.metrics import Metric, merge
 from megarl.protocol import Batch, Columns
 from megarl.rewards import RewardPool, RewardSample, reward_fn_path
@@ -331,18 +332,39 @@ def sampling_metrics(sampled: Sampled) -> Dict[str, float]:
             **sampled.reward_metrics, **sampled.agent_metrics}
 
 
-def train_on(batch: Batch, roles, algo, log) -> Tuple[Batch, Dict[str, float]]:
+def check_finite(batch: Batch, column: str, what: str, step: Optional[int]) -> None:
+    """Raise :class:`NonFiniteOutput` naming the step, the role's output and the rows where
+    ``column`` is NaN or inf on a response token (a run whose weights or inputs went non-finite
+    would otherwise fail later, in sampling or the update, without saying where it began)."""
+    values = getattr(batch, column)
+    if values is None:
+        return
+    bad = ~torch.isfinite(values) & batch.loss_mask.bool()
+    if bad.any():
+        rows = bad.any(-1).nonzero().flatten().tolist()
+        at = f"step {step}: " if step is not None else ""
+        raise NonFiniteOutput(f"{at}{what} hold NaN or inf on {int(bad.sum())} response token(s) of {len(rows)} "
+                              f"row(s) (first rows {rows[:8]}): that model's weights or these inputs went "
+                              f"non-finite; resume from an earlier checkpoint (lower optimizer.lr, check the data)")
+
+
+def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None) -> Tuple[Batch, Dict[str, float]]:
     """The training half of a step, the same under every schedule: old log-prob → reference
     log-prob → values → advantages → critic update → actor update. Returns the batch with the
-    columns each phase added, and the updates' metrics. ``log.phase`` times each phase."""
+    columns each phase added, and the updates' metrics. ``log.phase`` times each phase. A role's
+    non-finite output stops the run there, named (:func:`check_finite`)."""
+    check_finite(batch, "rollout_log_probs", "the rollout's log-probs of its samples", step)
     with log.phase("old_log_prob"):
         batch |= roles.actor.compute_log_prob(batch)
+    check_finite(batch, "old_log_probs", "the actor's log-probs (old_log_probs)", step)
     if roles.reference:
         with log.phase("ref_log_prob"):
             batch |= roles.reference.compute_log_prob(batch)
+        check_finite(batch, "ref_log_probs", "the reference's log-probs", step)
     if roles.critic:
         with log.phase("values"):
             batch |= roles.critic.compute_values(batch)
+        check_finite(batch, "values", "the critic's values", step)
     batch |= advantages(batch, algo)
     metrics: Dict[str, float] = {}
     if roles.critic:

@@ -106,3 +106,32 @@ def test_truncation_cuts_the_named_end(user):
     assert [r.source for r in stream.records] == ["f.jsonl:2"]
     with pytest.raises(Exception, match=r"data.max_prompt_length=500 must be in \[1, 100\]"):
         prompt_stream(records, tok, load_config([], ["data.max_prompt_length=500"]), 100)
+
+
+def test_a_checkpoint_with_one_nan_is_refused_before_ray_starts(user, tmp_path):
+    """One NaN in one tensor of the user's HF checkpoint: megarl train exits 2 naming the tensor and
+    its file, before Ray starts (no run directory is written). (Before: a sampling error deep in a
+    worker, RayTaskError(RuntimeError): probability tensor contains either inf, nan or element < 0.)"""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    work, tokenizer, model = user
+    broken = tmp_path / "model"
+    shutil.copytree(model, broken)
+    weights = load_file(broken / "model.safetensors")
+    name = "model.layers.2.mlp.down_proj.weight"
+    weights[name][3, 5] = float("nan")
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    data = work / "ok.jsonl"
+    data.write_text(json.dumps({"prompt": "reverse 12", "answer": "21"}) + "\n")
+    proc = megarl_here("train", f"model.path={broken}", f"data.train_files=[{data}]", "algorithm.reward_fn=exact_match",
+                       "trainer.nproc_per_node=1", "data.prompts_per_step=2", f"trainer.run_dir={tmp_path / 'run'}",
+                       cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"tensor '{name}' (in model.safetensors) holds 1 non-finite value(s)" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+    ok = megarl_here("train", "--dry-run", f"model.path={broken}", "model.check_finite=false",
+                     f"data.train_files=[{data}]", "algorithm.reward_fn=exact_match", "trainer.nproc_per_node=1",
+                     "data.prompts_per_step=2", f"trainer.run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-3000:]  # the check can be turned off

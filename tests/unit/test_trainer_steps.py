@@ -174,3 +174,47 @@ def test_presets_resolve_defaults_and_refuse_by_field():
                       ({"policy_loss": "trpo", "ppo_epochs": 0}, "policy_loss='trpo'.*ppo_epochs=0")]:
         with pytest.raises(ValueError, match=field):
             resolve(algo(**{"name": "grpo", **kw}))
+
+
+def test_a_roles_non_finite_output_is_named_with_its_step():
+    """train_on stops at the first role whose log-probs or values hold NaN or inf on a response
+    token, naming the step, the role and the rows (padding positions do not count)."""
+    import contextlib
+
+    from megarl.errors import NonFiniteOutput
+    from megarl.trainer.steps import Sampled, train_on
+
+    responses = [Response(0, 0, [7, 8, 2], [-0.1, -0.2, -0.3], "stop"), Response(1, 0, [9], [-0.4], "length")]
+    sampled = Sampled(records=[None, None], prompt_ids=[[1, 5], [1, 5, 6, 6]], responses=responses,
+                      scores=torch.tensor([1.0, 0.25]), raw_scores=torch.tensor([1.0, 0.5]))
+
+    class Role:
+        def __init__(self, column, poison=None):
+            self.column, self.poison = column, poison
+
+        def compute_log_prob(self, batch):
+            values = batch.rollout_log_probs.clone()
+            if self.poison is not None:
+                values[self.poison] = float("nan")
+            return Columns({self.column: values})
+
+        def update(self, batch):
+            return {}
+
+    class Log:
+        phase = staticmethod(lambda name: contextlib.nullcontext())
+
+    class Roles:
+        critic = None
+
+    algo = AlgorithmConfig()
+    clean = make_batch(sampled, pad_id=0, policy_version=6)
+    pad = (~clean.loss_mask.bool()).nonzero()[0].tolist()  # a padding position: not counted
+    roles = Roles()
+    roles.actor, roles.reference = Role("old_log_probs", poison=tuple(pad)), Role("ref_log_probs")
+    train_on(make_batch(sampled, pad_id=0, policy_version=6), roles, algo, Log(), step=7)  # finite where it counts
+    row1 = clean.loss_mask[1].nonzero()[0].item()
+    roles.reference = Role("ref_log_probs", poison=(1, row1))
+    with pytest.raises(NonFiniteOutput, match=r"step 7: the reference's log-probs hold NaN or inf on 1 response "
+                                              r"token\(s\) of 1 row\(s\) \(first rows \[1\]\)"):
+        train_on(make_batch(sampled, pad_id=0, policy_version=6), roles, algo, Log(), step=7)
