@@ -2,6 +2,7 @@
 
 Subcommands:
   train      RL post-training (GRPO, PPO, DAPO, RLOO, REINFORCE++, ReMax) on Ray, colocated
+  eval       the held-out evaluation of a model (HF, Megatron, a run) on data.val_files, without training
   export-hf  the actor of a run's newest checkpoint as an HF checkpoint: RUN_DIR OUT [--dtype D]; a LoRA
              run's merged, or with --adapter its PEFT adapter directory
   report     draw a run's curves (RUN_DIR/metrics.jsonl) to RUN_DIR/report/*.png
@@ -62,6 +63,12 @@ def _train(args: List[str]) -> int:
     return main(args)
 
 
+def _eval(args: List[str]) -> int:
+    from megarl.entrypoints.eval import main
+
+    return main(args)
+
+
 def _report(args: List[str]) -> int:
     from megarl.trainer.report import report
 
@@ -115,7 +122,7 @@ def _convert(args: List[str]) -> int:
         return done.code if isinstance(done.code, int) else 2
 
 
-COMMANDS = {"train": _train, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
+COMMANDS = {"train": _train, "eval": _eval, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
 
 
 def _message(exc: BaseException) -> str:
@@ -134,6 +141,12 @@ RL post-training (GRPO, PPO, DAPO, GSPO, RLOO, REINFORCE++, ReMax) on Ray. The Y
 order, then the key=value overrides (docs/configuration.md lists every key). --dry-run checks the
 configuration, the model and every data row, prints the layout of every role and starts nothing.
 A run resumes from its run directory's newest checkpoint (trainer.run_dir).""",
+    "eval": """usage: megarl eval CONFIG.yaml [key=value ...] model.path=DIR data.val_files=[FILE, ...]
+
+The held-out evaluation of megarl train's validation (data.val_files; algorithm.val_samples_per_prompt,
+val_temperature, val_max_new_tokens; trainer.seed) on model.path without training it: an HF directory, a
+Megatron checkpoint, a run checkpoint or a run directory (its newest checkpoint), generated through the
+configured rollout backend. Writes trainer.run_dir/eval.json and eval_responses.jsonl.""",
     "export-hf": """usage: megarl export-hf RUN_DIR OUT [--dtype=auto|float32|bfloat16] [--adapter]
 
 The actor of RUN_DIR's newest checkpoint as an HF checkpoint in OUT (config, safetensors, the

@@ -130,5 +130,5 @@ def stop_shared() -> None:
 
 
 def joined(cli_args: Sequence[str]) -> List[str]:
-    """:func:`overrides` for a ``megarl train`` command line, nothing for other commands."""
-    return overrides() if cli_args and cli_args[0] == "train" else []
+    """:func:`overrides` for a ``megarl train`` or ``megarl eval`` command line, nothing for other commands."""
+    return overrides() if cli_args and cli_args[0] in ("train", "eval") else []

@@ -344,6 +344,9 @@ class DataConfig:
 
     train_files: List[str] = field(default_factory=list)
     """Prompt datasets (jsonl or parquet); empty = the built-in task."""
+    val_files: List[str] = field(default_factory=list)
+    """Held-out prompt datasets (the formats of train_files), evaluated every trainer.val_interval
+    steps (megarl/trainer/validation.py); empty = no validation. Never trained on."""
     prompt_key: str = "prompt"
     """Record field holding the prompt (a string or a list of chat messages)."""
     answer_key: str = "answer"
@@ -449,6 +452,12 @@ class AlgorithmConfig:
     """Top-k sampling (0 = off)."""
     max_new_tokens: int = bounded(16, ge=1)
     """Response length limit."""
+    val_samples_per_prompt: int = bounded(1, ge=1)
+    """Validation: responses per held-out prompt (n of reward/mean@n, pass@n, maj@n)."""
+    val_temperature: float = bounded(0.0, ge=0)
+    """Validation: sampling temperature; 0 = greedy."""
+    val_max_new_tokens: Optional[int] = bounded(None, ge=1)
+    """Validation: response length limit; null = max_new_tokens."""
     kl_coef: float = 0.0
     """KL-to-reference weight (0 = no reference model)."""
     kl_in_reward: Optional[bool] = None
@@ -554,6 +563,12 @@ class TrainerConfig:
     Ray ignores it (loopback)."""
     save_interval: int = bounded(0, ge=0)
     """Checkpoint every this many steps (0 = never); the run resumes from the newest one."""
+    val_interval: int = bounded(0, ge=0)
+    """Evaluate on data.val_files every this many steps, after the step's weight sync (0 = only
+    before training, with val_before_train); metrics in <run_dir>/validation.jsonl and every logger,
+    responses in <run_dir>/validation/step_<N>.jsonl."""
+    val_before_train: bool = True
+    """With data.val_files: evaluate the starting weights first (step 0)."""
     keep_checkpoints: int = bounded(2, ge=1)
     """Checkpoints kept (oldest removed first)."""
     resume: bool = True

@@ -20,7 +20,7 @@ from megarl.algorithms.correction import check_rollout_correction
 from megarl.algorithms.presets import resolve
 from megarl.checkpoint.load import check_pretrained_sources, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, validate
-from megarl.config.schema import REWARD_MODEL, LoraSync, Placement, WeightSync
+from megarl.config.schema import REWARD_MODEL, Loop, LoraSync, Placement, WeightSync
 from megarl.controller.cluster import check_cluster
 from megarl.controller.roles import check_role_layouts
 from megarl.controller.split import check_placement
@@ -48,6 +48,7 @@ class Prepared:
     scorer: Scorer
     tokenizer: Any
     agent: Optional[Agent] = None  # multi-turn episodes (rollout.env), else None
+    val_stream: Optional[PromptStream] = None  # the held-out prompts (data.val_files), else None
 
 
 def world_size(cfg: MegarlConfig) -> int:
@@ -128,7 +129,29 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     room = args.max_position_embeddings - response_room
     stream = prompt_stream(records, tokenizer, cfg, room)
     check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
-    return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent)
+    val_stream = validation_stream(cfg, tokenizer, args, agent)
+    return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent, val_stream)
+
+
+def validation_stream(cfg: MegarlConfig, tokenizer, args, agent) -> Optional[PromptStream]:
+    """data.val_files' prompts, checked as the training prompts are (every row, before any worker
+    starts), within the room of validation's own response budget; None without val_files."""
+    data, algo, t = cfg.data, cfg.algorithm, cfg.trainer
+    if not data.val_files:
+        if t.val_interval:
+            raise ConfigError(f"trainer.val_interval={t.val_interval} needs data.val_files (held-out prompts)")
+        return None
+    if agent is not None:
+        raise ConfigError("data.val_files with rollout.env: validation of multi-turn episodes is not supported yet; "
+                          "leave data.val_files empty")
+    if t.loop == Loop.one_step_off and t.placement == Placement.split:
+        raise ConfigError("data.val_files with trainer.placement=split and trainer.loop=one_step_off: validation "
+                          "does not run beside the drawing thread yet; use the synchronous loop or colocated placement")
+    records = load_records(data.val_files, data.prompt_key, data.answer_key, data.bad_rows)
+    room = args.max_position_embeddings - (algo.val_max_new_tokens or algo.max_new_tokens)
+    stream = prompt_stream(records, tokenizer, cfg, room)
+    check_prompt_tokens(stream, args.vocab_size, data.bad_rows)
+    return stream
 
 
 def prompt_stream(records, tokenizer, cfg: MegarlConfig, room: int) -> PromptStream:

@@ -68,9 +68,15 @@ def _run_locked(prepared: Prepared) -> List[dict]:
                 "step": step, "stream": stream.state(), "reward_failures": scorer.failures,
                 "mlflow_run_id": log.mlflow_run_id or ""}, to_yaml(cfg), preemption)
         train = one_step_off.train if cfg.trainer.loop == Loop.one_step_off else loop.train
+        validator = None
+        if prepared.val_stream is not None:
+            from megarl.trainer.validation import Validator
+
+            validator = Validator(prepared.val_stream, scorer, cfg.algorithm, tok.eos_token_ids, cfg.trainer.seed,
+                                  tok.decode)
         preemption.armed = True  # a SIGTERM from here on lets the step finish
         train(cfg, roles, stream, scorer, log, tok.eos_token_ids, tok.pad_token_id,
-              start_step=done + 1, after_step=schedule.after_step, agent=prepared.agent)
+              start_step=done + 1, after_step=schedule.after_step, agent=prepared.agent, validator=validator)
         preemption.armed = False
         schedule.finish(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}

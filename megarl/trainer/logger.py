@@ -83,6 +83,13 @@ class RunLogger:
             replace_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.history),
                          "the metrics of the steps kept")
         self.timings: Dict[str, float] = {}
+        self.validations: List[Dict[str, float]] = []  # this run's validation lines (validation.jsonl)
+        val_path = self.run_dir / "validation.jsonl"
+        if val_path.is_file():  # a resumed run keeps the validations up to its checkpoint
+            kept = [json.loads(line) for line in val_path.read_text().splitlines() if line.strip()]
+            self.validations = [r for r in kept if r["step"] <= start_step]
+            replace_text(val_path, "".join(json.dumps(r) + "\n" for r in self.validations),
+                         "the validation lines kept")
         self.tensorboard = None  # before MLflow: a missing package fails before a run is opened
         if cfg.logging.tensorboard:
             self.tensorboard = _tensorboard_writer(self.run_dir / "tensorboard", start_step)
@@ -175,6 +182,30 @@ class RunLogger:
             self.bar.write(line) if self.bar else print(line, flush=True)
         self.step_start = time.perf_counter()
         return record
+
+    def validation(self, step: int, metrics: Dict[str, float], rows: List[Dict]) -> None:
+        """A validation's metrics to <run_dir>/validation.jsonl, MLflow, TensorBoard and the console
+        at ``step`` (0: before training), its responses to <run_dir>/validation/step_<N>.jsonl. The
+        next step's clock starts after it (a step's time/ metrics leave validation out)."""
+        record = {"step": step, **metrics}
+        folder = self.run_dir / "validation"
+        folder.mkdir(exist_ok=True)
+        replace_text(folder / f"step_{step}.jsonl", "".join(json.dumps(r) + "\n" for r in rows),
+                     f"step {step}'s validation responses")
+        append_text(self.run_dir / "validation.jsonl", json.dumps(record) + "\n", f"step {step}'s validation line")
+        self.validations.append(record)
+        if self.mlflow:
+            self.mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        if self.tensorboard:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, step)
+            self.tensorboard.flush()
+        from megarl.trainer.validation import HEADLINE
+
+        shown = [k for k in metrics if HEADLINE.match(k)] + ["val/response/length_mean"]
+        line = f"validation at step {step} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in shown)
+        self.bar.write(line) if self.bar else print(line, flush=True)
+        self.step_start = time.perf_counter()
 
     def _dump_rollouts(self, step: int, batch: Batch) -> None:
         folder = self.run_dir / "rollouts"

@@ -12,10 +12,21 @@ from typing import Sequence
 from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, train_on
 
 
+def validate(cfg, roles, validator, log, step: int) -> None:
+    """Held-out evaluation on the rollout's current weights (trainer.val_interval; step 0 with
+    trainer.val_before_train), logged apart from the step's metrics."""
+    t = cfg.trainer
+    due = (step == 0 and t.val_before_train) or (step and t.val_interval and step % t.val_interval == 0)
+    if validator is not None and due:
+        log.validation(step, *validator.run(roles.rollout))
+
+
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
-          after_step=None, agent=None) -> None:
+          after_step=None, agent=None, validator=None) -> None:
     algo, data = cfg.algorithm, cfg.data
     roles.rollout.update_weights(start_step - 1)
+    if start_step == 1:
+        validate(cfg, roles, validator, log, 0)
     for step in range(start_step, cfg.trainer.train_steps + 1):
         sampled = sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
                               seed=cfg.trainer.seed + step, eos_token_ids=eos_token_ids, phase=log.phase, agent=agent)
@@ -26,5 +37,6 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
             roles.rollout.resume_memory()
             metrics |= roles.rollout.update_weights(step)
         log.step(step, batch, metrics)
+        validate(cfg, roles, validator, log, step)
         if after_step:
             after_step(step)  # checkpoint

@@ -15,12 +15,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from megarl.config.schema import Placement
+from megarl.trainer.loop import validate
 from megarl.trainer.producer import Producer
 from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, train_on
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
-          after_step=None, agent=None) -> None:
+          after_step=None, agent=None, validator=None) -> None:
+    """``validator`` (data.val_files): colocated placement only, where the draws run in line
+    (megarl.controller.prepare refuses it with split placement's drawing thread)."""
     algo, data, t = cfg.algorithm, cfg.data, cfg.trainer
 
     def draw(step, rollout, phase):
@@ -28,6 +31,8 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
                            eos_token_ids=eos_token_ids, phase=phase, agent=agent)
 
     roles.rollout.update_weights(start_step - 1)
+    if start_step == 1:
+        validate(cfg, roles, validator, log, 0)
     producer = Producer(draw, roles.rollout, start_step, t.train_steps, bound=t.max_staleness or 1,
                         threaded=t.placement == Placement.split)
     try:
@@ -44,6 +49,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
                 roles.rollout.resume_memory()
                 metrics |= producer.sync(lambda: roles.rollout.update_weights(step), step)
             log.step(step, batch, metrics)
+            validate(cfg, roles, validator, log, step)
             if after_step:
                 after_step(step)  # checkpoint
     finally:

@@ -64,4 +64,21 @@ def report(run_dir) -> List[Path]:
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)
+    validation = run_dir / "validation.jsonl"  # held-out evaluation (data.val_files), when run
+    vals = [json.loads(line) for line in validation.read_text().splitlines() if line.strip()] if validation.is_file() else []
+    from megarl.trainer.validation import HEADLINE
+
+    keys = sorted({k for r in vals for k in r if HEADLINE.match(k)})
+    if keys:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for key in keys:
+            ax.plot([r["step"] for r in vals], [r.get(key, float("nan")) for r in vals], marker="o", label=key)
+        ax.set_xlabel("step")
+        ax.legend(loc="best", fontsize="small")
+        ax.set_title(f"{run_dir.name}: validation")
+        fig.tight_layout()
+        path = out_dir / "validation.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
     return written

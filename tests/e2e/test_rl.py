@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from megarl.parallel import LayoutError
 from tests import ray_cluster
 
 DEMO = "configs/grpo_demo.yaml"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def history(tmp_path, *overrides):
@@ -129,6 +131,64 @@ def test_remax_greedy_baseline_with_kl_in_reward(tmp_path):
     assert all(math.isfinite(r["reward/kl_penalty_mean"]) and "actor/kl" not in r for r in rows)
     assert rows[0]["reward/kl_penalty_mean"] == 0.0  # the first step's policy is the reference
     assert rows[1]["reward/kl_penalty_mean"] != 0.0
+
+
+def learning(row):
+    """A step's metrics but its timings and sizes (what a run's numbers, not its speed, are)."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/", "perf/", "memory/"))}
+
+
+def held_out_split(path, count=24, seed=1234):
+    """The demo task's prompts from another seed, as a dataset file (data.val_files)."""
+    from megarl.tasks.reverse_digits import reverse_digits_records
+
+    path.write_text("".join(json.dumps({"prompt": r.prompt, "answer": r.answer}) + "\n"
+                            for r in reverse_digits_records(count, 4, seed)))
+    return path
+
+
+def test_validation_changes_no_training_metric(tmp_path, grpo):
+    """The demo with a held-out split as data.val_files, trainer.val_interval=10, n=4 samples at
+    temperature 1: validations at steps 0, 10 and 20; every training metric of its 20 steps equals
+    the run without validation's (the grpo fixture's first 20: a constant LR after warmup); pass@k
+    and maj@n equal brute force over the dumped responses. ``megarl eval`` on the run's final HF
+    export reproduces the last validation's metrics (the same seed, weights and draws)."""
+    import itertools
+
+    from tests.cli import megarl_here
+
+    val = held_out_split(tmp_path / "val.jsonl")
+    settings = (f"data.val_files=[{val}]", "algorithm.val_samples_per_prompt=4", "algorithm.val_temperature=1.0")
+    rows = history(tmp_path / "run", "trainer.train_steps=20", "trainer.val_interval=10", "trainer.save_interval=20",
+                   *settings)
+    assert [learning(r) for r in rows] == [learning(r) for r in grpo[1][:20]]
+    vals = [json.loads(line) for line in (tmp_path / "run" / "validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in vals] == [0, 10, 20]
+    for v in vals:
+        dumped = [json.loads(line) for line in
+                  (tmp_path / "run" / "validation" / f"step_{v['step']}.jsonl").read_text().splitlines()]
+        assert len(dumped) == 24 * 4 and v["val/prompts"] == 24
+        groups = [[d for d in dumped if d["prompt_index"] == p] for p in range(24)]
+        for k in (1, 4):
+            brute = sum(sum(any(d["reward"] >= 1 for d in subset) for subset in itertools.combinations(g, k))
+                        / math.comb(4, k) for g in groups) / 24
+            assert v[f"val/pass@{k}"] == pytest.approx(brute, abs=1e-12), (v["step"], k)
+        majority = []
+        for g in groups:
+            answers = [d["response"].strip() for d in g]
+            top = max(answers.count(a) for a in answers)
+            winner = next(a for a in answers if answers.count(a) == top)
+            majority.append(next(d["reward"] for d in g if d["response"].strip() == winner))
+        assert v["val/maj@4"] == pytest.approx(sum(majority) / 24, abs=1e-12)
+        assert v["val/reward/mean@4"] == pytest.approx(sum(d["reward"] for d in dumped) / len(dumped), abs=1e-12)
+    assert vals[-1]["val/reward/mean@4"] > vals[0]["val/reward/mean@4"] + 0.1  # it learned, held out
+    assert megarl_here("export-hf", str(tmp_path / "run"), str(tmp_path / "hf"), cwd=tmp_path).returncode == 0
+    proc = megarl_here("eval", str(ROOT / DEMO), f"model.path={tmp_path / 'hf'}", "model.hf_config=null", *settings,
+                       f"trainer.run_dir={tmp_path / 'eval'}", "logging.progress_bar=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert summary["metrics"] == {k: v for k, v in vals[-1].items() if k != "step"}
+    assert len((tmp_path / "eval" / "eval_responses.jsonl").read_text().splitlines()) == 24 * 4
 
 
 SPLIT = ("trainer.placement=split", "parallel.rollout.nproc=2")  # 2 training ranks + 2 rollout ranks
