@@ -70,7 +70,16 @@ def split(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def colocated_one_step_off(tmp_path_factory):
-    return history(tmp_path_factory.mktemp("vllm-one-step-off"), *VLLM, "trainer.loop=one_step_off", SHORT)
+    """With validation on vLLM (data.val_files: the demo task's held-out prompts, every 10 steps, 2
+    samples each at temperature 1): the split run, which has none, must still equal it step for step."""
+    from tests.e2e.test_rl import held_out_split
+
+    work = tmp_path_factory.mktemp("vllm-one-step-off")
+    val = held_out_split(work / "val.jsonl", count=16)
+    rows = history(work / "run", *VLLM, "trainer.loop=one_step_off", SHORT, f"data.val_files=[{val}]",
+                   "trainer.val_interval=10", "algorithm.val_samples_per_prompt=2", "algorithm.val_temperature=1.0")
+    vals = [json.loads(line) for line in (work / "run" / "validation.jsonl").read_text().splitlines()]
+    return rows, vals
 
 
 def learning(row):
@@ -81,7 +90,11 @@ def test_split_one_step_off(split, colocated_one_step_off):
     """The split run (its own rollout rank, a drawing thread beside the trainer, delta syncs over
     the transfer group) is the colocated one-step-off run (in-line draws, micro-DP syncs) step for
     step: the same samples, rewards, log-probs and updates, so each of its syncs handed the engine
-    exactly the trainer's weights of the version it drew from."""
+    exactly the trainer's weights of the version it drew from. The colocated run validated on vLLM
+    at steps 0, 10 and 20 (the split run did not): validation changed none of its training metrics."""
+    colocated_one_step_off, vals = colocated_one_step_off
+    assert [v["step"] for v in vals] == [0, 10, 20] and all(v["val/prompts"] == 16 for v in vals)
+    assert all(0 <= v["val/pass@1"] <= v["val/pass@2"] <= 1 and v["val/reward/mean@2"] > 0 for v in vals)
     first = split[0]
     print(f"vllm split one-step-off: first step rollout/logp_max_abs_diff {first['rollout/logp_max_abs_diff']:.2e}; "
           f"mean reward {mean(split):.4f}, colocated {mean(colocated_one_step_off):.4f}")
