@@ -60,6 +60,12 @@ CONSOLE = ("reward/mean", "response/length_mean", "actor/loss", "actor/grad_norm
            "rollout/logp_max_abs_diff", "time/step_s")  # what trainer.log_interval's line shows, those present
 
 
+def mlflow_name(key: str) -> str:
+    """A metric's name in MLflow: the same, slashes kept, but ``@`` (``val/pass@4``), which MLflow
+    refuses, written ``_at_`` (``val/pass_at_4``), as verl does."""
+    return key.replace("@", "_at_")
+
+
 def console_line(record: Dict[str, float]) -> str:
     """``step 10 | reward/mean 0.4125 | ...``: the step's main metrics on one line."""
     parts = [f"step {record['step']}"] + [f"{k} {record[k]:.4g}" for k in CONSOLE if k in record]
@@ -168,7 +174,7 @@ class RunLogger:
         append_text(self.metrics_path, json.dumps(record) + "\n", f"step {step}'s metrics line")
         if self.mlflow:
             # the same names in every backend: MLflow takes the slashes (reward/mean, as in metrics.jsonl)
-            self.mlflow.log_metrics({k: float(v) for k, v in record.items() if k != "step"}, step=step)
+            self.mlflow.log_metrics({mlflow_name(k): float(v) for k, v in record.items() if k != "step"}, step=step)
         if self.tensorboard:
             for key, value in record.items():
                 if key != "step":
@@ -195,7 +201,7 @@ class RunLogger:
         append_text(self.run_dir / "validation.jsonl", json.dumps(record) + "\n", f"step {step}'s validation line")
         self.validations.append(record)
         if self.mlflow:
-            self.mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+            self.mlflow.log_metrics({mlflow_name(k): float(v) for k, v in metrics.items()}, step=step)
         if self.tensorboard:
             for key, value in metrics.items():
                 self.tensorboard.add_scalar(key, value, step)
