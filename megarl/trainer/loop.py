@@ -15,9 +15,10 @@ from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, trai
 def validate(cfg, roles, validator, log, step: int) -> None:
     """Held-out evaluation on the rollout's current weights (trainer.val_interval; step 0 with
     trainer.val_before_train), logged apart from the step's metrics."""
+    if validator is None:
+        return
     t = cfg.trainer
-    due = (step == 0 and t.val_before_train) or (step and t.val_interval and step % t.val_interval == 0)
-    if validator is not None and due:
+    if (step == 0 and t.val_before_train) or (step and t.val_interval and step % t.val_interval == 0):
         log.validation(step, *validator.run(roles.rollout))
 
 
