@@ -26,6 +26,7 @@ from typing import List, Tuple
 
 from megarl.checkpoint.disk import DiskFull
 from megarl.config import ConfigError, load_config, to_yaml
+from megarl.errors import NonFiniteOutput, NonFiniteUpdateError
 from megarl.parallel.layout import Layout, LayoutError
 from megarl.runtime.distributed import torn_down
 from megarl.runtime.processes import WorkerDied

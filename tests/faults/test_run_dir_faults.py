@@ -145,7 +145,7 @@ def test_a_crashed_run_is_failed_in_mlflow(tmp_path, monkeypatch):
     client = mlflow_client(run_dir)
     (found,) = client.search_runs([client.get_experiment_by_name("megarl").experiment_id])
     assert found.info.status == "FAILED"
-    assert [m.value for m in client.get_metric_history(found.info.run_id, "reward.failures")] == [128, 128]
+    assert [m.value for m in client.get_metric_history(found.info.run_id, "reward/failures")] == [128, 128]
     assert (run_dir / "mlartifacts" / found.info.run_id / "artifacts" / "config.yaml").is_file()
     assert (run_dir / ".lock").read_text() == f"{os.getpid()}\n"  # the driver held the lock ...
     with lock_run_dir(str(run_dir)):  # ... and let it go
