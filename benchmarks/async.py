@@ -47,7 +47,7 @@ def run(overrides, steps: int, run_dir: Path):
 
     cfg = load_config([str(ROOT / "configs/grpo_demo.yaml")],
                       [f"trainer.run_dir={run_dir}", f"trainer.train_steps={steps}", "logging.progress_bar=false",
-                       "logging.mlflow=false", *overrides])
+                       "logging.backends=[console]", *overrides])
     return train(prepare(cfg))
 
 

@@ -209,7 +209,7 @@ def measured_run(world: int, tp: int, nnodes: int = 1) -> dict:
         with tempfile.TemporaryDirectory() as run:
             cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/grpo_demo.yaml", "trainer.train_steps=6",
                    f"trainer.nnodes={nnodes}", f"trainer.nproc_per_node={world // nnodes}",
-                   f"parallel.actor.tp={tp}", "logging.progress_bar=false", "logging.mlflow=false",
+                   f"parallel.actor.tp={tp}", "logging.progress_bar=false", "logging.backends=[console]",
                    f"trainer.run_dir={run}"]
             if cluster:
                 cmd.append(f"trainer.ray_address={cluster.address}")

@@ -38,7 +38,7 @@ from megarl.trainer.logger import RunLogger
 from megarl.trainer.loop import train
 
 DEFAULTS = ["algorithm.name=grpo", "algorithm.kl_coef=0.01", "algorithm.samples_per_prompt=4",
-            "data.prompts_per_step=8", "trainer.train_steps=3", "logging.mlflow=false", "logging.progress_bar=false"]
+            "data.prompts_per_step=8", "trainer.train_steps=3", "logging.backends=[console]", "logging.progress_bar=false"]
 # the first PPO ratio, old log-probs being the trainer's own: 1 up to the kernels' reduction order
 RATIO_BOUND = 1e-3
 GB = 2**30

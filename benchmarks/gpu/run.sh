@@ -83,7 +83,7 @@ sglang=1
 have sglang || { sglang=0; echo "SKIP SGLang cases: sglang is not importable (pip install 'megarl[sglang]')"; }
 gpus="$(python3 -c 'import torch; print(torch.cuda.device_count())')"
 common=(configs/grpo_demo.yaml trainer.nproc_per_node=1 parallel.actor.tp=1 parallel.rollout.tp=1
-  logging.mlflow=false trainer.offload.params=true trainer.offload.grads=true trainer.offload.optimizer=true)
+  'logging.backends=[console]' trainer.offload.params=true trainer.offload.grads=true trainer.offload.optimizer=true)
 grpo() {  # NAME STEPS OVERRIDES...: one run, then its RUN line
   local name="$1" steps="$2"
   shift 2

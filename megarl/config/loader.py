@@ -40,7 +40,7 @@ def _choice_of(schema: type, key: str) -> Optional[Type[Choice]]:
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             return None
         cls = _field_types(cls).get(part)
-    if typing.get_origin(cls) is typing.Union:  # Optional[Choice]: null is allowed too
+    if typing.get_origin(cls) in (typing.Union, list):  # Optional[Choice], List[Choice]
         cls = next((a for a in typing.get_args(cls) if a is not type(None)), None)
     return cls if isinstance(cls, type) and issubclass(cls, Choice) else None
 
@@ -49,8 +49,18 @@ def _bad_choice(key: str, value, choice: Type[Choice]) -> str:
     return f"{key}='{value}' must be one of {choice.allowed()}"
 
 
+# Keys that were replaced: what to type instead.
+RENAMED = {
+    "logging.mlflow": "logging.backends lists the trackers: logging.mlflow=false is logging.backends=[console]",
+    "logging.tensorboard": "logging.backends lists the trackers: logging.tensorboard=true is "
+                           "logging.backends=[console,mlflow,tensorboard]",
+}
+
+
 def _explain(exc: OmegaConfBaseException, source: str, schema: type = MegarlConfig) -> ConfigError:
     key = getattr(exc, "full_key", None) or "?"
+    if key in RENAMED:
+        return ConfigError(f"{source}: config key '{key}' is gone: {RENAMED[key]}")
     choice = _choice_of(schema, key)
     if choice is not None and getattr(exc, "value", None) is not None:  # a value the choice does not allow
         return ConfigError(_bad_choice(key, exc.value, choice))
@@ -91,8 +101,9 @@ def _out_of_bounds(cfg, prefix: str) -> Iterator[str]:
             yield from _out_of_bounds(value, key + ".")
             continue
         choice = _choice_of(type(cfg), f.name)
-        if choice is not None and value is not None and value not in tuple(choice):
-            yield _bad_choice(key, value, choice)
+        bad = [v for v in (value if isinstance(value, list) else [value]) if v is not None and v not in tuple(choice or ())]
+        if choice is not None and bad:
+            yield _bad_choice(key, bad[0], choice)
             continue
         bounds = f.metadata.get("bounds")
         if value is None or not bounds:

@@ -614,20 +614,36 @@ class TrainerConfig:
     critic/skipped_steps."""
 
 
+class LogBackend(Choice):
+    """``logging.backends``: where each step's metrics go besides ``<run_dir>/metrics.jsonl``
+    (the registry in megarl/trainer/trackers.py)."""
+
+    console = "console"
+    mlflow = "mlflow"
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    swanlab = "swanlab"
+
+
 @dataclass
 class LoggingConfig:
     """Where metrics go."""
 
-    mlflow: bool = True
-    """Log to MLflow."""
+    backends: List[LogBackend] = field(default_factory=lambda: [LogBackend.console, LogBackend.mlflow])
+    """Any of ``console`` (a metrics line every trainer.log_interval steps, and each validation's),
+    ``mlflow`` (a sqlite store in trainer.run_dir unless mlflow_tracking_uri is set),
+    ``tensorboard`` (<run_dir>/tensorboard; extra ``tensorboard``), ``wandb`` (<run_dir>/wandb;
+    extra ``wandb``; ``WANDB_MODE=offline`` without the service) and ``swanlab``
+    (<run_dir>/swanlog; extra ``swanlab``; ``SWANLAB_MODE=offline`` without the service). Every
+    tracker gets the same names: metrics.jsonl's, slashes kept, ``@`` written ``_at_``."""
     mlflow_tracking_uri: Optional[str] = None
     """null = a sqlite store inside trainer.run_dir."""
     experiment: str = "megarl"
-    """MLflow experiment name."""
+    """The MLflow experiment; the wandb and SwanLab project."""
+    run_name: Optional[str] = None
+    """The run's name in every tracker; null = trainer.run_dir's last component."""
     progress_bar: bool = True
     """Show a console progress bar."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files to <run_dir>/tensorboard (extra ``tensorboard``)."""
     rollout_dump_interval: int = bounded(0, ge=0)
     """Write every N-th step's samples (token ids and text of prompt and response, rewards, the
     rollout's and the trainer's per-token log-probs) to <run_dir>/rollouts/step_<N>.jsonl; 0 = never."""

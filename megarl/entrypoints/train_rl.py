@@ -21,8 +21,8 @@ __all__ = ["main", "prepare", "run", "Prepared"]
 def run(prepared: Prepared) -> List[dict]:
     """Train, holding ``trainer.run_dir``'s lock from before Ray starts to the end: a second run on
     the directory refuses (RunDirInUse) having written nothing. A run that raises, or is
-    interrupted, is marked FAILED, or KILLED, in MLflow."""
-    from megarl.trainer.logger import end_unfinished_mlflow_run
+    interrupted, is marked FAILED, or KILLED, in its trackers (MLflow, wandb, SwanLab)."""
+    from megarl.trainer.logger import end_unfinished_runs
     from megarl.trainer.run_dir import lock_run_dir
 
     rollout_backend(prepared.cfg.parallel.rollout.engine).check_available(prepared.cfg)
@@ -30,7 +30,7 @@ def run(prepared: Prepared) -> List[dict]:
         try:
             return _run_locked(prepared)
         except BaseException as err:
-            end_unfinished_mlflow_run(err)
+            end_unfinished_runs(err)
             raise
 
 
@@ -61,12 +61,12 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         roles = build_roles(*groups)
         scorer.model = roles.reward_model
         checkpoints = Checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
-        done, run_id = resume(checkpoints, group, stream, scorer) if cfg.trainer.resume else (0, None)
-        log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, mlflow_run_id=run_id, decode=tok.decode)
+        done, run_ids = resume(checkpoints, group, stream, scorer) if cfg.trainer.resume else (0, {})
+        log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, run_ids=run_ids, decode=tok.decode)
         schedule = CheckpointSchedule(
             checkpoints, cfg.trainer, group, lambda step: {
                 "step": step, "stream": stream.state(), "reward_failures": scorer.failures,
-                "mlflow_run_id": log.mlflow_run_id or ""}, to_yaml(cfg), preemption)
+                "tracker_run_ids": log.run_ids}, to_yaml(cfg), preemption)
         train = one_step_off.train if cfg.trainer.loop == Loop.one_step_off else loop.train
         validator = None
         if prepared.val_stream is not None:
@@ -82,7 +82,10 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
         (log.run_dir / "final.json").write_text(json.dumps(final))
         png = log.close()
-        print(f"run directory {log.run_dir}: metrics.jsonl, mlflow.db, {png.name}, final.json", flush=True)
+        where = {"mlflow": "mlflow.db", "tensorboard": "tensorboard/", "wandb": "wandb/", "swanlab": "swanlog/"}
+        kept = ", ".join(["metrics.jsonl"] + [where[b.value] for b in dict.fromkeys(cfg.logging.backends)
+                                              if b.value in where] + [png.name, "final.json"])
+        print(f"run directory {log.run_dir}: {kept}", flush=True)
         return log.history
     finally:
         preemption.close()

@@ -198,16 +198,19 @@ class CheckpointSchedule:
             raise Preempted(f"SIGTERM: stopped after step {step}, {saved}; rerun the command to resume")
 
 
-def resume(checkpoints: Checkpoints, group, stream, scorer) -> Tuple[int, Optional[str]]:
+def resume(checkpoints: Checkpoints, group, stream, scorer) -> Tuple[int, Dict[str, str]]:
     """Load the newest usable checkpoint, if any, into the workers (``group``), the prompt stream
-    and the reward-failure count: (the last step done, the run's MLflow id), or (0, None)."""
+    and the reward-failure count: (the last step done, each tracker's run id), or (0, {})."""
     found = checkpoints.latest()
     if not found:
-        return 0, None
+        return 0, {}
     path, driver = found
     same_layout = all(group.call("load_checkpoint", str(path)))
     stream.load_state(driver["stream"])
     scorer.failures = driver["reward_failures"]
     relayout = "" if same_layout else " into another layout (weights, optimizer and schedule exact; RNG reseeded)"
     print(f"megarl: resuming after step {driver['step']} from {path}{relayout}", flush=True)
-    return driver["step"], driver.get("mlflow_run_id") or None
+    run_ids = dict(driver.get("tracker_run_ids") or {})
+    if driver.get("mlflow_run_id"):  # a checkpoint written before logging.backends
+        run_ids.setdefault("mlflow", driver["mlflow_run_id"])
+    return driver["step"], run_ids

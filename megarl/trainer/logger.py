@@ -1,14 +1,13 @@
 """What a run shows and keeps: a console progress bar, per-phase timings, model TFLOP/s and MFU,
-metrics to MLflow (a sqlite store and artifacts, config.yaml among them, in the run directory
-unless a tracking URI is set; a run that raises is FAILED, an interrupted one KILLED), to
-``metrics.jsonl`` and optionally to TensorBoard, and a reward-curve PNG at the end. A full disk
+metrics to ``metrics.jsonl`` and to the trackers of ``logging.backends`` (megarl/trainer/trackers.py:
+MLflow, TensorBoard, wandb, SwanLab; a run that raises is FAILED in them, an interrupted one
+KILLED), a metrics line on the console, and a reward-curve PNG at the end. A full disk
 stops the run with :class:`~megarl.checkpoint.disk.DiskFull`, ``metrics.jsonl`` and the rollout
 dumps left as they were before the write."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import sys
 import time
@@ -19,22 +18,14 @@ import torch
 
 from megarl.checkpoint.disk import append_text, replace_text
 from megarl.runtime.signals import Preempted
-from megarl.trainer.mlflow_store import new_store
-from megarl.config import to_yaml
-from megarl.config.schema import REWARD_MODEL
+from megarl.config.schema import REWARD_MODEL, LogBackend
 from megarl.models.flops import forward_flops
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.protocol import Batch
 from megarl.runtime import peak_rss_gb
+from megarl.trainer.trackers import TRACKERS, Ending, Tracker, missing_package
 
-
-def _flat(prefix: str, obj) -> Dict[str, str]:
-    out = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        key = f"{prefix}{f.name}"
-        out.update(_flat(key + ".", value) if dataclasses.is_dataclass(value) else {key: str(value)[:250]})
-    return out
+_OPEN: List["RunLogger"] = []  # the loggers whose trackers are open: an error ends their runs
 
 
 def rollout_rows(batch: Batch, decode: Optional[Callable[[List[int]], str]] = None) -> List[Dict]:
@@ -60,12 +51,6 @@ CONSOLE = ("reward/mean", "response/length_mean", "actor/loss", "actor/grad_norm
            "rollout/logp_max_abs_diff", "time/step_s")  # what trainer.log_interval's line shows, those present
 
 
-def mlflow_name(key: str) -> str:
-    """A metric's name in MLflow: the same, slashes kept, but ``@`` (``val/pass@4``), which MLflow
-    refuses, written ``_at_`` (``val/pass_at_4``), as verl does."""
-    return key.replace("@", "_at_")
-
-
 def console_line(record: Dict[str, float]) -> str:
     """``step 10 | reward/mean 0.4125 | ...``: the step's main metrics on one line."""
     parts = [f"step {record['step']}"] + [f"{k} {record[k]:.4g}" for k in CONSOLE if k in record]
@@ -73,9 +58,10 @@ def console_line(record: Dict[str, float]) -> str:
 
 
 class RunLogger:
-    def __init__(self, cfg, total_steps: int, start_step: int = 0, mlflow_run_id: Optional[str] = None,
+    def __init__(self, cfg, total_steps: int, start_step: int = 0, run_ids: Optional[Dict[str, str]] = None,
                  decode: Optional[Callable[[List[int]], str]] = None):
         """``start_step``: the last step already done (a resumed run keeps the metrics up to it).
+        ``run_ids``: each tracker's run to reopen (a resumed run's, from its checkpoint).
         ``decode``: token ids -> text, for the samples written by ``logging.rollout_dump_interval``."""
         self.cfg, self.total_steps = cfg, total_steps
         self.decode = decode
@@ -96,30 +82,24 @@ class RunLogger:
             self.validations = [r for r in kept if r["step"] <= start_step]
             replace_text(val_path, "".join(json.dumps(r) + "\n" for r in self.validations),
                          "the validation lines kept")
-        self.tensorboard = None  # before MLflow: a missing package fails before a run is opened
-        if cfg.logging.tensorboard:
-            self.tensorboard = _tensorboard_writer(self.run_dir / "tensorboard", start_step)
-        self.mlflow = self.mlflow_run_id = None
-        if cfg.logging.mlflow:
-            import mlflow
-
-            if cfg.logging.mlflow_tracking_uri:  # the server's store decides where artifacts go
-                mlflow.set_tracking_uri(cfg.logging.mlflow_tracking_uri)
-            else:  # everything in the run directory, artifacts too (MLflow's default is ./mlruns)
-                new_store(self.run_dir / "mlflow.db")
-                mlflow.set_tracking_uri(f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}")
-                if mlflow.get_experiment_by_name(cfg.logging.experiment) is None:
-                    mlflow.create_experiment(cfg.logging.experiment,
-                                             artifact_location=(self.run_dir / "mlartifacts").resolve().as_uri())
-            mlflow.set_experiment(cfg.logging.experiment)
-            if mlflow_run_id:
-                mlflow.start_run(run_id=mlflow_run_id)
-            else:
-                mlflow.start_run(run_name=self.run_dir.name)
-                mlflow.log_params(_flat("", cfg))
-                mlflow.log_text(to_yaml(cfg), "config.yaml")
-            self.mlflow = mlflow
-            self.mlflow_run_id = mlflow.active_run().info.run_id
+        backends = list(dict.fromkeys(cfg.logging.backends))
+        self.console = LogBackend.console in backends
+        for backend in backends:  # a missing package fails before any tracker opens a run
+            if backend in TRACKERS and missing_package(backend):
+                raise ImportError(missing_package(backend))
+        self.trackers: Dict[LogBackend, Tracker] = {}
+        run_ids = run_ids or {}
+        _OPEN.append(self)
+        try:
+            for backend in backends:
+                if backend in TRACKERS:
+                    self.trackers[backend] = TRACKERS[backend](cfg, self.run_dir, start_step,
+                                                               run_ids.get(backend.value) or None)
+        except BaseException as err:
+            self.end(err)
+            raise
+        # each tracker's run id (kept in the checkpoints, for a resumed run to reopen)
+        self.run_ids: Dict[str, str] = {b.value: t.run_id for b, t in self.trackers.items() if t.run_id}
         self.world_size = cfg.trainer.nnodes * cfg.trainer.nproc_per_node
         self.flops = forward_flops(megatron_args_from_hf(cfg.model.hf_config))
         self.reward_model_flops = None
@@ -132,6 +112,18 @@ class RunLogger:
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="rl", unit="step", dynamic_ncols=True)
         self.step_start = time.perf_counter()
+
+    @property
+    def mlflow_run_id(self) -> Optional[str]:
+        return self.run_ids.get(LogBackend.mlflow.value)
+
+    def _track(self, metrics: Dict[str, float], step: int) -> None:
+        for t in self.trackers.values():
+            t.log(metrics, step)
+
+    def _print(self, line: str) -> None:
+        if self.console:
+            self.bar.write(line) if self.bar else print(line, flush=True)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -172,20 +164,12 @@ class RunLogger:
             self._dump_rollouts(step, batch)
         self.history.append(record)
         append_text(self.metrics_path, json.dumps(record) + "\n", f"step {step}'s metrics line")
-        if self.mlflow:
-            # the same names in every backend: MLflow takes the slashes (reward/mean, as in metrics.jsonl)
-            self.mlflow.log_metrics({mlflow_name(k): float(v) for k, v in record.items() if k != "step"}, step=step)
-        if self.tensorboard:
-            for key, value in record.items():
-                if key != "step":
-                    self.tensorboard.add_scalar(key, value, step)
-            self.tensorboard.flush()
+        self._track({k: v for k, v in record.items() if k != "step"}, step)
         if self.bar:
             self.bar.set_postfix(reward=f"{record['reward/mean']:.3f}", step_s=f"{seconds:.1f}")
             self.bar.update(1)
         if step % self.cfg.trainer.log_interval == 0 or step == self.total_steps:
-            line = console_line(record)
-            self.bar.write(line) if self.bar else print(line, flush=True)
+            self._print(console_line(record))
         self.step_start = time.perf_counter()
         return record
 
@@ -200,17 +184,11 @@ class RunLogger:
                      f"step {step}'s validation responses")
         append_text(self.run_dir / "validation.jsonl", json.dumps(record) + "\n", f"step {step}'s validation line")
         self.validations.append(record)
-        if self.mlflow:
-            self.mlflow.log_metrics({mlflow_name(k): float(v) for k, v in metrics.items()}, step=step)
-        if self.tensorboard:
-            for key, value in metrics.items():
-                self.tensorboard.add_scalar(key, value, step)
-            self.tensorboard.flush()
+        self._track(metrics, step)
         from megarl.trainer.validation import HEADLINE
 
         shown = [k for k in metrics if HEADLINE.match(k)] + ["val/response/length_mean"]
-        line = f"validation at step {step} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in shown)
-        self.bar.write(line) if self.bar else print(line, flush=True)
+        self._print(f"validation at step {step} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in shown))
         self.step_start = time.perf_counter()
 
     def _dump_rollouts(self, step: int, batch: Batch) -> None:
@@ -235,7 +213,7 @@ class RunLogger:
         return total
 
     def close(self) -> Path:
-        """Write the reward curve; end the MLflow run and close the TensorBoard files."""
+        """Write the reward curve; end every tracker's run, FINISHED."""
         png = self.run_dir / "reward_curve.png"
         if self.history:
             import matplotlib
@@ -257,41 +235,37 @@ class RunLogger:
             fig.tight_layout()
             fig.savefig(png, dpi=100)
             plt.close(fig)
-            if self.mlflow:
-                self.mlflow.log_artifact(str(png))
-        if self.mlflow:
-            self.mlflow.end_run()
-        if self.tensorboard:
-            self.tensorboard.close()
+            for t in self.trackers.values():
+                t.artifact(png)
+        self.end(None)
         if self.bar:
             self.bar.close()
         return png
 
+    def end(self, error: Optional[BaseException]) -> None:
+        """End every open tracker's run: FINISHED (``error`` None), KILLED (an interrupt:
+        KeyboardInterrupt, a signal handler's SystemExit, a SIGTERM's Preempted) or FAILED."""
+        if self in _OPEN:
+            _OPEN.remove(self)
+        ending = (Ending.finished if error is None else
+                  Ending.killed if isinstance(error, (KeyboardInterrupt, SystemExit, Preempted)) else Ending.failed)
+        trackers, self.trackers = self.trackers, {}
+        for t in trackers.values():
+            t.end(ending)
 
-def end_unfinished_mlflow_run(error: BaseException) -> None:
-    """Mark the MLflow run that ``error`` left open KILLED (an interrupt: KeyboardInterrupt, a
-    signal handler's SystemExit, a SIGTERM's Preempted) or FAILED; MLflow's own exit hook would mark it FINISHED."""
-    mlflow = sys.modules.get("mlflow")  # not imported: no run was opened
-    if mlflow is not None and mlflow.active_run() is not None:
-        mlflow.end_run("KILLED" if isinstance(error, (KeyboardInterrupt, SystemExit, Preempted)) else "FAILED")
 
-
-def _tensorboard_writer(log_dir: Path, start_step: int):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as err:
-        raise ImportError("logging.tensorboard=true needs the tensorboard package: "
-                          "pip install 'megarl[tensorboard]'") from err
-    # Appends to a resumed run's files; events past its checkpoint, lost like metrics.jsonl's
-    # lines, are purged.
-    return SummaryWriter(str(log_dir), purge_step=start_step + 1)
+def end_unfinished_runs(error: BaseException) -> None:
+    """End the tracker runs that ``error`` left open, KILLED or FAILED (a tracker's own exit hook
+    would mark them finished)."""
+    for log in list(_OPEN):
+        log.end(error)
 
 
 def check_logging(logging_cfg) -> None:
-    """What ``logging.*`` needs installed."""
-    import importlib.util
-
+    """What ``logging.backends`` needs installed (before Ray starts)."""
     from megarl.config import ConfigError
 
-    if logging_cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install 'megarl[tensorboard]'")
+    for backend in logging_cfg.backends:
+        problem = missing_package(backend)
+        if problem:
+            raise ConfigError(problem)

@@ -46,7 +46,7 @@ def batch_of(responses, width: int = 12) -> Batch:
 
 
 def main(work: str) -> None:
-    cfg = load_config(["configs/grpo_demo.yaml"], [f"trainer.run_dir={work}", "logging.mlflow=false"])
+    cfg = load_config(["configs/grpo_demo.yaml"], [f"trainer.run_dir={work}", "logging.backends=[console]"])
     worker = rl_worker.RLWorker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg)
     worker.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     sampled = SamplingParams(temperature=1.0, n=2, max_new_tokens=4, seed=1)
@@ -139,7 +139,7 @@ def memory_case(work: str) -> None:
 
     def run():
         vllm_gpu_worker.install()
-        cfg = load_config(["configs/grpo_demo.yaml"], [f"trainer.run_dir={work}/ppo", "logging.mlflow=false",
+        cfg = load_config(["configs/grpo_demo.yaml"], [f"trainer.run_dir={work}/ppo", "logging.backends=[console]",
                                                         "algorithm.name=ppo", "algorithm.kl_coef=0.01",
                                                         "parallel.rollout.engine=vllm", "trainer.offload.params=true",
                                                         "trainer.offload.grads=true", "trainer.offload.optimizer=true"])

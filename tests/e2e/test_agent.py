@@ -36,7 +36,7 @@ ENGINES = {"native": [], "vllm": ["parallel.rollout.engine=vllm", "model.hf_conf
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_multi_turn_log_prob_parity_and_masks(tmp_path, engine):
     """The multi-turn agent loop on every rollout backend that generates here."""
-    cfg = load_config([DEMO], [f"trainer.run_dir={tmp_path}", "logging.progress_bar=false", "logging.mlflow=false",
+    cfg = load_config([DEMO], [f"trainer.run_dir={tmp_path}", "logging.progress_bar=false", "logging.backends=[console]",
                                "trainer.train_steps=2", "data.prompts_per_step=4", "algorithm.samples_per_prompt=4",
                                f"rollout.env={ENV}", "rollout.max_turns=3", "rollout.max_total_tokens=20",
                                *ENGINES[engine], *ray_cluster.overrides()])

@@ -39,7 +39,7 @@ def megarl(*args: str, cwd: Path, timeout: int = 600, gpu_shaped: bool = True) -
 
 
 def train(run_dir: Path, *overrides: str, config: str = DEMO, gpu_shaped: bool = True) -> list:
-    proc = megarl("train", config, f"trainer.run_dir={run_dir}", "logging.progress_bar=false", "logging.mlflow=false",
+    proc = megarl("train", config, f"trainer.run_dir={run_dir}", "logging.progress_bar=false", "logging.backends=[console]",
                   *overrides, cwd=ROOT, gpu_shaped=gpu_shaped)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "DeviceMismatch" not in proc.stderr
@@ -116,7 +116,7 @@ def test_ppo_pp2_critic_reference_reward_model_save_and_resume(tmp_path):
     first_step_agrees(rows[0])
     assert rows[0]["reward/max"] != rows[0]["reward/min"]  # the reward model scored on the "device"
     assert "critic/loss" in rows[0] and math.isfinite(rows[0]["critic/loss"])
-    proc = megarl("train", DEMO, f"trainer.run_dir={run}", "logging.progress_bar=false", "logging.mlflow=false",
+    proc = megarl("train", DEMO, f"trainer.run_dir={run}", "logging.progress_bar=false", "logging.backends=[console]",
                   "trainer.train_steps=3", *args, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "resuming after step 2" in proc.stdout + proc.stderr

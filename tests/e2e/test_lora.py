@@ -84,7 +84,7 @@ optimizer: {{lr: 1.0e-3}}
 data: {{train_files: [{data}], prompts_per_step: 4}}
 algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 8, kl_coef: 0.05}}
 trainer: {{nproc_per_node: 2}}
-logging: {{mlflow: false, progress_bar: false}}
+logging: {{backends: [console], progress_bar: false}}
 """)
     return work, model_dir
 

@@ -13,7 +13,7 @@ from megarl.entrypoints.train_rl import prepare, run
 from tests import ray_cluster
 
 ARGS = ["algorithm.name=ppo", "algorithm.kl_coef=0.01", "algorithm.samples_per_prompt=2", "data.prompts_per_step=8",
-        "trainer.train_steps=3", "trainer.save_interval=2", "logging.progress_bar=false", "logging.mlflow=false"]
+        "trainer.train_steps=3", "trainer.save_interval=2", "logging.progress_bar=false", "logging.backends=[console]"]
 ALL_ON = ["trainer.offload.params=true", "trainer.offload.grads=true", "trainer.offload.optimizer=true"]
 PHASES = ("memory/host_peak_gb/generate", "memory/host_peak_gb/train")
 

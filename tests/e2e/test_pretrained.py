@@ -130,7 +130,7 @@ optimizer: {{lr: 0.0}}
 data: {{train_files: [{data}], prompts_per_step: 4}}
 algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: {reward}, max_new_tokens: 8}}
 trainer: {{train_steps: 1, save_interval: 1, nproc_per_node: {nproc}, run_dir: {work / 'run'}}}
-logging: {{mlflow: false, progress_bar: false, rollout_dump_interval: 1}}
+logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
 """)
     # Started from another directory: nothing relies on the repository's working directory.
     command = megarl if case in SUBPROCESS else megarl_here

@@ -148,26 +148,51 @@ def held_out_split(path, count=24, seed=1234):
     return path
 
 
-def test_validation_changes_no_training_metric(tmp_path, grpo):
-    """The demo with a held-out split as data.val_files, trainer.val_interval=10, n=4 samples at
-    temperature 1: validations at steps 0, 10 and 20; every training metric of its 20 steps equals
-    the run without validation's (the grpo fixture's first 20: a constant LR after warmup); pass@k
-    and maj@n equal brute force over the dumped responses. ``megarl eval`` on the run's final HF
-    export reproduces the last validation's metrics (the same seed, weights and draws)."""
+def test_validation_changes_no_training_metric(tmp_path, grpo, monkeypatch):
+    """``megarl train`` on the demo with a held-out split as data.val_files, trainer.val_interval=10,
+    n=4 samples at temperature 1: validations at steps 0, 10 and 20; every training metric of its
+    20 steps equals the run without validation's (the grpo fixture's first 20: a constant LR after
+    warmup); pass@k and maj@n equal brute force over the dumped responses. Every tracker
+    (MLflow, TensorBoard, wandb offline, SwanLab offline) holds every metric of every step and
+    validation, under the same name. ``megarl eval`` on the run's final HF export reproduces the
+    last validation's metrics (the same seed, weights and draws)."""
     import itertools
 
     from tests.cli import megarl_here
+    from tests.trackers import READERS, wandb_exit_code
 
     val = held_out_split(tmp_path / "val.jsonl")
     settings = (f"data.val_files=[{val}]", "algorithm.val_samples_per_prompt=4", "algorithm.val_temperature=1.0")
-    rows = history(tmp_path / "run", "trainer.train_steps=20", "trainer.val_interval=10", "trainer.save_interval=20",
-                   *settings)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    proc = megarl_here("train", str(ROOT / DEMO), f"trainer.run_dir={run_dir}", "logging.progress_bar=false",
+                       "trainer.train_steps=20", "trainer.val_interval=10", "trainer.save_interval=20",
+                       "trainer.log_interval=10", "logging.backends=[console,mlflow,tensorboard,wandb,swanlab]",
+                       *settings, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [learning(r) for r in rows] == [learning(r) for r in grpo[1][:20]]
-    vals = [json.loads(line) for line in (tmp_path / "run" / "validation.jsonl").read_text().splitlines()]
+    vals = [json.loads(line) for line in (run_dir / "validation.jsonl").read_text().splitlines()]
     assert [v["step"] for v in vals] == [0, 10, 20]
+    # the console: a metrics line every trainer.log_interval steps, and each validation's
+    assert [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith(("step ", "validation "))] == [
+        "validation at step 0", "step 10", "validation at step 10", "step 20", "validation at step 20"]
+    expected = {}  # {name: {step: value}} of metrics.jsonl and validation.jsonl
+    for r in rows + vals:
+        for key, value in r.items():
+            if key != "step":
+                expected.setdefault(key.replace("@", "_at_"), {})[r["step"]] = value
+    for backend, read in READERS.items():
+        tracked = read(run_dir)
+        assert set(tracked) >= set(expected), (backend, sorted(set(expected) - set(tracked)))
+        for name, series in expected.items():
+            close = 1e-6 if backend == "tensorboard" else 0  # TensorBoard keeps float32
+            assert tracked[name] == pytest.approx(series, rel=close, abs=close), (backend, name)
+    assert wandb_exit_code(run_dir) == 0
     for v in vals:
         dumped = [json.loads(line) for line in
-                  (tmp_path / "run" / "validation" / f"step_{v['step']}.jsonl").read_text().splitlines()]
+                  (run_dir / "validation" / f"step_{v['step']}.jsonl").read_text().splitlines()]
         assert len(dumped) == 24 * 4 and v["val/prompts"] == 24
         groups = [[d for d in dumped if d["prompt_index"] == p] for p in range(24)]
         for k in (1, 4):
@@ -183,7 +208,7 @@ def test_validation_changes_no_training_metric(tmp_path, grpo):
         assert v["val/maj@4"] == pytest.approx(sum(majority) / 24, abs=1e-12)
         assert v["val/reward/mean@4"] == pytest.approx(sum(d["reward"] for d in dumped) / len(dumped), abs=1e-12)
     assert vals[-1]["val/reward/mean@4"] > vals[0]["val/reward/mean@4"] + 0.03  # it learned, held out (measured 0.044 -> 0.117)
-    assert megarl_here("export-hf", str(tmp_path / "run"), str(tmp_path / "hf"), cwd=tmp_path).returncode == 0
+    assert megarl_here("export-hf", str(run_dir), str(tmp_path / "hf"), cwd=tmp_path).returncode == 0
     proc = megarl_here("eval", str(ROOT / DEMO), f"model.path={tmp_path / 'hf'}", "model.hf_config=null", *settings,
                        f"trainer.run_dir={tmp_path / 'eval'}", "logging.progress_bar=false", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -37,7 +37,7 @@ data: {{train_files: [{data}], prompts_per_step: 8}}
 algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 16,
              routing_replay: {str(replay).lower()}}}
 trainer: {{train_steps: 1, save_interval: 0, nproc_per_node: 2, run_dir: {work / f'run_{name}'}}}
-logging: {{mlflow: false, progress_bar: false, rollout_dump_interval: 1}}
+logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
 """)
     return path
 

@@ -131,7 +131,7 @@ parallel: {{actor: {{tp: 1}}, rollout: {{tp: 1}}}}
 data: {{train_files: [{data}], prompts_per_step: 4}}
 algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 8, entropy_coef: 0.01}}
 trainer: {{train_steps: {TIED_STEPS}, nproc_per_node: 1, run_dir: {work / 'run'}}}
-logging: {{mlflow: false, progress_bar: false, rollout_dump_interval: 1}}
+logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
 """)
     proc = megarl("train", str(work / "run.yaml"), f"model.path={model_dir}", "parallel.rollout.engine=vllm",
                   cwd=work)

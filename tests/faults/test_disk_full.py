@@ -27,11 +27,12 @@ import torch
 
 from megarl.checkpoint.disk import DiskFull, call_named_if_full, free_bytes
 from megarl.config import MegarlConfig
+from megarl.config.schema import LogBackend
 from megarl.trainer.checkpoint import Checkpoints
 from tests.distributed.launch import ROOT
 
 ARGS = ["configs/grpo_demo.yaml", "trainer.train_steps=4", "trainer.save_interval=2", "trainer.keep_checkpoints=1",
-        "data.prompts_per_step=4", "algorithm.samples_per_prompt=4", "logging.mlflow=false",
+        "data.prompts_per_step=4", "algorithm.samples_per_prompt=4", "logging.backends=[console]",
         "logging.progress_bar=false"]
 # The demo's checkpoint takes 1.9 MB: one fits in 3 MiB, a second beside it does not; 8 MiB takes both.
 SMALL_MB, GROWN_MB = 3, 8
@@ -184,7 +185,7 @@ def test_metrics_and_rollout_dumps_keep_what_they_had(tmp_path, tmpfs):
     cfg = MegarlConfig()
     cfg.model.hf_config = "configs/models/tiny-llama.json"
     cfg.trainer.run_dir = str(fs.path / "run")
-    cfg.logging.mlflow = cfg.logging.progress_bar = False
+    cfg.logging.backends, cfg.logging.progress_bar = [LogBackend.console], False
     cfg.logging.rollout_dump_interval = 1
     log = RunLogger(cfg, total_steps=2, decode=lambda ids: ",".join(map(str, ids)))
     wide = {f"metric_{i}": 0.5 for i in range(400)}  # a line of ~10 kB: it needs blocks of its own

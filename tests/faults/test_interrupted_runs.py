@@ -147,7 +147,7 @@ def test_a_failing_multi_rank_train_exits_2_every_time_under_load(whole, tmp_pat
     try:
         codes = []
         for _ in range(RUNS):
-            proc = subprocess.run(command(run_dir) + ["parallel.actor.tp=1", "logging.mlflow=false"], cwd=ROOT,
+            proc = subprocess.run(command(run_dir) + ["parallel.actor.tp=1", "logging.backends=[console]"], cwd=ROOT,
                                   env=env(), capture_output=True, text=True, timeout=600)
             codes.append(proc.returncode)
             last = proc.stderr.strip().splitlines()[-1]

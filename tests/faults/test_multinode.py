@@ -27,7 +27,7 @@ from tests.faults.driver import stderr, wait_exit
 
 NNODES, NPROC = 2, 2  # 4 ranks: actor tp=2 within a node, dp=2 across the nodes
 ARGS = ["configs/grpo_demo.yaml", f"trainer.nnodes={NNODES}", f"trainer.nproc_per_node={NPROC}",
-        "logging.progress_bar=false", "logging.mlflow=false", "data.prompts_per_step=4",
+        "logging.progress_bar=false", "logging.backends=[console]", "data.prompts_per_step=4",
         "algorithm.samples_per_prompt=2"]
 RUN_S = 600  # Ray, four ranks and two steps on a loaded 2-core machine
 DETECT_S = 30.0  # the driver must notice the lost node and have stopped within this

@@ -106,11 +106,11 @@ def mlflow_client(run_dir: Path):
 
 
 def test_an_interrupted_run_is_killed_in_mlflow_with_artifacts_in_run_dir(tmp_path):
-    from megarl.trainer.logger import RunLogger, end_unfinished_mlflow_run
+    from megarl.trainer.logger import RunLogger, end_unfinished_runs
 
     cfg = prepare(load_config([DEMO], [f"trainer.run_dir={tmp_path}", "logging.progress_bar=false"])).cfg
     log = RunLogger(cfg, total_steps=3)
-    end_unfinished_mlflow_run(KeyboardInterrupt())
+    end_unfinished_runs(KeyboardInterrupt())
     run_info = mlflow_client(tmp_path).get_run(log.mlflow_run_id).info
     assert run_info.status == "KILLED"
     assert run_info.artifact_uri == (tmp_path / "mlartifacts" / log.mlflow_run_id / "artifacts").as_uri()

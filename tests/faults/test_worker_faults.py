@@ -22,7 +22,7 @@ from tests.distributed.launch import ROOT
 from tests.faults.driver import DIAGNOSE_ENV, stderr, wait_exit
 
 ARGS = ["configs/grpo_demo.yaml", "trainer.train_steps=50", "logging.progress_bar=false", "data.prompts_per_step=4",
-        "algorithm.samples_per_prompt=4", "logging.mlflow=false"]
+        "algorithm.samples_per_prompt=4", "logging.backends=[console]"]
 STARTUP_S = 300  # Ray, two ranks and the first step on a loaded 2-core machine
 DETECT_S = 20.0  # the driver must notice and have stopped everything within this
 HANG_S = 30  # trainer.hang_timeout_s of the frozen-rank cases (a rank's setup under load takes several seconds)

@@ -146,6 +146,8 @@ RUNNERS = [
     Runner(r"^megarl train \S+ data\.train_files=", "test", "tests/e2e/test_pretrained.py::test_first_step_log_probs_equal_transformers"),
     Runner(r"^megarl train \S+ data\.val_files=", "test", "tests/e2e/test_rl.py::test_validation_changes_no_training_metric"),
     Runner(r"^megarl eval ", "test", "tests/e2e/test_rl.py::test_validation_changes_no_training_metric"),
+    Runner(r"^(WANDB|SWANLAB)_MODE=offline megarl train \S+ 'logging\.backends=", "test",
+           "tests/e2e/test_rl.py::test_validation_changes_no_training_metric"),
     Runner(r"^megarl train configs/\S+ \[key=value \.\.\.\]$", "dry"),
     Runner(r"^megarl train configs/[\w/]+\.yaml( [\w.]+=\S+)*( --dry-run)?$", "dry"),
     Runner(r"^megarl train-lm ", "test", "tests/e2e/test_train_lm.py::test_train_lm_loss_falls"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megarl.config import MegarlConfig
+from megarl.config.schema import LogBackend
 from megarl.models.flops import forward_flops
 from megarl.models.hf_config import megatron_args_from_hf
 from megarl.protocol import Batch
@@ -19,8 +20,8 @@ def config(run_dir, tensorboard=True) -> MegarlConfig:
     cfg = MegarlConfig()
     cfg.model.hf_config = "configs/models/tiny-llama.json"  # what train_rl.prepare resolves the default to
     cfg.trainer.run_dir = str(run_dir)
-    cfg.logging.mlflow = cfg.logging.progress_bar = False
-    cfg.logging.tensorboard = tensorboard
+    cfg.logging.backends = [LogBackend.console] + ([LogBackend.tensorboard] if tensorboard else [])
+    cfg.logging.progress_bar = False
     return cfg
 
 
@@ -104,3 +105,44 @@ def test_rollout_dump_rows(tmp_path):
     assert rows[0]["old_log_probs"] == pytest.approx([-0.2, -0.4, -0.6])
     assert (rows[1]["reward"], rows[1]["shaped_reward"], rows[1]["response"]) == (0.5, 0.25, "9")
     assert not list((tmp_path / "rollouts").glob("*.tmp"))
+
+
+def test_trackers_end_a_crashed_run_failed(tmp_path, monkeypatch):
+    """wandb (offline) and SwanLab (offline) take each step's metrics under metrics.jsonl's names;
+    a run that raises ends their runs failed (wandb exit code 1, SwanLab ``crashed``), as MLflow's."""
+    from megarl.config.schema import LogBackend
+    from megarl.trainer.logger import end_unfinished_runs
+    from tests.trackers import swanlab_series, wandb_exit_code, wandb_series
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    cfg = config(tmp_path, tensorboard=False)
+    cfg.logging.backends = [LogBackend.wandb, LogBackend.swanlab]
+    log = RunLogger(cfg, total_steps=3)
+    assert set(log.run_ids) == {"wandb", "swanlab"}
+    records = run_steps(log, {1: 0.25, 2: 0.5})
+    end_unfinished_runs(RuntimeError("a planted failure"))
+    assert log.trackers == {}
+    for series in (wandb_series(tmp_path), swanlab_series(tmp_path)):
+        assert series["reward/mean"] == {1: 0.25, 2: 0.5}
+        assert series["actor/loss"] == {1: 0.1, 2: 0.1}
+        assert series["perf/mfu"] == {r["step"]: r["perf/mfu"] for r in records}
+    assert wandb_exit_code(tmp_path) == 1
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+    from swanlab.sdk.internal.core_python.sync import Record
+
+    reader = DataStoreReader()
+    reader.open(next((tmp_path / "swanlog").glob("run-*/run-*.swanlab")))
+    finished = [r.finish for r in map(Record.FromString, reader) if r.HasField("finish")]
+    assert len(finished) == 1 and "CRASHED" in str(finished[0]).upper()
+
+
+def test_a_missing_tracker_package_is_refused_before_ray(monkeypatch):
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.logger import check_logging
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    cfg = load_config(["configs/demo/grpo.yaml"], ["logging.backends=[console,wandb]"])
+    with pytest.raises(ConfigError, match=r"logging.backends has wandb, which needs the wandb package: "
+                                          r"pip install 'megarl\[wandb\]'"):
+        check_logging(cfg.logging)
