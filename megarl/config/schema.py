@@ -343,7 +343,10 @@ class DataConfig:
     """Batches: sizes are in sequences unless stated."""
 
     train_files: List[str] = field(default_factory=list)
-    """Prompt datasets (jsonl or parquet); empty = the built-in task."""
+    """Prompt datasets: jsonl or parquet files, globs of them (``data/train-*.parquet``, sorted), or
+    HF ``datasets`` directories (``Dataset.save_to_disk``; extra ``datasets``); empty = the built-in task."""
+    shuffle: bool = True
+    """Draw the prompts in a new order each epoch (seeded by trainer.seed); false = file order."""
     val_files: List[str] = field(default_factory=list)
     """Held-out prompt datasets (the formats of train_files), evaluated every trainer.val_interval
     steps (megarl/trainer/validation.py); empty = no validation. Never trained on."""
@@ -538,7 +541,11 @@ class TrainerConfig:
     """The outer loop."""
 
     train_steps: int = bounded(60, ge=1)
-    """Optimizer steps to run."""
+    """RL steps to run (each draws data.prompts_per_step prompts); ignored when total_epochs is set."""
+    total_epochs: Optional[int] = bounded(None, ge=1)
+    """Passes over data.train_files: train_steps becomes ceil(total_epochs x prompts /
+    data.prompts_per_step), printed at the start (every prompt drawn total_epochs times, each epoch
+    in its own order; the last step of an epoch may take the next one's first prompts). null = train_steps."""
     nproc_per_node: int = bounded(2, ge=1)
     """Processes a local launch starts (``megarl train-lm`` spawns torchrun with this many)."""
     seed: int = 1234

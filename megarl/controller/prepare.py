@@ -129,6 +129,10 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     room = args.max_position_embeddings - response_room
     stream = prompt_stream(records, tokenizer, cfg, room)
     check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
+    if cfg.trainer.total_epochs:  # after the rows skipped (bad or too long) are gone
+        cfg.trainer.train_steps = -(-cfg.trainer.total_epochs * len(stream.records) // data.prompts_per_step)
+        print(f"megarl: trainer.total_epochs={cfg.trainer.total_epochs} over {len(stream.records)} prompts, "
+              f"{data.prompts_per_step} a step: trainer.train_steps={cfg.trainer.train_steps}", flush=True)
     val_stream = validation_stream(cfg, tokenizer, args, agent)
     return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent, val_stream)
 
@@ -147,7 +151,7 @@ def validation_stream(cfg: MegarlConfig, tokenizer, args, agent) -> Optional[Pro
     if t.loop == Loop.one_step_off and t.placement == Placement.split:
         raise ConfigError("data.val_files with trainer.placement=split and trainer.loop=one_step_off: validation "
                           "does not run beside the drawing thread yet; use the synchronous loop or colocated placement")
-    records = load_records(data.val_files, data.prompt_key, data.answer_key, data.bad_rows)
+    records = load_records(data.val_files, data.prompt_key, data.answer_key, data.bad_rows, "data.val_files")
     room = args.max_position_embeddings - (algo.val_max_new_tokens or algo.max_new_tokens)
     stream = prompt_stream(records, tokenizer, cfg, room)
     check_prompt_tokens(stream, args.vocab_size, data.bad_rows)
@@ -159,12 +163,12 @@ def prompt_stream(records, tokenizer, cfg: MegarlConfig, room: int) -> PromptStr
     data = cfg.data
     limit = data.max_prompt_length
     if limit is None:
-        return PromptStream(records, tokenizer, cfg.trainer.seed, room, data.truncation)
+        return PromptStream(records, tokenizer, cfg.trainer.seed, room, data.truncation, shuffle=data.shuffle)
     if not 1 <= limit <= room:
         raise ConfigError(f"data.max_prompt_length={limit} must be in [1, {room}]: the model's positions less "
                           f"algorithm.max_new_tokens leave {room} prompt tokens")
     return PromptStream(records, tokenizer, cfg.trainer.seed, limit, data.truncation,
-                        limit=f"data.max_prompt_length={limit}")
+                        limit=f"data.max_prompt_length={limit}", shuffle=data.shuffle)
 
 
 def check_weight_sync(cfg: MegarlConfig) -> None:

@@ -1,4 +1,5 @@
-"""Prompt datasets: jsonl and parquet files of HF-style records (the built-in tasks: megarl.tasks).
+"""Prompt datasets: jsonl and parquet files of HF-style records, globs of them, and HF ``datasets``
+directories (``Dataset.save_to_disk``; the extra ``datasets``). The built-in tasks: megarl.tasks.
 
 A record has a prompt (a string, or a list of chat messages) under ``prompt_key`` and a
 reference answer under ``answer_key`` (also looked up in ``reward_model.ground_truth``, the
@@ -8,6 +9,7 @@ fatal by config.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 from dataclasses import dataclass, field
@@ -31,8 +33,45 @@ class PromptRecord:
     extra: Dict[str, Any] = field(default_factory=dict)  # the row's other fields (a reward function may read them)
 
 
+def expand_files(names: Sequence[str], key: str = "data.train_files") -> List[Path]:
+    """``key``'s entries as paths: a file, an HF ``datasets`` directory, or a glob (``*``, ``?``,
+    ``[``), its matches in sorted order. A missing file or a pattern that matches nothing is an
+    error naming it."""
+    out: List[Path] = []
+    for name in names:
+        if glob.has_magic(name):
+            matches = sorted(glob.glob(name, recursive=True))
+            if not matches:
+                raise DataError(f"{key}: the pattern {name} matches no file")
+            out.extend(Path(m) for m in matches)
+        elif Path(name).is_file() or Path(name).is_dir():
+            out.append(Path(name))
+        else:
+            raise DataError(f"dataset {name} does not exist ({key})")
+    return out
+
+
+def _hf_dataset(path: Path):
+    """An HF ``datasets`` directory (``save_to_disk``) as a Dataset; a DatasetDict's directory is
+    refused naming its splits."""
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        raise DataError(f"{path} is a DatasetDict with splits {splits}: name one, e.g. {path / (splits or ['train'])[0]}")
+    if not (path / "state.json").is_file():
+        raise DataError(f"{path} is a directory but not an HF datasets directory (Dataset.save_to_disk writes "
+                        f"state.json and data-*.arrow); give jsonl or parquet files, a glob, or such a directory")
+    try:
+        import datasets
+    except ImportError as err:
+        raise DataError(f"{path} is an HF datasets directory, which needs the datasets package: "
+                        f"pip install 'megarl[datasets]'") from err
+    return datasets.load_from_disk(str(path))
+
+
 def _rows(path: Path) -> Iterator[tuple]:
-    if path.suffix == ".jsonl":
+    if path.is_dir():
+        yield from enumerate(_hf_dataset(path), 1)
+    elif path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():
@@ -47,7 +86,8 @@ def _rows(path: Path) -> Iterator[tuple]:
         for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
             yield i, row
     else:
-        raise DataError(f"{path}: unsupported dataset format '{path.suffix}'; use .jsonl or .parquet")
+        raise DataError(f"{path}: unsupported dataset format '{path.suffix}'; use .jsonl, .parquet or an HF "
+                        f"datasets directory")
 
 
 def _check(row: Any, prompt_key: str, answer_key: str) -> PromptRecord:
@@ -70,16 +110,13 @@ def _check(row: Any, prompt_key: str, answer_key: str) -> PromptRecord:
 
 
 def load_records(files: Sequence[str], prompt_key: str = "prompt", answer_key: str = "answer",
-                 bad_rows: BadRows = BadRows.fail) -> List[PromptRecord]:
-    """Every valid record of ``files``; ``bad_rows`` is ``fail`` (raise at the first) or ``skip``
-    (log each, go on)."""
+                 bad_rows: BadRows = BadRows.fail, key: str = "data.train_files") -> List[PromptRecord]:
+    """Every valid record of ``files`` (:func:`expand_files`; ``key`` names them in errors);
+    ``bad_rows`` is ``fail`` (raise at the first) or ``skip`` (log each, go on)."""
     if bad_rows not in tuple(BadRows):
         raise DataError(f"data.bad_rows='{bad_rows}' must be one of {BadRows.allowed()}")
     out: List[PromptRecord] = []
-    for name in files:
-        path = Path(name)
-        if not path.is_file():
-            raise DataError(f"dataset {path} does not exist (data.train_files)")
+    for path in expand_files(files, key):
         skipped = 0
         for row_number, row in _rows(path):
             try:

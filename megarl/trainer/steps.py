@@ -38,8 +38,8 @@ class PromptStream:
     (error and skip: :func:`check_prompt_tokens` stops or drops the row); ``limit`` names the limit."""
 
     def __init__(self, records: Sequence[PromptRecord], tokenizer, seed: int, max_prompt_tokens: int,
-                 truncation: Truncation = Truncation.error, limit: Optional[str] = None):
-        self.records, self.tokenizer = list(records), tokenizer
+                 truncation: Truncation = Truncation.error, limit: Optional[str] = None, shuffle: bool = True):
+        self.records, self.tokenizer, self.shuffle = list(records), tokenizer, shuffle
         self.rng = random.Random(seed)
         self.order: List[int] = []
         self.ids = {}
@@ -65,9 +65,12 @@ class PromptStream:
     def _next(self, count: int) -> List[PromptRecord]:
         out = []
         while len(out) < count:
-            if not self.order:
+            if not self.order:  # a new epoch; popped from the end
                 self.order = list(range(len(self.records)))
-                self.rng.shuffle(self.order)
+                if self.shuffle:
+                    self.rng.shuffle(self.order)
+                else:
+                    self.order.reverse()
             out.append(self.records[self.order.pop()])
         self.position += count
         return out

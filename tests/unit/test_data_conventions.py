@@ -135,3 +135,54 @@ def test_a_checkpoint_with_one_nan_is_refused_before_ray_starts(user, tmp_path):
                      f"data.train_files=[{data}]", "algorithm.reward_fn=exact_match", "trainer.nproc_per_node=1",
                      "data.prompts_per_step=2", f"trainer.run_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]  # the check can be turned off
+
+
+def test_globs_hf_datasets_directories_epochs_and_order(user, tmp_path):
+    """data.train_files takes globs (sorted matches) and HF ``datasets`` directories beside files;
+    a DatasetDict's directory, a pattern without matches and a missing path are named; with
+    trainer.total_epochs the run's steps follow from the prompts kept; data.shuffle=false draws
+    in file order, true a seeded new order each epoch."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megarl.data.datasets import DataError, load_records
+    from megarl.trainer.steps import PromptStream
+
+    work, tokenizer, model = user
+    rows = [{"prompt": f"reverse {i}{i + 1}", "answer": f"{i + 1}{i}"} for i in range(9)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    pq.write_table(pa.Table.from_pylist(rows[3:5]), tmp_path / "data" / "train-1.parquet")
+    datasets.Dataset.from_list(rows[5:]).save_to_disk(str(tmp_path / "hf" / "train"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[5:]),
+                          "test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "dd"))
+    files = [str(tmp_path / "data" / "train-*"), str(tmp_path / "hf" / "train")]
+    records = load_records(files)
+    assert [r.prompt for r in records] == [r["prompt"] for r in rows]
+    assert [r.source.rsplit("/", 1)[-1] for r in records] == [
+        "train-0.jsonl:1", "train-0.jsonl:2", "train-0.jsonl:3", "train-1.parquet:1", "train-1.parquet:2",
+        "train:1", "train:2", "train:3", "train:4"]
+    with pytest.raises(DataError, match=r"is a DatasetDict with splits \['train', 'test'\]: name one, e\.g\. .*dd/train"):
+        load_records([str(tmp_path / "dd")])
+    with pytest.raises(DataError, match=r"data.val_files: the pattern .*nothing-\*\.jsonl matches no file"):
+        load_records([str(tmp_path / "nothing-*.jsonl")], key="data.val_files")
+    with pytest.raises(DataError, match=r"dataset .*missing\.jsonl does not exist \(data.train_files\)"):
+        load_records([str(tmp_path / "missing.jsonl")])
+
+    proc = megarl_here("train", "--dry-run", f"model.path={model}", f"data.tokenizer={tokenizer}",
+                       f"data.train_files=[{','.join(files)}]", "trainer.total_epochs=3", "data.prompts_per_step=2",
+                       "algorithm.samples_per_prompt=2", "algorithm.reward_fn=exact_match", "trainer.nproc_per_node=1",
+                       f"trainer.run_dir={tmp_path / 'run'}", cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainer.total_epochs=3 over 9 prompts, 2 a step: trainer.train_steps=14" in proc.stdout  # ceil(27 / 2)
+
+    tok = load_tokenizer(str(tokenizer))
+    in_order = PromptStream(records, tok, seed=7, max_prompt_tokens=100, shuffle=False)
+    assert in_order.next(12) == records + records[:3]
+    shuffled = PromptStream(records, tok, seed=7, max_prompt_tokens=100)
+    epochs = [shuffled.next(9), shuffled.next(9)]
+    assert all(sorted(r.source for r in e) == sorted(r.source for r in records) for e in epochs)  # each prompt once an epoch
+    assert epochs[0] != records and epochs[0] != epochs[1]
+    again = PromptStream(records, tok, seed=7, max_prompt_tokens=100)
+    assert again.next(18) == epochs[0] + epochs[1]  # the seed decides the order
