@@ -155,11 +155,15 @@ def append_text(path: Path, text: str, what: str) -> None:
 
 
 def replace_text(path: Path, text: str, what: str) -> None:
-    """Write ``text`` to ``path`` through ``path.tmp`` and a rename: ``path`` is either the old
+    """Write ``text`` to ``path`` as :func:`replace_bytes` does."""
+    replace_bytes(path, text.encode(), what)
+
+
+def replace_bytes(path: Path, data: bytes, what: str) -> None:
+    """Write ``data`` to ``path`` through ``path.tmp`` and a rename: ``path`` is either the old
     file or the new one, and a failed write removes the temporary file (:class:`DiskFull` when
     for lack of space)."""
     tmp = path.with_name(path.name + ".tmp")
-    data = text.encode()
     try:
         with named_if_full(path, len(data), what, partial=tmp):
             tmp.write_bytes(data)

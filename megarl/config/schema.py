@@ -316,8 +316,9 @@ class LayoutsConfig:
 class OptimizerConfig:
     """Adam(W) with Megatron's (distributed) optimizer and an LR schedule."""
 
-    lr: float = bounded(1e-3, ge=0)
-    """Peak learning rate; 0 freezes the weights (parity checks)."""
+    lr: float = bounded(1e-6, ge=0)
+    """Peak learning rate (1e-6: RL post-training of a pretrained model; the demo configs, which
+    train tiny models from scratch, set 1e-3); 0 freezes the weights (parity checks)."""
     min_lr: float = bounded(0.0, ge=0)
     """Floor of the decay schedule."""
     weight_decay: float = bounded(0.0, ge=0)
@@ -453,8 +454,8 @@ class AlgorithmConfig:
     """Nucleus sampling (1 = off)."""
     top_k: int = bounded(0, ge=0)
     """Top-k sampling (0 = off)."""
-    max_new_tokens: int = bounded(16, ge=1)
-    """Response length limit."""
+    max_new_tokens: int = bounded(512, ge=1)
+    """Response length limit (tokens); the model's positions less this are the prompts' room."""
     val_samples_per_prompt: int = bounded(1, ge=1)
     """Validation: responses per held-out prompt (n of reward/mean@n, pass@n, maj@n)."""
     val_temperature: float = bounded(0.0, ge=0)
@@ -568,8 +569,9 @@ class TrainerConfig:
     """With ``ray_address``: the driver's address on the cluster network (worker nodes get theirs from
     ``ray start --node-ip-address``; rank 0's hosts the rendezvous); null = Ray's choice. A private
     Ray ignores it (loopback)."""
-    save_interval: int = bounded(0, ge=0)
-    """Checkpoint every this many steps (0 = never); the run resumes from the newest one."""
+    save_interval: int = bounded(50, ge=0)
+    """Checkpoint every this many steps and at the last (0 = never); the run resumes from the newest
+    one."""
     val_interval: int = bounded(0, ge=0)
     """Evaluate on data.val_files every this many steps, after the step's weight sync (0 = only
     before training, with val_before_train); metrics in <run_dir>/validation.jsonl and every logger,

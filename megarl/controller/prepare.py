@@ -127,6 +127,10 @@ def prepare(cfg: MegarlConfig) -> Prepared:
             raise ConfigError(f"rollout.env with tokenizer {data.tokenizer}: {err}") from None
     response_room = agent.budget(algo.max_new_tokens) if agent else algo.max_new_tokens
     room = args.max_position_embeddings - response_room
+    if room < 1:
+        budget = "the episode budget of" if agent else "algorithm.max_new_tokens="
+        raise ConfigError(f"{budget}{response_room} response tokens leave no room for a prompt in the model's "
+                          f"{args.max_position_embeddings} positions: lower algorithm.max_new_tokens")
     stream = prompt_stream(records, tokenizer, cfg, room)
     check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
     if cfg.trainer.total_epochs:  # after the rows skipped (bad or too long) are gone

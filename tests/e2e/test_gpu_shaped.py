@@ -79,6 +79,7 @@ def user_config(path: Path, model: Path, data: Path, actor: str, rollout: str, a
     path.write_text(f"""
 model: {{path: {model}, params_dtype: float32}}
 parallel: {{actor: {actor}, rollout: {rollout}}}
+optimizer: {{lr: 1.0e-3}}
 data: {{train_files: [{data}], prompts_per_step: 4}}
 algorithm: {{name: {algorithm}, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 8}}
 trainer: {{train_steps: 2, save_interval: 0, nproc_per_node: 2}}

@@ -83,7 +83,7 @@ parallel: {{actor: {{tp: 2}}, rollout: {{tp: 1}}}}
 optimizer: {{lr: 1.0e-3}}
 data: {{train_files: [{data}], prompts_per_step: 4}}
 algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 8, kl_coef: 0.05}}
-trainer: {{nproc_per_node: 2}}
+trainer: {{nproc_per_node: 2, save_interval: 0}}
 logging: {{backends: [console], progress_bar: false}}
 """)
     return work, model_dir

@@ -134,7 +134,7 @@ def test_replay_brings_the_trainer_log_probs_closer_to_the_rollout(runs):
 def test_routing_replay_on_a_dense_model_is_a_config_error(tmp_path):
     (tmp_path / "dense.yaml").write_text(f"""
 model: {{hf_config: {ROOT / 'configs/models/tiny-llama.json'}}}
-algorithm: {{routing_replay: true}}
+algorithm: {{routing_replay: true, max_new_tokens: 16}}
 trainer: {{nproc_per_node: 2, run_dir: {tmp_path / 'run'}}}
 """)
     proc = megarl("train", str(tmp_path / "dense.yaml"), cwd=tmp_path)

@@ -128,9 +128,10 @@ def tied(tmp_path_factory):
                             for c in chat_examples(8, seed=7)))
     (work / "run.yaml").write_text(f"""
 parallel: {{actor: {{tp: 1}}, rollout: {{tp: 1}}}}
+optimizer: {{lr: 1.0e-3}}
 data: {{train_files: [{data}], prompts_per_step: 4}}
 algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_tokens: 8, entropy_coef: 0.01}}
-trainer: {{train_steps: {TIED_STEPS}, nproc_per_node: 1, run_dir: {work / 'run'}}}
+trainer: {{train_steps: {TIED_STEPS}, save_interval: 0, nproc_per_node: 1, run_dir: {work / 'run'}}}
 logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
 """)
     proc = megarl("train", str(work / "run.yaml"), f"model.path={model_dir}", "parallel.rollout.engine=vllm",

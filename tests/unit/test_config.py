@@ -11,7 +11,7 @@ def test_defaults_are_typed_dataclasses():
     cfg = load_config()
     assert isinstance(cfg, MegarlConfig)
     assert isinstance(cfg.parallel.actor, ParallelConfig)
-    assert cfg.parallel.actor.etp is None and cfg.optimizer.lr == 1e-3
+    assert cfg.parallel.actor.etp is None and cfg.optimizer.lr == 1e-6
 
 
 def test_yaml_then_overrides_then_round_trip(tmp_path):

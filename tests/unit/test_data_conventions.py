@@ -78,7 +78,7 @@ def test_over_long_prompts_by_truncation(user, truncation):
     proc = megarl_here("train", "--dry-run", f"model.path={model}", f"data.tokenizer={tokenizer}",
                        f"data.train_files=[{data}]", "data.max_prompt_length=40", f"data.truncation={truncation}",
                        "algorithm.reward_fn=exact_match", "data.prompts_per_step=2", "algorithm.samples_per_prompt=2",
-                       "trainer.nproc_per_node=1", f"trainer.run_dir={work / 'run'}", cwd=work)
+                       "trainer.nproc_per_node=1", "algorithm.max_new_tokens=16", f"trainer.run_dir={work / 'run'}", cwd=work)
     if truncation == "error":
         assert proc.returncode == 2, proc.stderr
         assert f"{data}:2: prompt of 79 tokens exceeds data.max_prompt_length=40 (data.truncation=error" in proc.stderr, proc.stderr
@@ -126,13 +126,13 @@ def test_a_checkpoint_with_one_nan_is_refused_before_ray_starts(user, tmp_path):
     data = work / "ok.jsonl"
     data.write_text(json.dumps({"prompt": "reverse 12", "answer": "21"}) + "\n")
     proc = megarl_here("train", f"model.path={broken}", f"data.train_files=[{data}]", "algorithm.reward_fn=exact_match",
-                       "trainer.nproc_per_node=1", "data.prompts_per_step=2", f"trainer.run_dir={tmp_path / 'run'}",
+                       "trainer.nproc_per_node=1", "algorithm.max_new_tokens=16", "data.prompts_per_step=2", f"trainer.run_dir={tmp_path / 'run'}",
                        cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"tensor '{name}' (in model.safetensors) holds 1 non-finite value(s)" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
     ok = megarl_here("train", "--dry-run", f"model.path={broken}", "model.check_finite=false",
-                     f"data.train_files=[{data}]", "algorithm.reward_fn=exact_match", "trainer.nproc_per_node=1",
+                     f"data.train_files=[{data}]", "algorithm.reward_fn=exact_match", "trainer.nproc_per_node=1", "algorithm.max_new_tokens=16",
                      "data.prompts_per_step=2", f"trainer.run_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]  # the check can be turned off
 
@@ -172,7 +172,7 @@ def test_globs_hf_datasets_directories_epochs_and_order(user, tmp_path):
 
     proc = megarl_here("train", "--dry-run", f"model.path={model}", f"data.tokenizer={tokenizer}",
                        f"data.train_files=[{','.join(files)}]", "trainer.total_epochs=3", "data.prompts_per_step=2",
-                       "algorithm.samples_per_prompt=2", "algorithm.reward_fn=exact_match", "trainer.nproc_per_node=1",
+                       "algorithm.samples_per_prompt=2", "algorithm.reward_fn=exact_match", "trainer.nproc_per_node=1", "algorithm.max_new_tokens=16",
                        f"trainer.run_dir={tmp_path / 'run'}", cwd=work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trainer.total_epochs=3 over 9 prompts, 2 a step: trainer.train_steps=14" in proc.stdout  # ceil(27 / 2)

@@ -141,6 +141,9 @@ class Runner:
 RUNNERS = [
     Runner(r"^make (demo|agent-demo|test|test-fast)\b", "make"),
     Runner(r"^megarl (config|layout) ", "cli"),
+    Runner(r"^megarl train configs/recipes/", "test", "tests/unit/test_recipes.py::test_the_readmes_example_passes_a_dry_run"),
+    Runner(r"^python scripts/data/prepare_(gsm8k|math)\.py ", "test",
+           "tests/unit/test_recipes.py::test_the_data_scripts_write_verls_format_with_a_validation_split"),
     Runner(r"^megarl train \S+ .*rollout\.env=", "test", "tests/e2e/test_agent.py::test_multi_turn_log_prob_parity_and_masks"),
     Runner(r"^megarl train \S+ model\.path=", "test", "tests/e2e/test_pretrained.py::test_first_step_log_probs_equal_transformers"),
     Runner(r"^megarl train \S+ data\.train_files=", "test", "tests/e2e/test_pretrained.py::test_first_step_log_probs_equal_transformers"),

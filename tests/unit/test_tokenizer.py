@@ -128,7 +128,7 @@ def test_prepare_renders_chat_prompts_for_the_model(tok_dir, tmp_path):
     model = make_hf_model("llama", tmp_path / "model", tok_dir, train_steps=0)
     data = write_jsonl(tmp_path / "chat.jsonl", [CHAT, "reverse 34"])
     cfg = load_config([], [f"model.hf_config={model / 'config.json'}", f"data.tokenizer={tok_dir}",
-                           f"data.train_files=[{data}]", "trainer.nproc_per_node=1"])
+                           f"data.train_files=[{data}]", "trainer.nproc_per_node=1", "algorithm.max_new_tokens=16"])
     prepared = prepare(cfg)
     assert prepared.tokenizer.eos_token_ids == EOS_IDS
     record = prepared.stream.records[0]
