@@ -23,6 +23,37 @@ from megarl.config.schema import MegarlConfig
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
+TRAIN, EVAL, LM = "train", "eval", "train-lm"
+# Which commands read a key (the page's "read by" column): the entry of the longest prefix of the
+# key decides. tests/unit/test_config_reads.py checks that each command's code reads each key it
+# is listed for.
+_EVAL_DATA = ("val_files", "prompt_key", "answer_key", "bad_rows", "tokenizer", "chat_template",
+              "chat_template_path", "chat_template_kwargs", "system_prompt", "max_prompt_length", "truncation")
+_EVAL_ALGORITHM = ("reward_fn", "reward_fn_by_source", "reward_timeout_s", "reward_workers", "reward_memory_mb", "top_p",
+                   "top_k", "max_new_tokens", "val_samples_per_prompt", "val_temperature", "val_max_new_tokens")
+READ_BY: Dict[str, Tuple[str, ...]] = {
+    "": (TRAIN,),
+    "model": (TRAIN, EVAL, LM), "model.path": (TRAIN, EVAL), "model.check_finite": (TRAIN, EVAL),
+    "model.lora": (TRAIN, EVAL),
+    "parallel.actor": (TRAIN, EVAL, LM), "parallel.rollout": (TRAIN, EVAL),
+    "optimizer": (TRAIN, LM),
+    **{f"data.{k}": (TRAIN, EVAL) for k in _EVAL_DATA},
+    "data.task": (TRAIN, LM), "data.num_digits": (TRAIN, LM), "data.pack_sequences": (TRAIN, LM),
+    "data.tool_call_rate": (LM,), "data.label_noise": (LM,), "data.global_batch_size": (LM,),
+    "data.micro_batch_size": (LM,),
+    **{f"algorithm.{k}": (TRAIN, EVAL) for k in _EVAL_ALGORITHM},
+    "trainer.train_steps": (TRAIN, LM), "trainer.seed": (TRAIN, EVAL, LM), "trainer.nproc_per_node": (TRAIN, EVAL, LM),
+    "trainer.log_interval": (TRAIN, LM), "trainer.max_bad_steps": (TRAIN, LM), "trainer.save_dir": (LM,),
+    **{f"trainer.{k}": (TRAIN, EVAL) for k in ("run_dir", "nnodes", "ray_address", "node_ip_address", "hang_timeout_s")},
+    "reward_model": (TRAIN, EVAL),
+}
+
+
+def read_by(key: str) -> Tuple[str, ...]:
+    """The commands (``megarl <command>``) that read ``key``."""
+    parts = key.split(".")
+    return next(READ_BY[".".join(parts[:n])] for n in range(len(parts), -1, -1) if ".".join(parts[:n]) in READ_BY)
+
 _OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
@@ -150,7 +181,8 @@ def render() -> str:
         "One typed tree of dataclasses ([`megarl/config/schema.py`](../megarl/config/schema.py)). YAML files",
         "merge in order, then `key=value` overrides (`megarl config FILE.yaml key=value` prints the result);",
         "an unknown key, a value of the wrong type or one outside the bounds below is an error that names",
-        "the key, and nothing starts (exit 2).",
+        "the key, and nothing starts (exit 2). \"read by\" names the `megarl` commands whose code reads the",
+        "key (`megarl config` and `megarl layout` read every file; tests/unit/test_config_reads.py checks the column).",
         "",
     ]
     docs = section_docs()
@@ -161,9 +193,10 @@ def render() -> str:
         lines += [f"## {key}", "", _one_line(docs.get(key, "")).replace("\\|", "|"), ""]
         if not rows:
             continue
-        lines += ["| key | type | default | bounds | meaning |", "| --- | --- | --- | --- | --- |"]
+        lines += ["| key | type | default | bounds | read by | meaning |", "| --- | --- | --- | --- | --- | --- |"]
         for name, f, tp, doc in rows:
-            lines.append(f"| `{name}` | {type_name(tp)} | {_default(f)} | {_bounds(f)} | {_one_line(doc)} |")
+            commands = ", ".join(read_by(name))
+            lines.append(f"| `{name}` | {type_name(tp)} | {_default(f)} | {_bounds(f)} | {commands} | {_one_line(doc)} |")
         lines.append("")
     return "\n".join(lines)
 
