@@ -94,9 +94,9 @@ def _problems(algo, p: Preset) -> List[str]:
             out.append(f"algorithm.{field}='{getattr(algo, field)}' must be one of {list(names)}")
 
     one_of("policy_loss", POLICY_LOSSES.names())
-    if algo.dual_clip_c is not None and algo.policy_loss != "ppo":
-        out.append(f"algorithm.dual_clip_c={algo.dual_clip_c} with algorithm.policy_loss={algo.policy_loss}: dual "
-                   f"clip bounds ppo's token-level objective only; set algorithm.dual_clip_c=null")
+    if algo.clip_ratio_c is not None and algo.policy_loss != "ppo":
+        out.append(f"algorithm.clip_ratio_c={algo.clip_ratio_c} with algorithm.policy_loss={algo.policy_loss}: dual "
+                   f"clip bounds ppo's token-level objective only; set algorithm.clip_ratio_c=null")
     one_of("kl_estimator", KL_ESTIMATORS.names())
     one_of("agg_mode", AGG_MODES)
     assert p.estimator in ADVANTAGE_ESTIMATORS.names(), p  # a preset names a registered estimator

@@ -477,9 +477,9 @@ class AlgorithmConfig:
     """PPO clip range below 1."""
     clip_high: float = bounded(0.2, ge=0)
     """PPO clip range above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
-    dual_clip_c: Optional[float] = bounded(None, gt=1)
+    clip_ratio_c: Optional[float] = bounded(None, gt=1)
     """Dual-clip PPO (Ye et al. 2020): for negative advantages the clipped objective is bounded at
-    ``dual_clip_c`` x the advantage (typically 3); null = off. The ppo policy loss only."""
+    ``clip_ratio_c`` x the advantage (typically 3); null = off. The ppo policy loss only."""
     agg_mode: AggMode = AggMode.token_mean
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
     norm_by_std: bool = True

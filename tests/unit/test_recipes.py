@@ -117,3 +117,14 @@ def test_the_readmes_example_passes_a_dry_run(user):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nodes 2 x 8 ranks = world 16; ray auto" in proc.stdout
     assert re.search(r"actor layout \(tp=4, pp=2, dp=2\); rollout layout \(tp=2, pp=1, dp=8\)", proc.stdout), proc.stdout[:800]
+
+
+def test_dual_clip_is_a_key_of_megarl_train(user):
+    """algorithm.clip_ratio_c (verl's name) reaches the ppo loss; with GSPO's sequence-level loss,
+    which has no dual clip, megarl train refuses it by name before anything starts."""
+    work, tokenizer = user
+    base = [str(ROOT / "configs" / "recipes" / "gsm8k_grpo_qwen3_8b.yaml"), "--dry-run", "model.path=null",
+            f"model.hf_config={REFERENCE / 'qwen3-8b.json'}", f"data.tokenizer={tokenizer}"]
+    assert megarl_here("train", *base, "algorithm.clip_ratio_c=3.0", cwd=work).returncode == 0
+    proc = megarl_here("train", *base, "algorithm.clip_ratio_c=3.0", "algorithm.name=gspo", cwd=work)
+    assert proc.returncode == 2 and "algorithm.clip_ratio_c=3.0 with algorithm.policy_loss=gspo" in proc.stderr, proc.stderr
