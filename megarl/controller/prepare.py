@@ -152,9 +152,10 @@ def validation_stream(cfg: MegarlConfig, tokenizer, args, agent) -> Optional[Pro
     if agent is not None:
         raise ConfigError("data.val_files with rollout.env: validation of multi-turn episodes is not supported yet; "
                           "leave data.val_files empty")
-    if t.loop == Loop.one_step_off and t.placement == Placement.split:
-        raise ConfigError("data.val_files with trainer.placement=split and trainer.loop=one_step_off: validation "
-                          "does not run beside the drawing thread yet; use the synchronous loop or colocated placement")
+    if t.loop == Loop.one_step_off and t.placement == Placement.split and algo.reward_fn == REWARD_MODEL:
+        raise ConfigError("data.val_files with algorithm.reward_fn=model, trainer.placement=split and "
+                          "trainer.loop=one_step_off: the reward model's ranks serve the drawing thread; validate with "
+                          "the synchronous loop or colocated placement, or score validation with megarl eval")
     records = load_records(data.val_files, data.prompt_key, data.answer_key, data.bad_rows, "data.val_files")
     room = args.max_position_embeddings - (algo.val_max_new_tokens or algo.max_new_tokens)
     stream = prompt_stream(records, tokenizer, cfg, room)

@@ -9,7 +9,7 @@ import sys
 from typing import List
 
 from megarl.config import load_config, to_yaml
-from megarl.config.schema import Loop
+from megarl.config.schema import Loop, Placement
 from megarl.controller.plan import plan
 from megarl.controller.prepare import Prepared, prepare, world_size
 from megarl.rollout.backends import rollout_backend
@@ -57,6 +57,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         session.close()
         raise
     group = groups[0]
+    closing = []  # what the run started beside the roles: closed on the way out
     try:
         roles = build_roles(*groups)
         scorer.model = roles.reward_model
@@ -68,12 +69,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
                 "step": step, "stream": stream.state(), "reward_failures": scorer.failures,
                 "tracker_run_ids": log.run_ids}, to_yaml(cfg), preemption)
         train = one_step_off.train if cfg.trainer.loop == Loop.one_step_off else loop.train
-        validator = None
-        if prepared.val_stream is not None:
-            from megarl.trainer.validation import Validator
-
-            validator = Validator(prepared.val_stream, scorer, cfg.algorithm, tok.eos_token_ids, cfg.trainer.seed,
-                                  tok.decode)
+        validator = _validator(prepared, roles, closing)
         preemption.armed = True  # a SIGTERM from here on lets the step finish
         train(cfg, roles, stream, scorer, log, tok.eos_token_ids, tok.pad_token_id,
               start_step=done + 1, after_step=schedule.after_step, agent=prepared.agent, validator=validator)
@@ -89,10 +85,27 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         return log.history
     finally:
         preemption.close()
-        scorer.close()  # the reward workers, even one stuck in a hanging function
+        for other in [scorer, *closing]:
+            other.close()  # the reward workers, even one stuck in a hanging function
         for g in groups:
             g.shutdown()
         session.close()  # Ray, then any process of the run still alive
+
+
+def _validator(prepared: Prepared, roles, closing: List):
+    """data.val_files' Validator, or None. Under split placement one step off the drawing thread
+    scores batches meanwhile, so validation gets reward workers of its own (added to ``closing``)."""
+    if prepared.val_stream is None:
+        return None
+    from megarl.trainer.steps import Scorer
+    from megarl.trainer.validation import Validator
+
+    cfg, scorer, tok = prepared.cfg, prepared.scorer, prepared.tokenizer
+    if cfg.trainer.loop == Loop.one_step_off and cfg.trainer.placement == Placement.split:
+        scorer = Scorer(cfg.algorithm, tok)
+        scorer.model = roles.reward_model
+        closing.append(scorer)
+    return Validator(prepared.val_stream, scorer, cfg.algorithm, tok.eos_token_ids, cfg.trainer.seed, tok.decode)
 
 
 def main(argv=None) -> int:

@@ -12,14 +12,16 @@ from typing import Sequence
 from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, train_on
 
 
-def validate(cfg, roles, validator, log, step: int) -> None:
+def validate(cfg, roles, validator, log, step: int, rollout=None) -> None:
     """Held-out evaluation on the rollout's current weights (trainer.val_interval; step 0 with
-    trainer.val_before_train), logged apart from the step's metrics."""
+    trainer.val_before_train), logged apart from the step's metrics. ``rollout``: what generates
+    (the one-step-off loop's, whose generate calls take turns with the drawing thread's); default
+    the rollout role."""
     if validator is None:
         return
     t = cfg.trainer
     if (step == 0 and t.val_before_train) or (step and t.val_interval and step % t.val_interval == 0):
-        log.validation(step, *validator.run(roles.rollout))
+        log.validation(step, *validator.run(rollout or roles.rollout))
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,

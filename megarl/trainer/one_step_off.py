@@ -16,14 +16,15 @@ from typing import Sequence
 
 from megarl.config.schema import Placement
 from megarl.trainer.loop import validate
-from megarl.trainer.producer import Producer
+from megarl.trainer.producer import LockedRollout, Producer
 from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, train_on
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
           after_step=None, agent=None, validator=None) -> None:
-    """``validator`` (data.val_files): colocated placement only, where the draws run in line
-    (megarl.controller.prepare refuses it with split placement's drawing thread)."""
+    """``validator`` (data.val_files): after the weight sync of a validation step, on that version's
+    weights; under split placement its generate calls take turns with the drawing thread's (each
+    call whole, as the draws' own), and it scores with its own reward workers."""
     algo, data, t = cfg.algorithm, cfg.data, cfg.trainer
 
     def draw(step, rollout, phase):
@@ -49,7 +50,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
                 roles.rollout.resume_memory()
                 metrics |= producer.sync(lambda: roles.rollout.update_weights(step), step)
             log.step(step, batch, metrics)
-            validate(cfg, roles, validator, log, step)
+            validate(cfg, roles, validator, log, step, rollout=LockedRollout(producer))
             if after_step:
                 after_step(step)  # checkpoint
     finally:

@@ -61,23 +61,32 @@ def test_colocated_learns_as_the_native_engine(colocated, native):
     assert got > mean(colocated[:10]) + 0.05  # it learns
 
 
+VALIDATION = ("trainer.val_interval=10", "algorithm.val_samples_per_prompt=2", "algorithm.val_temperature=1.0")
+
+
 @pytest.fixture(scope="module")
 def split(tmp_path_factory):
     """With parallel.rollout.weight_sync=delta: exact, so the run is full sync's (an fp32 rollout
-    changes nearly every element, so most messages fall back to dense)."""
-    return history(tmp_path_factory.mktemp("vllm-split"), *VLLM, *SPLIT, SHORT, "parallel.rollout.weight_sync=delta")
+    changes nearly every element, so most messages fall back to dense). It validates as the
+    colocated one-step-off run does, beside its drawing thread."""
+    from tests.e2e.test_rl import held_out_split
+
+    work = tmp_path_factory.mktemp("vllm-split")
+    val = held_out_split(work / "val.jsonl", count=16)
+    rows = history(work / "run", *VLLM, *SPLIT, SHORT, "parallel.rollout.weight_sync=delta", f"data.val_files=[{val}]",
+                   *VALIDATION)
+    return rows, [json.loads(line) for line in (work / "run" / "validation.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def colocated_one_step_off(tmp_path_factory):
     """With validation on vLLM (data.val_files: the demo task's held-out prompts, every 10 steps, 2
-    samples each at temperature 1): the split run, which has none, must still equal it step for step."""
+    samples each at temperature 1)."""
     from tests.e2e.test_rl import held_out_split
 
     work = tmp_path_factory.mktemp("vllm-one-step-off")
     val = held_out_split(work / "val.jsonl", count=16)
-    rows = history(work / "run", *VLLM, "trainer.loop=one_step_off", SHORT, f"data.val_files=[{val}]",
-                   "trainer.val_interval=10", "algorithm.val_samples_per_prompt=2", "algorithm.val_temperature=1.0")
+    rows = history(work / "run", *VLLM, "trainer.loop=one_step_off", SHORT, f"data.val_files=[{val}]", *VALIDATION)
     vals = [json.loads(line) for line in (work / "run" / "validation.jsonl").read_text().splitlines()]
     return rows, vals
 
@@ -90,11 +99,14 @@ def test_split_one_step_off(split, colocated_one_step_off):
     """The split run (its own rollout rank, a drawing thread beside the trainer, delta syncs over
     the transfer group) is the colocated one-step-off run (in-line draws, micro-DP syncs) step for
     step: the same samples, rewards, log-probs and updates, so each of its syncs handed the engine
-    exactly the trainer's weights of the version it drew from. The colocated run validated on vLLM
-    at steps 0, 10 and 20 (the split run did not): validation changed none of its training metrics."""
+    exactly the trainer's weights of the version it drew from. Both validated on vLLM at steps 0,
+    10 and 20, the split run beside its drawing thread (generate calls taking turns, reward workers
+    of its own): the same validation metrics, so each ran on the weights of its step."""
     colocated_one_step_off, vals = colocated_one_step_off
+    split, split_vals = split
     assert [v["step"] for v in vals] == [0, 10, 20] and all(v["val/prompts"] == 16 for v in vals)
     assert all(0 <= v["val/pass@1"] <= v["val/pass@2"] <= 1 and v["val/reward/mean@2"] > 0 for v in vals)
+    assert split_vals == vals
     first = split[0]
     print(f"vllm split one-step-off: first step rollout/logp_max_abs_diff {first['rollout/logp_max_abs_diff']:.2e}; "
           f"mean reward {mean(split):.4f}, colocated {mean(colocated_one_step_off):.4f}")

@@ -200,3 +200,36 @@ def test_split_one_step_off_runs_multi_turn_episodes_in_the_drawing_thread():
     assert all(0 < r["agent/observation_token_frac"] < 1 for r in rows)
     assert [r["sampling/staleness"] for r in rows] == [0, 1, 1]
     assert sum(e.startswith("generate") for e in events) >= 3 * 3  # at least one call per turn per step
+
+
+def test_split_one_step_off_validates_each_step_on_its_weights_beside_the_drawing_thread():
+    """Validation (trainer.val_interval=2) under split placement one step off: after the step's
+    sync, on that version's weights, its generate calls under the producer's lock (SplitRoles
+    asserts that no sync meets a generate call), while the drawing thread goes on."""
+    roles = SplitRoles(gen_s=0.02, train_s=0.1)
+    seen = []
+
+    class Validator:
+        def run(self, rollout):
+            for _ in range(3):  # several calls, as Validator.run makes per chunk of prompts
+                rollout.generate([TOK.prompt_ids("12=")], SimpleNamespace(n=1, greedy=True))
+                seen.append(roles.scripted.version)
+            return {"val/reward/mean@1": 0.5}, []
+
+    class ValLog(Log):
+        def validation(self, step, metrics, rows):
+            self.rows.append({"validation": step, **metrics})
+
+    a = algo(name="grpo")
+    cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2),
+                          trainer=SimpleNamespace(seed=0, train_steps=5, placement="split", max_staleness=0,
+                                                  val_interval=2, val_before_train=True))
+    log, scorer = ValLog(), Scorer(a, TOK)
+    try:
+        one_step_off.train(cfg, roles, stream(), scorer, log, eos_token_ids=[TOK.eos_token_id],
+                           pad_token_id=TOK.pad_token_id, validator=Validator())
+    finally:
+        scorer.close()
+    assert [r["validation"] for r in log.rows if "validation" in r] == [0, 2, 4]
+    assert seen == [0] * 3 + [2] * 3 + [4] * 3  # each validation on the weights of its step
+    assert [r["step"] for r in log.rows if "step" in r] == [1, 2, 3, 4, 5]
