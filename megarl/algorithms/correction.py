@@ -23,21 +23,27 @@ from megarl.metrics import Metric, Reduce
 ROLLOUT_CORRECTIONS = tuple(RolloutCorrection)  # algorithm.rollout_correction
 """``none``; ``token_*``: w_t = pi_old(y_t) / pi_rollout(y_t) per token; ``seq_*``: one weight per
 response, w = prod_t w_t = exp(sum_t log w_t), on all its tokens. ``*_tis`` truncates (min(w, C));
-``*_mis`` masks (w where w <= C, else 0: the token or the whole response leaves the loss)."""
+``*_mis`` masks (w where w <= C, else 0: the token or the whole response leaves the loss).
+``icepop`` masks per token on both sides: w where alpha <= w <= beta (= C), else 0 (IcePop, Ling
+Team 2025, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking
+Model", §2: double-sided masking of the training-inference probability ratio)."""
 
 
-def check_rollout_correction(mode: RolloutCorrection, threshold: float) -> None:
+def check_rollout_correction(mode: RolloutCorrection, threshold: float, low: float = 0.5) -> None:
     """Raise ``ValueError`` naming the ``algorithm.*`` field that is wrong."""
     if mode not in ROLLOUT_CORRECTIONS:
         raise ValueError(f"algorithm.rollout_correction='{mode}' must be one of {', '.join(ROLLOUT_CORRECTIONS)}")
     if not 1 < threshold < math.inf:  # also refuses NaN
         raise ValueError(f"algorithm.rollout_correction_threshold={threshold} must be a finite number > 1 "
                          f"(the bound C on the importance weight pi_old / pi_rollout; 2 is common)")
+    if not 0 < low < 1:
+        raise ValueError(f"algorithm.rollout_correction_threshold_low={low} must be in (0, 1) (IcePop's lower "
+                         f"bound on pi_old / pi_rollout; 0.5 is IcePop's)")
 
 
 @torch.no_grad()
 def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: RolloutCorrection,
-                               threshold: float) -> Tuple[Optional[Tensor], Dict[str, Metric]]:
+                               threshold: float, low: float = 0.5) -> Tuple[Optional[Tensor], Dict[str, Metric]]:
     """(weights ``[batch, T]``, metrics) from the trainer's old log-probs and the rollout's, both
     ``[batch, T]``; weights are None for ``none``, detached constants otherwise, 0 off the mask.
 
@@ -50,9 +56,10 @@ def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Ten
     KL(pi_rollout || pi_old) on the rollout's own samples, at every mode; with a correction also
     ``weight_mean`` and ``weight_max`` (the applied weights), ``ratio_max`` (before truncation or
     masking) and ``frac_truncated`` (TIS) or ``frac_masked`` (MIS): the share of valid tokens whose
-    weight exceeded C (for ``seq_*``, the tokens of such responses).
+    weight exceeded C (for ``seq_*``, the tokens of such responses; for ``icepop``, whose weight
+    fell outside [low, C]).
     """
-    check_rollout_correction(mode, threshold)
+    check_rollout_correction(mode, threshold, low)
     valid = mask.bool()
     old, rollout = select_valid(old_logp, mask), select_valid(rollout_logp, mask)
     log_ratio = clamp_log_ratio(old - rollout)  # [batch, T], 0 off the mask
@@ -66,6 +73,8 @@ def rollout_correction_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Ten
         log_ratio = clamp_log_ratio(log_ratio.sum(-1, keepdim=True)).expand_as(old)  # [batch, T]
     ratio = torch.exp(log_ratio)
     over = ratio > threshold
+    if mode == RolloutCorrection.icepop:
+        over = over | (ratio < low)
     if mode.endswith("_tis"):
         weights = ratio.clamp(max=threshold)
     else:

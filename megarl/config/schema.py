@@ -150,6 +150,7 @@ class RolloutCorrection(Choice):
     token_mis = "token_mis"
     seq_tis = "seq_tis"
     seq_mis = "seq_mis"
+    icepop = "icepop"
 
 
 class EpisodeReward(Choice):
@@ -512,9 +513,13 @@ class AlgorithmConfig:
     """Importance weights pi_old / pi_rollout of the rollout engine's samples in the policy loss:
     ``none``, ``token_tis`` / ``seq_tis`` (per token / per response, truncated at the threshold:
     Yao et al. 2025 TIS) or ``token_mis`` / ``seq_mis`` (weights above the threshold masked to 0:
-    MIS, Liu, Yao et al. 2025). rollout_correction/kl (k3 of KL(rollout || old)) is logged at any mode."""
+    MIS, Liu, Yao et al. 2025) or ``icepop`` (per token, weights outside
+    [rollout_correction_threshold_low, rollout_correction_threshold] masked to 0, both sides: IcePop,
+    Ling Team 2025). rollout_correction/kl (k3 of KL(rollout || old)) is logged at any mode."""
     rollout_correction_threshold: float = 2.0
-    """The bound C (> 1) on the importance weight of rollout_correction."""
+    """The bound C (> 1) on the importance weight of rollout_correction (IcePop's upper bound beta)."""
+    rollout_correction_threshold_low: float = 0.5
+    """IcePop's lower bound alpha (in (0, 1)): tokens whose weight is below it are masked too."""
     routing_replay: bool = False
     """MoE routing replay (R3): the old-log-prob and update passes route each token to the experts
     the rollout chose (recorded per MoE layer), with the gating weights still computed from the live

@@ -83,7 +83,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         log.warning(changed)
         print(f"megarl: warning: {changed}", file=sys.stderr, flush=True)
     try:
-        check_rollout_correction(algo.rollout_correction, algo.rollout_correction_threshold)
+        check_rollout_correction(algo.rollout_correction, algo.rollout_correction_threshold,
+                                 algo.rollout_correction_threshold_low)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     backend = rollout_backend(r.engine)

@@ -79,7 +79,8 @@ class RLWorker:
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
             entropy_coef=algo.entropy_coef, max_len=algo.max_new_tokens, temperature=algo.temperature,
             rollout_correction=algo.rollout_correction,
-            rollout_correction_threshold=algo.rollout_correction_threshold)
+            rollout_correction_threshold=algo.rollout_correction_threshold,
+            rollout_correction_threshold_low=algo.rollout_correction_threshold_low)
         bad = cfg.trainer.max_bad_steps
         # this rank's roles by name; the driver reaches their declared verbs through call()
         self.roles: Dict[str, Any] = {"actor": Actor(MegatronEngine(state, args.vocab_size, max_bad_steps=bad), loss)}

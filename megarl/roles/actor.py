@@ -52,6 +52,7 @@ class ActorLossConfig:
     rollout_correction: RolloutCorrection = RolloutCorrection.none
     """Importance weights pi_old / pi_rollout in the policy loss (megarl.algorithms.correction)."""
     rollout_correction_threshold: float = 2.0
+    rollout_correction_threshold_low: float = 0.5
     """Their bound C (> 1): truncation (TIS) or masking (MIS) above it."""
 
 
@@ -76,7 +77,7 @@ class Actor:
         if "rollout_log_probs" in t:  # the train-inference mismatch, logged at any mode
             weights, correction = rollout_correction_weights(
                 t["old_log_probs"], t["rollout_log_probs"], mask, cfg.rollout_correction,
-                cfg.rollout_correction_threshold)
+                cfg.rollout_correction_threshold, cfg.rollout_correction_threshold_low)
         elif cfg.rollout_correction != RolloutCorrection.none:
             raise ValueError(f"rollout_correction='{cfg.rollout_correction}' needs the batch's rollout_log_probs")
         loss, means = POLICY_LOSSES.get(cfg.policy_loss)(

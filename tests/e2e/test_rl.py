@@ -114,12 +114,16 @@ def test_gspo_trains_with_mini_batches(tmp_path, grpo):
 
 
 def test_dapo_dynamic_sampling_refills(tmp_path):
+    """Also IcePop's double-sided masking of a bf16 rollout's tokens (algorithm.rollout_correction=icepop)."""
     rows = history(tmp_path, "algorithm.name=dapo", "algorithm.dynamic_sampling=true", "algorithm.clip_high=0.28",
                    "algorithm.overlong_buffer=2", "data.num_digits=2", "algorithm.max_new_tokens=4",
-                   "algorithm.samples_per_prompt=4", "trainer.train_steps=3")
+                   "algorithm.samples_per_prompt=4", "trainer.train_steps=3", "parallel.rollout.dtype=bfloat16",
+                   "algorithm.rollout_correction=icepop")
     assert all(r["batch/rows"] == 16 * 4 for r in rows)  # the configured size, every step
     assert sum(r["sampling/dropped_groups"] for r in rows) > 0
     assert max(r["sampling/rounds"] for r in rows) > 1
+    assert all(0 <= r["rollout_correction/frac_masked"] < 1 and 0 < r["rollout_correction/weight_max"] <= 2.0
+               for r in rows)
 
 
 def test_remax_greedy_baseline_with_kl_in_reward(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from megarl.algorithms import POLICY_LOSSES
 from megarl.algorithms.correction import ROLLOUT_CORRECTIONS, check_rollout_correction, rollout_correction_weights
 
-B, T, C = 6, 5, 2.0
+B, T, C, LOW = 6, 5, 2.0, 0.5
 TOL = 1e-6
 
 
@@ -35,7 +35,12 @@ def _direct(old, rollout, mask, mode):
         logs = [float(old[i, t] - rollout[i, t]) for t in range(n)]
         ws = [math.exp(sum(logs))] * n if mode.startswith("seq_") else [math.exp(x) for x in logs]
         for t, w in enumerate(ws):
-            out[i, t] = w if mode.endswith("_raw") else min(w, C) if mode.endswith("_tis") else (0.0 if w > C else w)
+            if mode.endswith("_raw"):
+                out[i, t] = w
+            elif mode == "icepop":  # IcePop: kept within [alpha, beta], masked outside, both sides
+                out[i, t] = w if LOW <= w <= C else 0.0
+            else:
+                out[i, t] = min(w, C) if mode.endswith("_tis") else (0.0 if w > C else w)
     return out
 
 
@@ -49,10 +54,13 @@ def test_weights_equal_a_direct_computation(mode):
     valid = mask.bool()
     assert abs(metrics["weight_mean"].value.item() - want[valid].mean().item()) <= TOL
     assert abs(metrics["weight_max"].value.item() - want[valid].max().item()) <= TOL
-    raw = _direct(old, rollout, mask, mode[:-3] + "raw")
+    raw = _direct(old, rollout, mask, "token_raw" if mode == "icepop" else mode[:-3] + "raw")
     frac = metrics["frac_truncated" if mode.endswith("_tis") else "frac_masked"].value.item()
     assert 0 < frac < 1  # the batch has weights on both sides of C
-    assert abs(frac - (raw[valid] > C).double().mean().item()) <= TOL
+    outside = (raw[valid] > C) | ((raw[valid] < LOW) if mode == "icepop" else False)
+    assert abs(frac - outside.double().mean().item()) <= TOL
+    if mode == "icepop":
+        assert (raw[valid] < LOW).any() and (raw[valid] > C).any()  # both sides masked in this batch
     assert abs(metrics["ratio_max"].value.item() - raw[valid].max().item()) <= TOL
     assert all(torch.isfinite(m.value) for m in metrics.values())
 
@@ -89,6 +97,8 @@ def test_huge_log_ratios_stay_finite():
 def test_validation_names_the_field(mode, threshold, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace("[", r"\[")):
         check_rollout_correction(mode, threshold)
+    with pytest.raises(ValueError, match=r"algorithm.rollout_correction_threshold_low=1.5 must be in \(0, 1\)"):
+        check_rollout_correction("icepop", 2.0, 1.5)
 
 
 @pytest.mark.parametrize("loss_name", ["ppo", "gspo"])
