@@ -230,6 +230,10 @@ class ModelConfig:
     """MoE token dispatcher: ``alltoall`` or ``allgather``."""
     moe_aux_loss_coeff: Optional[float] = bounded(None, ge=0)
     """Load-balancing loss weight; null takes the HF config's ``router_aux_loss_coef`` (0 when absent)."""
+    moe_router_bias_update_rate: float = bounded(0.0, ge=0)
+    """Aux-loss-free load balancing of sigmoid routers with an expert bias (DeepSeek-V3, GLM-4.5):
+    each step moves every expert's bias by this rate towards balanced loads, at any lr. 0 (RL):
+    the bias stays as the checkpoint has it, as slime runs GLM-4.5; DeepSeek-V3's pretraining used 1e-3."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA: train low-rank adapters on a frozen base (``lora.rank`` > 0; needs ``model.path``)."""
 

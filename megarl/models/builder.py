@@ -122,6 +122,8 @@ def transformer_config(args: MegatronModelArgs, groups: ParallelGroups, model_cf
         kwargs["moe_token_dispatcher_type"] = str(model_cfg.moe_token_dispatcher)
         if model_cfg.moe_aux_loss_coeff is not None:
             kwargs["moe_aux_loss_coeff"] = model_cfg.moe_aux_loss_coeff
+        if kwargs.get("moe_router_enable_expert_bias"):  # 0 by default: the checkpoint's bias kept in RL
+            kwargs["moe_router_bias_update_rate"] = model_cfg.moe_router_bias_update_rate
         kwargs["moe_grouped_gemm"] = use_te
         if not kwargs.get("moe_aux_loss_coeff"):
             kwargs["moe_router_load_balancing_type"] = "none"

@@ -100,7 +100,7 @@ SIGMOID_MOE: Dict[str, Row] = {
     "moe_router_group_topk": lambda hf: None if _group_limit_is_noop(hf) else hf["topk_group"],
     "moe_router_pre_softmax": lambda hf: True,
     "moe_router_dtype": lambda hf: "fp32",
-    "moe_router_bias_update_rate": lambda hf: 1e-3,
+    "moe_router_bias_update_rate": lambda hf: 1e-3,  # DeepSeek-V3's; the builder sets model.moe_router_bias_update_rate
 }
 
 DEEPSEEK_V3: Dict[str, Row] = {
