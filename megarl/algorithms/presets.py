@@ -112,6 +112,10 @@ def _problems(algo, p: Preset) -> List[str]:
                    f"generated internally)")
     if not algo.kl_coef >= 0:
         out.append(f"algorithm.kl_coef={algo.kl_coef} must be >= 0")
+    if algo.kl_target is not None and not (algo.kl_in_reward and algo.kl_coef > 0):
+        out.append(f"algorithm.kl_target={algo.kl_target} (adaptive KL) adapts the coefficient of the KL in the "
+                   f"reward, starting at kl_coef: set algorithm.kl_in_reward=true and algorithm.kl_coef > 0 "
+                   f"(now kl_in_reward={algo.kl_in_reward}, kl_coef={algo.kl_coef})")
     if algo.ppo_epochs < 1:
         out.append(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
     return out

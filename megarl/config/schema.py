@@ -474,6 +474,13 @@ class AlgorithmConfig:
     Outcome estimators (grpo, dapo, gspo, rloo, reinforce_pp_baseline, remax) then score each sequence by
     the sum of its token rewards, penalty included (as verl does); ppo and reinforce_pp read the token
     rewards. null = the preset's (true for reinforce_pp, else false)."""
+    kl_target: Optional[float] = bounded(None, gt=0)
+    """Adaptive KL (Ziegler et al. 2019, §2.2): after each step the coefficient, starting at
+    kl_coef, moves by beta *= 1 + clip(KL / kl_target - 1, -0.2, 0.2) x rows / kl_horizon, KL the
+    batch's mean per-token KL to the reference (logged: reward/kl_coef, reward/kl_mean). The
+    coefficient is the driver's, so the KL must be in the reward (kl_in_reward true). null = fixed."""
+    kl_horizon: float = bounded(10000.0, gt=0)
+    """Adaptive KL's horizon, in sampled responses."""
     kl_estimator: str = "k3"
     """k1, k2 or k3."""
     entropy_coef: float = bounded(0.0, ge=0)

@@ -40,6 +40,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
     from megarl.trainer import loop, one_step_off
     from megarl.trainer.checkpoint import CheckpointSchedule, Checkpoints, resume
     from megarl.trainer.logger import RunLogger
+    from megarl.trainer.steps import KLCoefficient
 
     cfg, stream, scorer, tok = prepared.cfg, prepared.stream, prepared.scorer, prepared.tokenizer
     preemption = Preemption(cfg.trainer.signal_grace_s)  # SIGTERM: finish the step, checkpoint, exit 143
@@ -62,17 +63,18 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         roles = build_roles(*groups)
         scorer.model = roles.reward_model
         checkpoints = Checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
-        done, run_ids = resume(checkpoints, group, stream, scorer) if cfg.trainer.resume else (0, {})
+        kl = KLCoefficient(cfg.algorithm) if cfg.algorithm.kl_target is not None else None
+        done, run_ids = resume(checkpoints, group, stream, scorer, kl) if cfg.trainer.resume else (0, {})
         log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, run_ids=run_ids, decode=tok.decode)
         schedule = CheckpointSchedule(
             checkpoints, cfg.trainer, group, lambda step: {
                 "step": step, "stream": stream.state(), "reward_failures": scorer.failures,
-                "tracker_run_ids": log.run_ids}, to_yaml(cfg), preemption)
+                "tracker_run_ids": log.run_ids, **({"kl_coef": kl.value} if kl else {})}, to_yaml(cfg), preemption)
         train = one_step_off.train if cfg.trainer.loop == Loop.one_step_off else loop.train
         validator = _validator(prepared, roles, closing)
         preemption.armed = True  # a SIGTERM from here on lets the step finish
         train(cfg, roles, stream, scorer, log, tok.eos_token_ids, tok.pad_token_id,
-              start_step=done + 1, after_step=schedule.after_step, agent=prepared.agent, validator=validator)
+              start_step=done + 1, after_step=schedule.after_step, agent=prepared.agent, validator=validator, kl=kl)
         preemption.armed = False
         schedule.finish(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}

@@ -25,7 +25,7 @@ def validate(cfg, roles, validator, log, step: int, rollout=None) -> None:
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
-          after_step=None, agent=None, validator=None) -> None:
+          after_step=None, agent=None, validator=None, kl=None) -> None:
     algo, data = cfg.algorithm, cfg.data
     roles.rollout.update_weights(start_step - 1)
     if start_step == 1:
@@ -34,7 +34,8 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
         sampled = sample_step(roles.rollout, stream, scorer, algo, data.prompts_per_step,
                               seed=cfg.trainer.seed + step, eos_token_ids=eos_token_ids, phase=log.phase, agent=agent)
         roles.rollout.release_memory()  # the training roles get the device (hybrid engine)
-        batch, metrics = train_on(make_batch(sampled, pad_token_id, policy_version=step - 1), roles, algo, log, step)
+        batch, metrics = train_on(make_batch(sampled, pad_token_id, policy_version=step - 1), roles, algo, log, step,
+                                  kl)
         metrics = sampling_metrics(sampled) | metrics
         with log.phase("weight_sync"):
             roles.rollout.resume_memory()

@@ -21,7 +21,7 @@ from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, trai
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
-          after_step=None, agent=None, validator=None) -> None:
+          after_step=None, agent=None, validator=None, kl=None) -> None:
     """``validator`` (data.val_files): after the weight sync of a validation step, on that version's
     weights; under split placement its generate calls take turns with the drawing thread's (each
     call whole, as the draws' own), and it scores with its own reward workers."""
@@ -42,7 +42,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
                 sampled, seconds = producer.take(step)
             roles.rollout.release_memory()  # colocated: the training roles get the device
             batch = make_batch(sampled, pad_token_id)
-            batch, metrics = train_on(batch, roles, algo, log, step)
+            batch, metrics = train_on(batch, roles, algo, log, step, kl)
             staleness = (step - 1) - batch.policy_versions  # actor version - each row's
             metrics = {"sampling/staleness": staleness.max().item(), "sampling/staleness_mean": staleness.float().mean().item(),
                        **{f"time/{k}_s": v for k, v in seconds.items()}, **sampling_metrics(sampled), **metrics}

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS, kl_penalty_rewards
+from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.agent.loop import Agent
 from megarl.algorithms.presets import preset, resolve
 from megarl.config import ConfigError
@@ -302,22 +303,54 @@ def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return torch.where(last, scores.unsqueeze(-1), 0.0)
 
 
-def advantages(batch: Batch, algo) -> Columns:
+class KLCoefficient:
+    """The coefficient of the KL in the reward: algorithm.kl_coef, or with algorithm.kl_target the
+    adaptive controller's (Ziegler et al. 2019), updated after each step from the batch's KL and
+    kept in checkpoints (``value``)."""
+
+    def __init__(self, algo):
+        self.algo = resolve(algo)
+        a = self.algo
+        self.controller = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target is not None
+                           else FixedKLController(a.kl_coef))
+
+    @property
+    def value(self) -> float:
+        return self.controller.value
+
+    @value.setter
+    def value(self, coef: float) -> None:
+        self.controller.value = coef
+
+    def observe(self, batch: Batch) -> Dict[str, float]:
+        """Update from ``batch`` (its mean over rows of each row's mean per-token KL to the
+        reference, as verl measures it; one update per row); the coefficient applied and the KL."""
+        mask = batch.loss_mask
+        kl = KL_ESTIMATORS.get(self.algo.kl_estimator)(batch.old_log_probs, batch.ref_log_probs)
+        per_row = torch.where(mask.bool(), kl, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+        current, applied = per_row.mean().item(), self.value
+        self.controller.update(current, len(batch))
+        return {"reward/kl_coef": applied, "reward/kl_mean": current}
+
+
+def advantages(batch: Batch, algo, kl_coef: Optional[float] = None) -> Columns:
     """``advantages`` and ``returns`` ([rows, seq], zero off the response) for ``algo.name``'s preset.
 
     With the KL in the reward, each response token's reward is r_t - kl_coef * KL_t (the score on
     the last token); estimators of per-sequence scores read the sum of those rewards, and the
-    per-row penalty kl_coef * sum_t KL_t comes back as ``kl_penalty``."""
+    per-row penalty kl_coef * sum_t KL_t comes back as ``kl_penalty``. ``kl_coef``: the adaptive
+    controller's (:class:`KLCoefficient`); None = algorithm.kl_coef."""
     algo = resolve(algo)
     p = preset(algo)
     mask = batch.loss_mask
     rewards = last_token_rewards(batch.scores, mask)
     scores = batch.scores
     out: Dict[str, torch.Tensor] = {}
+    coef = algo.kl_coef if kl_coef is None else kl_coef
     if algo.kl_coef and algo.kl_in_reward:
         kl = KL_ESTIMATORS.get(algo.kl_estimator)(batch.old_log_probs, batch.ref_log_probs)
-        rewards = kl_penalty_rewards(rewards, kl, algo.kl_coef, mask)
-        out["kl_penalty"] = torch.where(mask.bool(), algo.kl_coef * kl, 0.0).sum(-1)
+        rewards = kl_penalty_rewards(rewards, kl, coef, mask)
+        out["kl_penalty"] = torch.where(mask.bool(), coef * kl, 0.0).sum(-1)
         scores = torch.where(mask.bool(), rewards, 0.0).sum(-1)
     inputs = AdvantageInputs(
         response_mask=mask, token_rewards=rewards, scores=scores,
@@ -351,11 +384,13 @@ def check_finite(batch: Batch, column: str, what: str, step: Optional[int]) -> N
                               f"non-finite; resume from an earlier checkpoint (lower optimizer.lr, check the data)")
 
 
-def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None) -> Tuple[Batch, Dict[str, float]]:
+def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None,
+             kl: Optional[KLCoefficient] = None) -> Tuple[Batch, Dict[str, float]]:
     """The training half of a step, the same under every schedule: old log-prob → reference
     log-prob → values → advantages → critic update → actor update. Returns the batch with the
     columns each phase added, and the updates' metrics. ``log.phase`` times each phase. A role's
-    non-finite output stops the run there, named (:func:`check_finite`)."""
+    non-finite output stops the run there, named (:func:`check_finite`). ``kl``: the adaptive KL
+    coefficient (algorithm.kl_target), applied, then updated from this batch."""
     check_finite(batch, "rollout_log_probs", "the rollout's log-probs of its samples", step)
     with log.phase("old_log_prob"):
         batch |= roles.actor.compute_log_prob(batch)
@@ -368,8 +403,8 @@ def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None) -> Tupl
         with log.phase("values"):
             batch |= roles.critic.compute_values(batch)
         check_finite(batch, "values", "the critic's values", step)
-    batch |= advantages(batch, algo)
-    metrics: Dict[str, float] = {}
+    batch |= advantages(batch, algo, kl.value if kl else None)
+    metrics: Dict[str, float] = kl.observe(batch) if kl else {}
     if roles.critic:
         with log.phase("critic_update"):
             metrics |= roles.critic.update(batch)

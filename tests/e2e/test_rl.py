@@ -127,9 +127,15 @@ def test_dapo_dynamic_sampling_refills(tmp_path):
 
 
 def test_remax_greedy_baseline_with_kl_in_reward(tmp_path):
+    """With the adaptive KL coefficient (algorithm.kl_target): step 1's KL is 0 (the policy is the
+    reference), so step 2 applies beta x (1 - 0.2 x rows / horizon)."""
     rows = history(tmp_path, "algorithm.name=remax", "trainer.train_steps=2", "algorithm.samples_per_prompt=2",
-                   "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true",
-                   "algorithm.entropy_coef=0.01", "optimizer.lr_warmup_steps=0")  # the policy moves at step 1
+                   "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=true", "algorithm.kl_target=0.01",
+                   "algorithm.kl_horizon=64", "algorithm.entropy_coef=0.01",
+                   "optimizer.lr_warmup_steps=0")  # the policy moves at step 1
+    assert rows[0]["reward/kl_coef"] == 0.05 and rows[0]["reward/kl_mean"] == 0.0
+    assert rows[1]["reward/kl_coef"] == pytest.approx(0.05 * (1 - 0.2 * rows[0]["batch/rows"] / 64), rel=1e-12)
+    assert rows[1]["reward/kl_mean"] > 0
     assert all("reward/baseline_mean" in r for r in rows)
     # the KL is in the scores the outcome estimator reads, and not also a loss term
     assert all(math.isfinite(r["reward/kl_penalty_mean"]) and "actor/kl" not in r for r in rows)
