@@ -98,7 +98,8 @@ def test_bare_megatron_checkpoint_as_model_path_takes_hf_config(work, tmp_path):
 
     bare = tmp_path / "iter_0000001"
     shutil.copytree(work / "mcore", bare, ignore=shutil.ignore_patterns("hf"))
-    base = [f"model.path={bare}", f"trainer.run_dir={tmp_path / 'run'}", "data.prompts_per_step=4"]
+    base = [f"model.path={bare}", f"trainer.run_dir={tmp_path / 'run'}", "data.prompts_per_step=4",
+            "algorithm.max_new_tokens=16"]
     with pytest.raises(ValueError, match="model.path=.*without its HF config"):
         prepare(load_config([], base))
     prepared = prepare(load_config([], base + [f"model.hf_config={work / 'src'}", f"data.tokenizer={work / 'src'}"]))
