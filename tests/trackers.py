@@ -8,50 +8,44 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Iterator
 
 Series = Dict[str, Dict[int, float]]
 
 
-def wandb_series(run_dir: Path) -> Series:
+def wandb_records(run_dir: Path) -> Iterator:
+    """The records of the run's offline log (wandb's ``Record`` protos), in order."""
     from swanlab.converter.wb.wbdatastore import WBDataStoreReader
     from wandb.proto import wandb_internal_pb2
 
     (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    out: Series = defaultdict(dict)
     reader = WBDataStoreReader()
     reader.open(path)
     try:
         while (data := reader.scan()) is not None:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(data)
-            if record.WhichOneof("record_type") != "history":
-                continue
-            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            for key, value in row.items():
-                if not key.startswith("_") and isinstance(value, (int, float)):
-                    out[key][int(row["_step"])] = float(value)
+            yield record
     finally:
         reader.close()
+
+
+def wandb_series(run_dir: Path) -> Series:
+    out: Series = defaultdict(dict)
+    for record in wandb_records(run_dir):
+        if record.WhichOneof("record_type") != "history":
+            continue
+        row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        for key, value in row.items():
+            if not key.startswith("_") and isinstance(value, (int, float)):
+                out[key][int(row["_step"])] = float(value)
     return dict(out)
 
 
 def wandb_exit_code(run_dir: Path) -> int:
-    from swanlab.converter.wb.wbdatastore import WBDataStoreReader
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    reader = WBDataStoreReader()
-    reader.open(path)
-    try:
-        while (data := reader.scan()) is not None:
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(data)
-            if record.WhichOneof("record_type") == "exit":
-                return record.exit.exit_code
-    finally:
-        reader.close()
-    raise AssertionError(f"{path}: no exit record")
+    exits = [r.exit.exit_code for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "exit"]
+    assert len(exits) == 1, f"{run_dir}: {len(exits)} exit records"
+    return exits[0]
 
 
 def swanlab_series(run_dir: Path) -> Series:
