@@ -12,6 +12,7 @@ to set: ``WANDB_MODE=offline`` writes ``<run_dir>/wandb/offline-run-*`` for ``wa
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import os
@@ -46,7 +47,7 @@ def flat_config(prefix: str, obj) -> Dict[str, str]:
     return out
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """One experiment tracker's run. ``run_id``: what a resumed run passes back to reopen it (kept
     in each checkpoint's driver state); None where the tracker has no run to reopen."""
 
@@ -55,14 +56,16 @@ class Tracker:
 
     run_id: Optional[str] = None
 
+    @abc.abstractmethod
     def log(self, metrics: Dict[str, float], step: int) -> None:
-        raise NotImplementedError
+        """Record ``metrics`` at ``step``."""
 
     def artifact(self, path: Path) -> None:
         """Keep a file (the reward curve) with the run, where the tracker keeps files."""
 
+    @abc.abstractmethod
     def end(self, ending: Ending) -> None:
-        raise NotImplementedError
+        """End the tracker's run as ``ending``."""
 
 
 TRACKERS: Dict[LogBackend, Type[Tracker]] = {}
