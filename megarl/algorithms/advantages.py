@@ -31,7 +31,9 @@ class AdvantageInputs:
     index: Optional[Tensor] = None  # [batch] int64, group (prompt) id of each sample
     baseline_scores: Optional[Tensor] = None  # [batch], reward of the greedy sample (ReMax)
     gamma: float = 1.0  # discount
-    lam: float = 1.0  # GAE lambda
+    lam: float = 1.0  # GAE lambda (of the policy's advantages)
+    lam_critic: Optional[float] = None  # GAE: lambda of the value targets (returns); None = lam (VAPO: 1.0)
+    lam_length_alpha: float = 0.0  # GAE: > 0 = length-adaptive policy lambda 1 - 1/(alpha * l) (VAPO: 0.05)
     norm_by_std: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
     whiten: bool = False  # GAE: whiten advantages over the batch's valid tokens
     eps: float = 1e-6  # GRPO: added to the group std
@@ -80,11 +82,38 @@ def _discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     return torch.stack(out[::-1], dim=1)
 
 
+def _gae_advantages(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: Tensor) -> Tensor:
+    """A_t = delta_t + gamma * lam * A_{t'} (t' the next valid token; 0 after the last), delta_t =
+    r_t + gamma V_{t'} - V_t; ``lam`` [batch], one lambda per row. 0 at masked positions."""
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    out = []
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv, next_adv)
+        out.append(torch.where(valid[:, t], adv, 0.0))
+    return torch.stack(out[::-1], dim=1)  # [batch, T]
+
+
+def length_adaptive_lam(mask: Tensor, alpha: float) -> Tensor:
+    """VAPO's length-adaptive GAE (Yue et al. 2025, arXiv:2504.05118, eq. 7): lambda_policy = 1 -
+    1/(alpha * l) for a response of l tokens (its valid positions), clamped to [0, 1]; [batch]."""
+    lengths = mask.to(torch.float64).sum(-1)
+    return (1 - 1 / (alpha * lengths.clamp_min(1))).clamp(0, 1)
+
+
 @ADVANTAGE_ESTIMATORS.register("gae")
 def gae(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, "High-Dimensional Continuous
     Control Using GAE", eq. 16): A_t = sum_l (gamma*lam)^l delta_{t+l}, delta_t = r_t + gamma
     V_{t+1} - V_t, V = 0 after the last token. returns = A + V (the critic's target).
+
+    Decoupled GAE (VAPO, Yue et al. 2025, §4.2): the returns are A + V with A computed at
+    ``lam_critic`` (VAPO: 1.0, unbiased Monte-Carlo targets), the policy's advantages at ``lam``,
+    or with ``lam_length_alpha`` > 0 at each row's length-adaptive lambda
+    (:func:`length_adaptive_lam`).
 
     Masked positions are not steps of the episode: the recursion carries over them, so right
     padding (and masked tokens inside a response) neither contribute nor cut the sum. With
@@ -95,17 +124,17 @@ def gae(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     values = inputs.need("values", "gae")
     mask = inputs.need("response_mask", "gae")
     valid = mask.bool()
-    next_value = torch.zeros_like(values[:, 0])
-    next_adv = torch.zeros_like(values[:, 0])
-    out = []
-    for t in reversed(range(values.shape[1])):
-        delta = rewards[:, t] + inputs.gamma * next_value - values[:, t]
-        adv = delta + inputs.gamma * inputs.lam * next_adv
-        next_value = torch.where(valid[:, t], values[:, t], next_value)
-        next_adv = torch.where(valid[:, t], adv, next_adv)
-        out.append(torch.where(valid[:, t], adv, 0.0))
-    advantages = torch.stack(out[::-1], dim=1)  # [batch, T]
-    returns = torch.where(valid, advantages + values, 0.0)
+    rows = values.shape[0]
+    if inputs.lam_length_alpha > 0:
+        lam = length_adaptive_lam(mask, inputs.lam_length_alpha).to(values.dtype)
+    else:
+        lam = torch.full((rows,), inputs.lam, dtype=values.dtype, device=values.device)
+    advantages = _gae_advantages(rewards, values, valid, inputs.gamma, lam)
+    critic_adv = advantages
+    if inputs.lam_critic is not None and not (inputs.lam_length_alpha <= 0 and inputs.lam_critic == inputs.lam):
+        lam_critic = torch.full((rows,), inputs.lam_critic, dtype=values.dtype, device=values.device)
+        critic_adv = _gae_advantages(rewards, values, valid, inputs.gamma, lam_critic)
+    returns = torch.where(valid, critic_adv + values, 0.0)
     if inputs.whiten:
         advantages = masked_whiten(advantages, mask)
     return advantages, returns

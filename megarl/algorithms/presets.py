@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import List
+from typing import Any, List, Tuple
 
 from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megarl.algorithms.kl import KL_ESTIMATORS
@@ -44,12 +44,27 @@ class Preset:
     """Default of ``algorithm.policy_loss``."""
     kl_in_reward: bool = False
     """Default of ``algorithm.kl_in_reward`` (where the KL-to-reference penalty goes)."""
+    knobs: Tuple[Tuple[str, Any], ...] = ()
+    """The paper's values of other ``algorithm`` fields that are null by default (each falls back to
+    :data:`KNOB_DEFAULTS` in the other presets)."""
+
+
+KNOB_DEFAULTS = {
+    "lam_length_alpha": 0.0,  # off: the policy's GAE lambda is algorithm.lam
+    "positive_nll_coef": 0.0,  # no LM loss on positive samples
+}
+"""What a null knob means where the preset does not set it (``lam_critic``: ``lam``)."""
 
 
 PRESETS: Registry[Preset] = Registry("algorithm")
 for _name, _preset in {
     # PPO with a learned critic and GAE (Schulman et al. 2017; Ouyang et al. 2022)
     "ppo": Preset("gae", critic=True, whiten=True, outcome=False),
+    # VAPO (Yue et al. 2025, arXiv:2504.05118): PPO with decoupled and length-adaptive GAE and an LM
+    # loss on positive samples; value warm-up (trainer.critic_warmup_steps), clip-higher
+    # (algorithm.clip_high) and group sampling (samples_per_prompt) are the run's knobs
+    "vapo": Preset("gae", critic=True, whiten=True, outcome=False,
+                   knobs=(("lam_critic", 1.0), ("lam_length_alpha", 0.05), ("positive_nll_coef", 0.1))),
     # GRPO (Shao et al. 2024): group-normalised outcome reward, KL as a loss term
     "grpo": Preset("grpo", min_group=2),
     # DAPO (Yu et al. 2025): GRPO's estimator; clip-higher, dynamic sampling and overlong shaping are knobs
@@ -77,9 +92,9 @@ def resolve(algo):
     """A copy of ``algo`` with the preset's defaults filled in (``policy_loss`` and
     ``kl_in_reward`` left null) and every algorithm field checked; a ValueError names the field."""
     p = preset(algo)
-    algo = dataclasses.replace(
-        algo, policy_loss=p.policy_loss if algo.policy_loss is None else algo.policy_loss,
-        kl_in_reward=p.kl_in_reward if algo.kl_in_reward is None else algo.kl_in_reward)
+    defaults = {"policy_loss": p.policy_loss, "kl_in_reward": p.kl_in_reward, "lam_critic": algo.lam,
+                **KNOB_DEFAULTS, **dict(p.knobs)}
+    algo = dataclasses.replace(algo, **{k: v for k, v in defaults.items() if getattr(algo, k) is None})
     problems = _problems(algo, p)
     if problems:
         raise ValueError("; ".join(problems))
@@ -94,9 +109,6 @@ def _problems(algo, p: Preset) -> List[str]:
             out.append(f"algorithm.{field}='{getattr(algo, field)}' must be one of {list(names)}")
 
     one_of("policy_loss", POLICY_LOSSES.names())
-    if algo.clip_ratio_c is not None and algo.policy_loss != "ppo":
-        out.append(f"algorithm.clip_ratio_c={algo.clip_ratio_c} with algorithm.policy_loss={algo.policy_loss}: dual "
-                   f"clip bounds ppo's token-level objective only; set algorithm.clip_ratio_c=null")
     one_of("kl_estimator", KL_ESTIMATORS.names())
     one_of("agg_mode", AGG_MODES)
     assert p.estimator in ADVANTAGE_ESTIMATORS.names(), p  # a preset names a registered estimator
@@ -116,6 +128,14 @@ def _problems(algo, p: Preset) -> List[str]:
         out.append(f"algorithm.kl_target={algo.kl_target} (adaptive KL) adapts the coefficient of the KL in the "
                    f"reward, starting at kl_coef: set algorithm.kl_in_reward=true and algorithm.kl_coef > 0 "
                    f"(now kl_in_reward={algo.kl_in_reward}, kl_coef={algo.kl_coef})")
+    if not p.critic:
+        for knob in ("lam_length_alpha",):
+            if getattr(algo, knob):
+                out.append(f"algorithm.{knob}={getattr(algo, knob)} shapes GAE, which {algo.name} does not use "
+                           f"(no critic); use algorithm.name=ppo or vapo, or leave it null")
+        if algo.lam_critic != algo.lam:
+            out.append(f"algorithm.lam_critic={algo.lam_critic} is the GAE lambda of the critic's targets; "
+                       f"{algo.name} has no critic: use algorithm.name=ppo or vapo, or leave it null")
     if algo.ppo_epochs < 1:
         out.append(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
     return out

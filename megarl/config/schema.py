@@ -425,8 +425,9 @@ class AlgorithmConfig:
     """The RL algorithm: advantage estimator, objective and sampling."""
 
     name: str = "grpo"
-    """A preset (megarl/algorithms/presets.py): ``grpo``, ``ppo`` (GAE + critic), ``dapo``, ``gspo``,
-    ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline`` or ``remax``."""
+    """A preset (megarl/algorithms/presets.py): ``grpo``, ``ppo`` (GAE + critic), ``vapo`` (ppo with
+    VAPO's GAE and positive LM loss), ``dapo``, ``gspo``, ``rloo``, ``reinforce_pp``,
+    ``reinforce_pp_baseline`` or ``remax``."""
     policy_loss: Optional[str] = None
     """``ppo`` (token-level clipped ratio, with clip_high and dual-clip) or ``gspo`` (the sequence-level
     ratio of GSPO, Zheng et al. 2025, clipped at clip_low/clip_high; GSPO uses small ranges, e.g. 3e-4/4e-4);
@@ -489,9 +490,10 @@ class AlgorithmConfig:
     """PPO clip range below 1."""
     clip_high: float = bounded(0.2, ge=0)
     """PPO clip range above 1 (DAPO's clip-higher raises it, e.g. 0.28)."""
-    clip_ratio_c: Optional[float] = bounded(None, gt=1)
+    clip_ratio_c: Optional[float] = bounded(3.0, gt=1)
     """Dual-clip PPO (Ye et al. 2020): for negative advantages the clipped objective is bounded at
-    ``clip_ratio_c`` x the advantage (typically 3); null = off. The ppo policy loss only."""
+    ``clip_ratio_c`` x the advantage (3, as verl); null = off. The ppo policy loss only: gspo's
+    sequence-level ratio has no dual clip and ignores it (as verl's)."""
     agg_mode: AggMode = AggMode.token_mean
     """Loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
     norm_by_std: bool = True
@@ -499,7 +501,19 @@ class AlgorithmConfig:
     gamma: float = bounded(1.0, ge=0, le=1)
     """Discount (GAE, REINFORCE++)."""
     lam: float = bounded(0.95, ge=0, le=1)
-    """GAE lambda."""
+    """GAE lambda (of the policy's advantages)."""
+    lam_critic: Optional[float] = bounded(None, ge=0, le=1)
+    """Decoupled GAE (VAPO, Yue et al. 2025): the lambda of the critic's value targets (returns);
+    null = the preset's (vapo: 1.0, Monte-Carlo targets), else lam. Critic algorithms only."""
+    lam_length_alpha: Optional[float] = bounded(None, ge=0)
+    """Length-adaptive GAE (VAPO): the policy's lambda is 1 - 1/(alpha x l) for a response of l
+    tokens, clamped to [0, 1]; 0 = off (lam); null = the preset's (vapo: 0.05, else 0). Critic
+    algorithms only."""
+    positive_nll_coef: Optional[float] = bounded(None, ge=0)
+    """VAPO's positive-example LM loss: this weight times the token-mean NLL of the samples whose
+    verifier reward is > 0 is added to the actor's loss (normalised over the step's positive tokens;
+    with ppo_mini_batch_size, each mini-batch keeps the step's ratio). null = the preset's (vapo:
+    0.1, else 0). Any algorithm; logged as actor/positive_nll."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample more prompts until the step is full."""
     max_sampling_rounds: int = bounded(4, ge=1)
@@ -563,6 +577,9 @@ class TrainerConfig:
     """Passes over data.train_files: train_steps becomes ceil(total_epochs x prompts /
     data.prompts_per_step), printed at the start (every prompt drawn total_epochs times, each epoch
     in its own order; the last step of an epoch may take the next one's first prompts). null = train_steps."""
+    critic_warmup_steps: int = bounded(0, ge=0)
+    """Steps 1..critic_warmup_steps train the critic alone on the policy's samples; the actor moves
+    from the next (VAPO's value warm-up: 50). Critic algorithms only (ppo, vapo)."""
     nproc_per_node: int = bounded(2, ge=1)
     """Processes a local launch starts (``megarl train-lm`` spawns torchrun with this many)."""
     seed: int = 1234

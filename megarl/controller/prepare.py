@@ -17,7 +17,7 @@ from megarl.agent.envs import env_factory
 from megarl.agent.loop import Agent
 from megarl.agent.validate import check_agent
 from megarl.algorithms.correction import check_rollout_correction
-from megarl.algorithms.presets import resolve
+from megarl.algorithms.presets import preset, resolve
 from megarl.checkpoint.load import check_pretrained_sources, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, validate
 from megarl.config.schema import REWARD_MODEL, Loop, LoraSync, Placement, WeightSync
@@ -78,6 +78,9 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     algo, data = cfg.algorithm, cfg.data
+    if cfg.trainer.critic_warmup_steps and not preset(algo).critic:
+        raise ConfigError(f"trainer.critic_warmup_steps={cfg.trainer.critic_warmup_steps} warms up a critic; "
+                          f"algorithm.name={algo.name} has none (use ppo or vapo, or set it to 0)")
     changed = check_resume(cfg)  # a resume under another config: refused by name, or listed
     if changed:
         log.warning(changed)

@@ -17,7 +17,7 @@ import torch
 from megarl.algorithms.correction import rollout_correction_weights
 from megarl.algorithms.kl import LOG_RATIO_BOUND, clamp_log_ratio
 from megarl.algorithms.losses import POLICY_LOSSES, entropy_bonus, kl_loss, loss_denominators
-from megarl.algorithms.masked import masked_mean
+from megarl.algorithms.masked import masked_mean, select_valid
 from megarl.config.schema import AggMode, RolloutCorrection
 from megarl.engines.batching import Tensors
 from megarl.engines.megatron_engine import MegatronEngine, MicroBatching, MiniBatches
@@ -45,6 +45,8 @@ class ActorLossConfig:
     """KL estimator: k1, k2 or k3."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus."""
+    positive_nll_coef: float = 0.0
+    """Weight of VAPO's LM loss on positive samples (the batch's ``nll_weights``)."""
     max_len: Optional[int] = None
     """Generation budget, needed by ``seq-mean-token-sum-norm``."""
     temperature: float = 1.0
@@ -86,6 +88,10 @@ class Actor:
         metrics = {k: Metric(v) for k, v in means.items()}
         correction = {f"rollout_correction/{k}": m for k, m in correction.items()}
         metrics |= {k: m for k, m in correction.items() if m.reduce is Reduce.MEAN}
+        if cfg.positive_nll_coef:  # sum_t w_t * -log p_t; the engine divides by the step's count
+            nll = -select_valid(logp, mask).mul(select_valid(t["nll_weights"], mask)).sum()
+            loss = loss + cfg.positive_nll_coef * nll
+            metrics["positive_nll"] = Metric(nll.detach() / count.clamp(min=1))
         if cfg.kl_coef:
             kl = kl_loss(logp, t["ref_log_probs"], mask, cfg.kl_estimator, cfg.agg_mode, **norm)
             loss = loss + cfg.kl_coef * kl

@@ -35,7 +35,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
                               seed=cfg.trainer.seed + step, eos_token_ids=eos_token_ids, phase=log.phase, agent=agent)
         roles.rollout.release_memory()  # the training roles get the device (hybrid engine)
         batch, metrics = train_on(make_batch(sampled, pad_token_id, policy_version=step - 1), roles, algo, log, step,
-                                  kl)
+                                  kl, critic_only=step <= cfg.trainer.critic_warmup_steps)
         metrics = sampling_metrics(sampled) | metrics
         with log.phase("weight_sync"):
             roles.rollout.resume_memory()

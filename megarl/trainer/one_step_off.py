@@ -42,7 +42,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
                 sampled, seconds = producer.take(step)
             roles.rollout.release_memory()  # colocated: the training roles get the device
             batch = make_batch(sampled, pad_token_id)
-            batch, metrics = train_on(batch, roles, algo, log, step, kl)
+            batch, metrics = train_on(batch, roles, algo, log, step, kl, critic_only=step <= t.critic_warmup_steps)
             staleness = (step - 1) - batch.policy_versions  # actor version - each row's
             metrics = {"sampling/staleness": staleness.max().item(), "sampling/staleness_mean": staleness.float().mean().item(),
                        **{f"time/{k}_s": v for k, v in seconds.items()}, **sampling_metrics(sampled), **metrics}

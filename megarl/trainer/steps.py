@@ -18,7 +18,7 @@ from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.agent.loop import Agent
 from megarl.algorithms.presets import preset, resolve
 from megarl.config import ConfigError
-from megarl.config.schema import REWARD_MODEL, BadRows, EpisodeReward, Truncation
+from megarl.config.schema import REWARD_MODEL, AggMode, BadRows, EpisodeReward, Truncation
 from megarl.data.datasets import PromptRecord
 from megarl.errors import NonFiniteOutput
 from megarl.metrics import Metric, merge
@@ -355,11 +355,26 @@ def advantages(batch: Batch, algo, kl_coef: Optional[float] = None) -> Columns:
     inputs = AdvantageInputs(
         response_mask=mask, token_rewards=rewards, scores=scores,
         values=batch.values, index=batch.index, baseline_scores=batch.baseline_scores,
-        gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_by_std, whiten=p.whiten)
+        gamma=algo.gamma, lam=algo.lam, lam_critic=algo.lam_critic, lam_length_alpha=algo.lam_length_alpha,
+        norm_by_std=algo.norm_by_std, whiten=p.whiten)
     out["advantages"], out["returns"] = ADVANTAGE_ESTIMATORS.get(p.estimator)(inputs)
     if batch.values is not None:
         out["old_values"] = batch.values
+    if algo.positive_nll_coef:
+        out["nll_weights"] = positive_nll_weights(batch.raw_scores, mask, algo.agg_mode)
     return Columns(out)
+
+
+def positive_nll_weights(raw_scores: torch.Tensor, mask: torch.Tensor, agg_mode: AggMode) -> torch.Tensor:
+    """[rows, seq]: each token's weight in VAPO's positive-example LM loss (Yue et al. 2025, eq. 9:
+    the token-mean NLL over the samples whose verifier reward is > 0). The actor sums w * -log p
+    and divides by the aggregation's count of the step (its tokens, or sequences with a seq-mean
+    agg_mode), so w = count / positive tokens on positive rows' tokens, 0 elsewhere: over one
+    mini-batch the term is exactly the token mean over the positive tokens."""
+    positive = (raw_scores > 0)[:, None] & mask.bool()
+    count = mask.sum() if agg_mode == AggMode.token_mean else (mask.sum(-1) > 0).sum()
+    scale = count.to(torch.float64) / positive.sum().clamp(min=1)
+    return torch.where(positive, scale, 0.0).to(mask.dtype)
 
 
 def sampling_metrics(sampled: Sampled) -> Dict[str, float]:
@@ -385,12 +400,13 @@ def check_finite(batch: Batch, column: str, what: str, step: Optional[int]) -> N
 
 
 def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None,
-             kl: Optional[KLCoefficient] = None) -> Tuple[Batch, Dict[str, float]]:
+             kl: Optional[KLCoefficient] = None, critic_only: bool = False) -> Tuple[Batch, Dict[str, float]]:
     """The training half of a step, the same under every schedule: old log-prob → reference
     log-prob → values → advantages → critic update → actor update. Returns the batch with the
     columns each phase added, and the updates' metrics. ``log.phase`` times each phase. A role's
     non-finite output stops the run there, named (:func:`check_finite`). ``kl``: the adaptive KL
-    coefficient (algorithm.kl_target), applied, then updated from this batch."""
+    coefficient (algorithm.kl_target), applied, then updated from this batch. ``critic_only``: the
+    value warm-up (trainer.critic_warmup_steps): the critic trains, the actor does not move."""
     check_finite(batch, "rollout_log_probs", "the rollout's log-probs of its samples", step)
     with log.phase("old_log_prob"):
         batch |= roles.actor.compute_log_prob(batch)
@@ -408,8 +424,9 @@ def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None,
     if roles.critic:
         with log.phase("critic_update"):
             metrics |= roles.critic.update(batch)
-    with log.phase("actor_update"):
-        metrics |= roles.actor.update(batch)
+    if not critic_only:
+        with log.phase("actor_update"):
+            metrics |= roles.actor.update(batch)
     return batch, metrics
 
 

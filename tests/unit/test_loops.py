@@ -75,7 +75,7 @@ def run(train, name, steps=3, roles=None, agent=None, **trainer):
     a = algo(name=name)
     cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2),
                           trainer=SimpleNamespace(**{"seed": 0, "train_steps": steps, "placement": "colocated",
-                                                     "max_staleness": 0, **trainer}))
+                                                     "max_staleness": 0, "critic_warmup_steps": 0, **trainer}))
     roles, log = roles or Roles(critic=name == "ppo"), Log()
     scorer = Scorer(a, TOK)
     try:
@@ -105,6 +105,18 @@ def test_both_loops_run_the_same_training_half(name):
     assert [r["policy_version"] for r in rows] == [0, 0, 1]
     assert [r["sampling/staleness"] for r in rows] == [0, 1, 1]
     assert all(r["sampling/rounds"] == 1 and "actor/loss" in r for r in rows)
+
+
+@pytest.mark.parametrize("train", [loop.train, one_step_off.train], ids=["sync", "one_step_off"])
+def test_critic_warmup_trains_the_critic_alone(train):
+    """trainer.critic_warmup_steps=2: steps 1 and 2 update the critic only (VAPO's value warm-up);
+    the actor moves from step 3, in both loops."""
+    events, rows = run(train, "ppo", steps=4, critic_warmup_steps=2)
+    updates = [e for e in events if "update" in e]
+    assert [e.split(" v")[0] for e in updates] == ["critic update"] * 3 + ["actor update", "critic update",
+                                                                           "actor update"]
+    assert ["actor/loss" in r for r in rows] == [False, False, True, True]
+    assert all("critic/loss" in r for r in rows)
 
 
 class SplitRoles(Roles):
@@ -223,7 +235,7 @@ def test_split_one_step_off_validates_each_step_on_its_weights_beside_the_drawin
     a = algo(name="grpo")
     cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2),
                           trainer=SimpleNamespace(seed=0, train_steps=5, placement="split", max_staleness=0,
-                                                  val_interval=2, val_before_train=True))
+                                                  val_interval=2, val_before_train=True, critic_warmup_steps=0))
     log, scorer = ValLog(), Scorer(a, TOK)
     try:
         one_step_off.train(cfg, roles, stream(), scorer, log, eos_token_ids=[TOK.eos_token_id],

@@ -165,7 +165,7 @@ def test_presets_resolve_defaults_and_refuse_by_field():
     assert resolve(algo(name="grpo")).policy_loss == "ppo" and resolve(algo(name="grpo")).kl_in_reward is False
     assert resolve(algo(name="reinforce_pp")).kl_in_reward is True
     assert resolve(resolve(algo(name="ppo"))) == resolve(algo(name="ppo"))
-    assert PRESETS.get("ppo").critic and not any(PRESETS.get(n).critic for n in PRESETS.names() if n != "ppo")
+    assert {n for n in PRESETS.names() if PRESETS.get(n).critic} == {"ppo", "vapo"}
     for kw, field in [({"name": "sac"}, "algorithm.name='sac' must be one of"),
                       ({"samples_per_prompt": 1}, "algorithm.samples_per_prompt=1: grpo compares"),
                       ({"agg_mode": "sum"}, "algorithm.agg_mode='sum'"),
