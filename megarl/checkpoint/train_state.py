@@ -106,6 +106,11 @@ def save_train_state(state: TrainState, path: Path, optimizer_format: str = "res
     model = trainable_only(state.model, sharded_state_dict(state.model, layer_keys="default"))
     sharded = {"model": model}
     if state.optimizer is not None:
+        if _adam_step(state.optimizer) is None:
+            # Not stepped yet (the actor in the critic's warm-up, trainer.critic_warmup_steps): saved
+            # as a fresh Adam, zero moments at step 0, what its first step starts from anyway
+            # (Megatron's state_dict asserts one step count over the parameters' states).
+            _materialize_adam_state(state.optimizer)
         sharded["optimizer"] = state.optimizer.sharded_state_dict(model, metadata=metadata)
     needed = tensor_bytes(sharded)
     with named_if_full(path, needed, TENSOR_BYTES, partial=path):
