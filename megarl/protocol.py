@@ -58,6 +58,8 @@ class Batch:
     old_values: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
     kl_penalty: Optional[torch.Tensor] = _column(Column.ROW, optional=True)  # kl_coef * sum_t KL_t
     nll_weights: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)  # VAPO's positive LM loss
+    prm_labels: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)  # PRIME: the PRM's outcome label
+    process_rewards: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)  # PRIME: the PRM's token rewards
     routing_metrics: Dict[str, float] = field(default_factory=dict)
     """The old-log-prob pass's routing vs the rollout's (MoE), already reduced over the ranks."""
 

@@ -30,6 +30,9 @@ class AdvantageInputs:
     values: Optional[Tensor] = None  # [batch, T], critic values V(s_t)
     index: Optional[Tensor] = None  # [batch] int64, group (prompt) id of each sample
     baseline_scores: Optional[Tensor] = None  # [batch], reward of the greedy sample (ReMax)
+    process_rewards: Optional[Tensor] = None  # [batch, T], PRIME's implicit PRM token rewards
+    process_coef: float = 5.0  # PRIME: weight of the process rewards' RLOO
+    outcome_coef: float = 5.0  # PRIME: weight of the outcome scores' RLOO
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda (of the policy's advantages)
     lam_critic: Optional[float] = None  # GAE: lambda of the value targets (returns); None = lam (VAPO: 1.0)
@@ -215,3 +218,38 @@ def remax(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     mask = inputs.need("response_mask", "remax")
     advantages = _per_token(scores - baseline, mask)
     return advantages, advantages
+
+
+def _group_rloo(rewards: Tensor, valid: Tensor, index: Tensor) -> Tensor:
+    """verl-recipe ``prime``'s leave-one-out on token rewards: each row's mean over its ``valid``
+    tokens m_i, and within its group of n rows r'_t = r_t * n/(n-1) - sum_j m_j/(n-1) on the valid
+    tokens (a row of one valid token, the outcome's: r_i - mean_{j != i} r_j, RLOO). 0 elsewhere."""
+    _, group = torch.unique(index, return_inverse=True)
+    num_groups = int(group.max()) + 1
+    count = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
+        0, group, torch.ones_like(rewards[:, 0]))[group]  # [batch], n of the row's group
+    row_mean = torch.where(valid, rewards, 0.0).sum(-1) / valid.sum(-1).clamp(min=1)
+    means_sum = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
+        0, group, row_mean)[group]
+    n = count.clamp_min(2)[:, None]  # a group of one has no baseline: refused by the preset (min_group 2)
+    return torch.where(valid, rewards * n / (n - 1) - means_sum[:, None] / (n - 1), 0.0)
+
+
+@ADVANTAGE_ESTIMATORS.register("prime")
+def prime(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
+    """PRIME (Cui et al. 2025, arXiv:2502.01456, §3.3, as verl-recipe's ``prime``): RLOO applied
+    separately to the implicit PRM's token rewards and to the outcome score (on each response's
+    last token), weighted ``process_coef`` and ``outcome_coef`` (5 and 5), summed; returns G_t =
+    sum_{s >= t} of that reward (gamma 1, the reverse cumulative sum), advantages = G whitened over
+    the batch's valid tokens (local statistics, see ``masked_whiten``)."""
+    process = inputs.need("process_rewards", "prime")
+    scores = inputs.need("scores", "prime")
+    index = inputs.need("index", "prime")
+    mask = inputs.need("response_mask", "prime")
+    valid = mask.bool()
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & valid
+    outcome = torch.where(last, scores[:, None].to(process.dtype), 0.0)
+    rewards = (inputs.process_coef * _group_rloo(process, valid, index)
+               + inputs.outcome_coef * _group_rloo(outcome, last, index))
+    returns = _discounted_returns(rewards, mask, 1.0)
+    return masked_whiten(returns, mask), returns

@@ -31,6 +31,8 @@ class Preset:
     """An ADVANTAGE_ESTIMATORS name."""
     critic: bool = False
     """Trains a value model (its values feed the estimator)."""
+    prm: bool = False
+    """Trains PRIME's implicit process reward model (its token rewards feed the estimator)."""
     min_group: int = 1
     """Samples per prompt the estimator needs (2 for a baseline taken from the prompt's group)."""
     greedy_baseline: bool = False
@@ -72,6 +74,8 @@ for _name, _preset in {
     # GSPO (Zheng et al. 2025): GRPO's advantages with the sequence-level ratio
     "gspo": Preset("grpo", min_group=2, policy_loss="gspo"),
     "rloo": Preset("rloo", min_group=2),
+    # PRIME (Cui et al. 2025): an implicit PRM trained online; RLOO on its token rewards and the outcome
+    "prime": Preset("prime", prm=True, min_group=2, outcome=False),
     # REINFORCE++ (Hu et al. 2025) folds the KL into the token rewards
     "reinforce_pp": Preset("reinforce_pp", outcome=False, kl_in_reward=True),
     "reinforce_pp_baseline": Preset("reinforce_pp_baseline", min_group=2),

@@ -427,7 +427,7 @@ class AlgorithmConfig:
     name: str = "grpo"
     """A preset (megarl/algorithms/presets.py): ``grpo``, ``ppo`` (GAE + critic), ``vapo`` (ppo with
     VAPO's GAE and positive LM loss), ``dapo``, ``gspo``, ``rloo``, ``reinforce_pp``,
-    ``reinforce_pp_baseline`` or ``remax``."""
+    ``reinforce_pp_baseline``, ``remax`` or ``prime`` (an implicit PRM trained online)."""
     policy_loss: Optional[str] = None
     """``ppo`` (token-level clipped ratio, with clip_high and dual-clip) or ``gspo`` (the sequence-level
     ratio of GSPO, Zheng et al. 2025, clipped at clip_low/clip_high; GSPO uses small ranges, e.g. 3e-4/4e-4);
@@ -524,6 +524,17 @@ class AlgorithmConfig:
     """Penalty at max_new_tokens (linear from 0 at the buffer's start)."""
     critic_lr: Optional[float] = bounded(None, ge=0)
     """Critic learning rate (PPO); null = optimizer.lr."""
+    prm_beta: float = bounded(0.05, gt=0)
+    """PRIME: the implicit PRM's beta; its token reward is beta x (log pi_prm - log pi_ref)."""
+    process_reward_coef: float = bounded(5.0, ge=0)
+    """PRIME: weight of the RLOO of the implicit PRM's token rewards (verl-recipe's reward_dpo_coef)."""
+    outcome_reward_coef: float = bounded(5.0, ge=0)
+    """PRIME: weight of the RLOO of the outcome reward (verl-recipe's reward_gt_coef)."""
+    prm_lr: Optional[float] = bounded(None, ge=0)
+    """PRIME: the implicit PRM's learning rate; null = optimizer.lr. It starts from the policy's
+    starting weights (or reward_model.path, an HF causal LM), is updated once per step (the actor's
+    mini-batches and epochs) by the binary cross-entropy of sigma(beta x sum_t (log pi_prm - log
+    pi_ref)) against the verifier's reward clamped to [0, 1], before the advantages (logged prm/)."""
     ppo_mini_batch_size: Optional[int] = bounded(None, ge=0)
     """Sequences per optimizer step over all DP ranks, for the actor and the critic; null = the
     step's whole batch (one optimizer step per epoch). Must divide prompts_per_step *
@@ -695,12 +706,15 @@ class LoggingConfig:
 
 @dataclass
 class RewardModelConfig:
-    """A reward model (``algorithm.reward_fn=model``): a backbone with a scalar head, frozen."""
+    """A reward model (``algorithm.reward_fn=model``): a backbone with a scalar head, frozen; or
+    PRIME's implicit PRM (``algorithm.name=prime``): a causal LM, trained."""
 
     path: Optional[str] = None
     """An HF ``LlamaForSequenceClassification`` / ``Qwen2…`` / ``Qwen3ForSequenceClassification``
     directory (backbone + ``score.weight`` [1, hidden], num_labels must be 1; the head's bias is 0).
-    Scores at each sequence's last non-pad token, as transformers does. Exclusive with ``checkpoint``."""
+    Scores at each sequence's last non-pad token, as transformers does. Exclusive with ``checkpoint``.
+    With algorithm.name=prime: the implicit PRM's starting weights and its reference, an HF causal
+    LM of the policy's vocabulary (null = the policy's starting weights)."""
     hf_config: Optional[str] = None
     """Its HF config.json; null = ``path``'s config.json when ``path`` is set, else the actor's ``model.hf_config``."""
     checkpoint: Optional[str] = None

@@ -78,6 +78,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     algo, data = cfg.algorithm, cfg.data
+    if preset(algo).prm:
+        check_prime(cfg)
     if cfg.trainer.critic_warmup_steps and not preset(algo).critic:
         raise ConfigError(f"trainer.critic_warmup_steps={cfg.trainer.critic_warmup_steps} warms up a critic; "
                           f"algorithm.name={algo.name} has none (use ppo or vapo, or set it to 0)")
@@ -115,7 +117,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     tokenizer = load_tokenizer(data.tokenizer, data.chat_template, system_prompt=data.system_prompt,
                                template_kwargs=data.chat_template_kwargs, template_path=data.chat_template_path)
     rm_vocab = None
-    if algo.reward_fn == REWARD_MODEL:  # the reward model scores the policy's token ids
+    # the reward model scores the policy's token ids (and PRIME's PRM from reward_model.path reads them)
+    if algo.reward_fn == REWARD_MODEL or (preset(algo).prm and cfg.reward_model.path):
         rm_vocab = megatron_args_from_hf(cfg.reward_model.hf_config or cfg.model.hf_config).vocab_size
     check_vocab(tokenizer.vocab_size, args.vocab_size, rm_vocab)
     if data.train_files:
@@ -143,6 +146,21 @@ def prepare(cfg: MegarlConfig) -> Prepared:
               f"{data.prompts_per_step} a step: trainer.train_steps={cfg.trainer.train_steps}", flush=True)
     val_stream = validation_stream(cfg, tokenizer, args, agent)
     return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent, val_stream)
+
+
+def check_prime(cfg: MegarlConfig) -> None:
+    """algorithm.name=prime: its implicit PRM is a full causal LM in the actor's layout, trained with
+    the verifier's outcome (the reward_model section is its own)."""
+    algo, rm = cfg.algorithm, cfg.reward_model
+    if algo.reward_fn == REWARD_MODEL:
+        raise ConfigError("algorithm.name=prime with algorithm.reward_fn=model: PRIME's outcome is a verifier's "
+                          "and reward_model.path is its implicit PRM; use a reward function")
+    if rm.checkpoint:
+        raise ConfigError("algorithm.name=prime starts its implicit PRM from the policy or reward_model.path (an HF "
+                          "causal LM); reward_model.checkpoint is a scalar-head reward model's: unset it")
+    if cfg.model.lora.rank:
+        raise ConfigError("algorithm.name=prime with model.lora.rank > 0: the implicit PRM is trained in full "
+                          "beside the adapters' base; set model.lora.rank=0")
 
 
 def validation_stream(cfg: MegarlConfig, tokenizer, args, agent) -> Optional[PromptStream]:

@@ -98,6 +98,8 @@ class RLWorker:
             progress.tick()
             self.roles["critic"] = Critic(MegatronEngine(critic_state, None, max_bad_steps=bad), CriticLossConfig(
                 clip_range=algo.clip_low, agg_mode=algo.agg_mode, max_len=algo.max_new_tokens))
+        if preset(algo).prm:  # PRIME's implicit PRM, in the actor's layout
+            self.roles["prm"] = self._implicit_prm(state, args, steps)
         if algo.reward_fn == REWARD_MODEL:  # colocated, in the actor's layout
             from megarl.roles.reward_model import RewardModel
 
@@ -112,6 +114,8 @@ class RLWorker:
         off = cfg.trainer.offload
         # the reference's frozen parameters go too (under ``params``); the reward model scores while generating
         states = {id(role.engine.state): role.engine.state for name, role in self.roles.items() if name != "reward_model"}
+        if "prm" in self.roles:  # the PRM's own reference (reward_model.path; else it is the policy's, or a copy)
+            states.setdefault(id(self.roles["prm"].reference.state), self.roles["prm"].reference.state)
         self.phases = PhaseOffload(list(states.values()), off.params, off.grads, off.optimizer)
         if args.num_experts:  # moe/routing_mismatch_frac is logged with and without replay
             self.roles["actor"].engine.track_routing(replay=algo.routing_replay)
@@ -142,6 +146,33 @@ class RLWorker:
                        "gen_layout": str(regrouping.gen),
                        "verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
 
+    def _implicit_prm(self, policy_state, args, steps: int):
+        """PRIME's PRM: a trained causal LM from the policy's starting weights (its reference the
+        policy's reference, shared) or from reward_model.path (its reference a frozen copy of it)."""
+        from megarl.roles.prm import ImplicitPRM
+
+        cfg, algo, rm = self.cfg, self.cfg.algorithm, self.cfg.reward_model
+        optim = dataclasses.replace(cfg.optimizer, lr=cfg.optimizer.lr if algo.prm_lr is None else algo.prm_lr)
+        bad = cfg.trainer.max_bad_steps
+        if rm.path:
+            prm_cfg = dataclasses.replace(cfg.model, path=rm.path, hf_config=rm.hf_config)
+            prm_state = build_train_state(prm_cfg, optim, self.groups, steps, init_checkpoint=rm.path)
+            ref = MegatronEngine(build_frozen_state(prm_cfg, self.groups, rm.path), args.vocab_size)
+            shared = False
+        else:
+            prm_state = build_train_state(cfg.model, optim, self.groups, steps)
+            copy_weights(policy_state, prm_state)  # the policy's starting weights
+            shared = "reference" in self.roles
+            if shared:
+                ref = self.roles["reference"].engine
+            else:  # kl_coef 0: a frozen copy of the initial policy for the PRM alone
+                ref_state = build_frozen_state(cfg.model, self.groups)
+                copy_weights(policy_state, ref_state)
+                ref = MegatronEngine(ref_state, args.vocab_size)
+        progress.tick()
+        return ImplicitPRM(MegatronEngine(prm_state, args.vocab_size, max_bad_steps=bad), ref, algo.prm_beta,
+                           algo.temperature, shares_policy_reference=shared)
+
     # ------------------------------------------------------------------ split placement
     def connect_weights(self, address: str, port: int) -> None:
         """Join the process group spanning these ranks and the rollout's (collective over both)."""
@@ -156,7 +187,7 @@ class RLWorker:
 
     # ------------------------------------------------------------------ checkpoints
     def _trained(self):
-        return {name: self.roles[name].engine.state for name in ("actor", "critic") if name in self.roles}
+        return {name: self.roles[name].engine.state for name in ("actor", "critic", "prm") if name in self.roles}
 
     def save_checkpoint(self, path: str) -> None:
         """Write the trained roles under ``path``; with ``trainer.async_save`` the tensors are

@@ -21,6 +21,7 @@ class Roles:
     reference: Optional[Any] = None
     critic: Optional[Any] = None
     reward_model: Optional[Any] = None  # scores for the Scorer (algorithm.reward_fn=model)
+    prm: Optional[Any] = None  # PRIME's implicit process reward model
 
 
 def rollout_ranks(cfg) -> int:
@@ -72,7 +73,7 @@ def build_roles(group, rollout_group=None) -> Roles:
     else:
         rollout = proxies["rollout"]
     return Roles(actor=proxies["actor"], rollout=rollout, reference=proxies.get("reference"),
-                 critic=proxies.get("critic"), reward_model=proxies.get("reward_model"))
+                 critic=proxies.get("critic"), reward_model=proxies.get("reward_model"), prm=proxies.get("prm"))
 
 
 def check_role_layouts(parallel, layout) -> None:

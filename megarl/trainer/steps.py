@@ -356,7 +356,8 @@ def advantages(batch: Batch, algo, kl_coef: Optional[float] = None) -> Columns:
         response_mask=mask, token_rewards=rewards, scores=scores,
         values=batch.values, index=batch.index, baseline_scores=batch.baseline_scores,
         gamma=algo.gamma, lam=algo.lam, lam_critic=algo.lam_critic, lam_length_alpha=algo.lam_length_alpha,
-        norm_by_std=algo.norm_by_std, whiten=p.whiten)
+        process_rewards=batch.process_rewards, process_coef=algo.process_reward_coef,
+        outcome_coef=algo.outcome_reward_coef, norm_by_std=algo.norm_by_std, whiten=p.whiten)
     out["advantages"], out["returns"] = ADVANTAGE_ESTIMATORS.get(p.estimator)(inputs)
     if batch.values is not None:
         out["old_values"] = batch.values
@@ -402,8 +403,8 @@ def check_finite(batch: Batch, column: str, what: str, step: Optional[int]) -> N
 def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None,
              kl: Optional[KLCoefficient] = None, critic_only: bool = False) -> Tuple[Batch, Dict[str, float]]:
     """The training half of a step, the same under every schedule: old log-prob → reference
-    log-prob → values → advantages → critic update → actor update. Returns the batch with the
-    columns each phase added, and the updates' metrics. ``log.phase`` times each phase. A role's
+    log-prob → values (PRIME: PRM update → process rewards) → advantages → critic update → actor
+    update. Returns the batch with the columns each phase added, and the updates' metrics. ``log.phase`` times each phase. A role's
     non-finite output stops the run there, named (:func:`check_finite`). ``kl``: the adaptive KL
     coefficient (algorithm.kl_target), applied, then updated from this batch. ``critic_only``: the
     value warm-up (trainer.critic_warmup_steps): the critic trains, the actor does not move."""
@@ -419,8 +420,16 @@ def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None,
         with log.phase("values"):
             batch |= roles.critic.compute_values(batch)
         check_finite(batch, "values", "the critic's values", step)
+    metrics: Dict[str, float] = {}
+    if roles.prm:  # PRIME: the implicit PRM learns from this batch's outcomes, then rewards its tokens
+        batch |= Columns({"prm_labels": batch.raw_scores.clamp(0, 1)[:, None] * batch.loss_mask})
+        with log.phase("prm_update"):
+            metrics |= roles.prm.update(batch)
+        with log.phase("process_rewards"):
+            batch |= roles.prm.compute_rewards(batch)
+        check_finite(batch, "process_rewards", "the implicit PRM's token rewards", step)
     batch |= advantages(batch, algo, kl.value if kl else None)
-    metrics: Dict[str, float] = kl.observe(batch) if kl else {}
+    metrics |= kl.observe(batch) if kl else {}
     if roles.critic:
         with log.phase("critic_update"):
             metrics |= roles.critic.update(batch)

@@ -148,16 +148,16 @@ def test_remax_greedy_baseline_with_kl_in_reward(tmp_path):
 VAPO = ("algorithm.name=vapo", "algorithm.lam_length_alpha=2.0", "trainer.critic_warmup_steps=5")
 
 
-def resumed_run(tmp_path, *overrides, stop=3):
-    """``megarl train`` on the demo for ``stop`` steps (saving at ``stop``), then again for 60:
-    the second run resumes after step ``stop``. The metrics of all 60 steps."""
+def resumed_run(tmp_path, *overrides, stop=3, steps=60):
+    """``megarl train`` on the demo for ``stop`` steps (saving at ``stop``), then again for
+    ``steps``: the second run resumes after step ``stop``. The metrics of all the steps."""
     from tests.cli import megarl_here
 
     base = ["train", DEMO, f"trainer.run_dir={tmp_path}", "logging.progress_bar=false", "logging.backends=[console]",
             f"trainer.save_interval={stop}", *overrides, *ray_cluster.overrides()]
     first = megarl_here(*base, f"trainer.train_steps={stop}", cwd=ROOT)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = megarl_here(*base, "trainer.train_steps=60", cwd=ROOT)
+    second = megarl_here(*base, f"trainer.train_steps={steps}", cwd=ROOT)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resuming after step {stop}" in second.stdout, second.stdout[-2000:]
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -175,6 +175,19 @@ def test_vapo_resumes_in_its_warmup_and_reaches_grpos_reward(tmp_path, grpo):
     assert all(r["actor/positive_nll"] > 0 for r in rows[5:])
     assert abs(mean(rows[-10:]) - mean(grpo[1][-10:])) <= 0.05, (mean(rows[-10:]), mean(grpo[1][-10:]))
     print(f"vapo/grpo reward over steps 51-60: {mean(rows[-10:]):.4f} / {mean(grpo[1][-10:]):.4f}")
+
+
+def test_prime_trains_its_implicit_prm_and_resumes(tmp_path):
+    """megarl train algorithm.name=prime at tp2: the implicit PRM (the policy's starting weights,
+    its reference the policy's) is updated each step before the advantages, and resumes from the
+    run's checkpoint. Step 1's PRM equals its reference: every sequence logit is 0, its loss ln 2.
+    (Its reward on the demo over 60 steps is not yet GRPO's: issue 44's note.)"""
+    rows = resumed_run(tmp_path, "algorithm.name=prime", stop=2, steps=3)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["prm/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[0]["prm/score_mean"] == pytest.approx(0.5, abs=1e-6)
+    assert all(r["prm/grad_norm"] > 0 and r["prm/optimizer_steps"] == 1 for r in rows)
+    assert rows[2]["prm/loss"] != rows[1]["prm/loss"]
 
 
 def learning(row):

@@ -21,7 +21,7 @@ class Roles:
     """Scripted roles that share one event log; the rollout refuses to generate or sync while its
     memory is released, and the training verbs refuse to run while it is held (the hybrid engine)."""
 
-    def __init__(self, critic: bool):
+    def __init__(self, critic: bool, prm: bool = False):
         self.events, self.released = [], False
         self.rollout = SimpleNamespace(generate=self.generate, update_weights=self.update_weights,
                                        release_memory=lambda: self.memory(True),
@@ -31,6 +31,8 @@ class Roles:
         self.reference = None
         self.critic = SimpleNamespace(compute_values=lambda b: self.forward("values", b),
                                       update=lambda b: self.update("critic", b)) if critic else None
+        self.prm = SimpleNamespace(compute_rewards=lambda b: self.forward("process_rewards", b),
+                                   update=lambda b: self.labelled_update("prm", b)) if prm else None
         self.scripted = ScriptedRollout()
 
     def memory(self, release: bool):
@@ -54,6 +56,10 @@ class Roles:
         self.events.append(column)
         return Columns({column: torch.zeros_like(batch.loss_mask)})
 
+    def labelled_update(self, role, batch):
+        assert torch.equal(batch.prm_labels, batch.raw_scores.clamp(0, 1)[:, None] * batch.loss_mask)
+        return self.update(role, batch)
+
     def update(self, role, batch):
         assert self.released
         self.events.append(f"{role} update v{batch.policy_version}")
@@ -76,7 +82,7 @@ def run(train, name, steps=3, roles=None, agent=None, **trainer):
     cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2),
                           trainer=SimpleNamespace(**{"seed": 0, "train_steps": steps, "placement": "colocated",
                                                      "max_staleness": 0, "critic_warmup_steps": 0, **trainer}))
-    roles, log = roles or Roles(critic=name == "ppo"), Log()
+    roles, log = roles or Roles(critic=name == "ppo", prm=name == "prime"), Log()
     scorer = Scorer(a, TOK)
     try:
         train(cfg, roles, stream(), scorer, log, eos_token_ids=[TOK.eos_token_id], pad_token_id=TOK.pad_token_id,
@@ -86,10 +92,13 @@ def run(train, name, steps=3, roles=None, agent=None, **trainer):
     return roles.events, log.rows
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
+@pytest.mark.parametrize("name", ["grpo", "ppo", "prime"])
 def test_both_loops_run_the_same_training_half(name):
-    half = (["old_log_probs", "values", "critic update", "actor update"] if name == "ppo"
-            else ["old_log_probs", "actor update"])
+    """PRIME's implicit PRM learns from the batch's outcomes (its labels the verifier's reward in
+    [0, 1]) before it rewards the tokens, and both come before the actor's update."""
+    half = {"ppo": ["old_log_probs", "values", "critic update", "actor update"],
+            "prime": ["old_log_probs", "prm update", "process_rewards", "actor update"],
+            "grpo": ["old_log_probs", "actor update"]}[name]
     events, rows = run(loop.train, name)
     step = lambda v: ["generate", "release", *[e if "update" not in e else f"{e} v{v}" for e in half], "resume",
                       f"sync {v + 1}"]

@@ -205,7 +205,7 @@ def test_a_roles_non_finite_output_is_named_with_its_step():
         phase = staticmethod(lambda name: contextlib.nullcontext())
 
     class Roles:
-        critic = None
+        critic = prm = None
 
     algo = AlgorithmConfig()
     clean = make_batch(sampled, pad_id=0, policy_version=6)

@@ -27,7 +27,7 @@ def _batch(seed: int = 0):
     return dict(
         response_mask=mask, token_rewards=token_rewards, scores=scores, index=index,
         values=torch.randn(BATCH, T, generator=gen), baseline_scores=torch.rand(BATCH, generator=gen),
-        gamma=0.99, lam=0.95,
+        process_rewards=0.05 * torch.randn(BATCH, T, generator=gen), gamma=0.99, lam=0.95,
     ), gen
 
 
