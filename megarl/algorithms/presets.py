@@ -133,10 +133,9 @@ def _problems(algo, p: Preset) -> List[str]:
                    f"reward, starting at kl_coef: set algorithm.kl_in_reward=true and algorithm.kl_coef > 0 "
                    f"(now kl_in_reward={algo.kl_in_reward}, kl_coef={algo.kl_coef})")
     if not p.critic:
-        for knob in ("lam_length_alpha",):
-            if getattr(algo, knob):
-                out.append(f"algorithm.{knob}={getattr(algo, knob)} shapes GAE, which {algo.name} does not use "
-                           f"(no critic); use algorithm.name=ppo or vapo, or leave it null")
+        if algo.lam_length_alpha:
+            out.append(f"algorithm.lam_length_alpha={algo.lam_length_alpha} shapes GAE, which {algo.name} does not "
+                       f"use (no critic); use algorithm.name=ppo or vapo, or leave it null")
         if algo.lam_critic != algo.lam:
             out.append(f"algorithm.lam_critic={algo.lam_critic} is the GAE lambda of the critic's targets; "
                        f"{algo.name} has no critic: use algorithm.name=ppo or vapo, or leave it null")

@@ -7,6 +7,7 @@ parallelism, datasets and their keys, the reward function, the tokenizer against
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from megarl.agent.loop import Agent
 from megarl.agent.validate import check_agent
 from megarl.algorithms.correction import check_rollout_correction
 from megarl.algorithms.presets import preset, resolve
-from megarl.checkpoint.load import check_pretrained_sources, locate, resolve_model_config
+from megarl.checkpoint.load import check_pretrained, check_pretrained_sources, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, validate
 from megarl.config.schema import REWARD_MODEL, Loop, LoraSync, Placement, WeightSync
 from megarl.controller.cluster import check_cluster
@@ -161,6 +162,9 @@ def check_prime(cfg: MegarlConfig) -> None:
     if cfg.model.lora.rank:
         raise ConfigError("algorithm.name=prime with model.lora.rank > 0: the implicit PRM is trained in full "
                           "beside the adapters' base; set model.lora.rank=0")
+    if rm.path:  # files, names, shapes and dtypes before any worker starts, named
+        check_pretrained(rm.path, dataclasses.replace(cfg.model, path=rm.path, hf_config=rm.hf_config),
+                         "reward_model.path")
 
 
 def validation_stream(cfg: MegarlConfig, tokenizer, args, agent) -> Optional[PromptStream]:

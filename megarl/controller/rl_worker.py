@@ -77,7 +77,8 @@ class RLWorker:
             policy_loss=algo.policy_loss, agg_mode=algo.agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
             dual_clip_c=algo.clip_ratio_c if algo.policy_loss == "ppo" else None,  # gspo has none
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
-            entropy_coef=algo.entropy_coef, positive_nll_coef=algo.positive_nll_coef, max_len=algo.max_new_tokens, temperature=algo.temperature,
+            entropy_coef=algo.entropy_coef, positive_nll_coef=algo.positive_nll_coef, max_len=algo.max_new_tokens,
+            temperature=algo.temperature,
             rollout_correction=algo.rollout_correction,
             rollout_correction_threshold=algo.rollout_correction_threshold,
             rollout_correction_threshold_low=algo.rollout_correction_threshold_low)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import ConfigError, load_config
+from megarl.models.hf_mapping import ConversionError
 from megarl.data.datasets import DataError
 from megarl.entrypoints.train_rl import prepare, run
 from megarl.parallel import LayoutError
@@ -332,6 +333,12 @@ def test_one_step_off_staleness(tmp_path):
     (["algorithm.ppo_mini_batch_size=48"], ConfigError, "algorithm.ppo_mini_batch_size=48 must divide the 128"),
     (["parallel.actor.tp=1", "algorithm.ppo_mini_batch_size=1"], ConfigError, "multiple of the actor's dp=2"),
     (["algorithm.ppo_epochs=0"], ConfigError, "algorithm.ppo_epochs"),
+    (["trainer.critic_warmup_steps=5"], ConfigError, "trainer.critic_warmup_steps=5 warms up a critic; "
+                                                      "algorithm.name=grpo has none"),
+    (["algorithm.lam_critic=1.0"], ConfigError, "algorithm.lam_critic=1.0 is the GAE lambda of the critic's"),
+    (["algorithm.name=prime", "algorithm.reward_fn=model"], ConfigError, "algorithm.name=prime with "
+                                                                         "algorithm.reward_fn=model"),
+    (["algorithm.name=prime", "reward_model.path=configs"], ConversionError, "reward_model.path=/"),
     (["algorithm.policy_loss=trpo"], ConfigError, "algorithm.policy_loss='trpo' must be one of"),
     (["algorithm.rollout_correction=tis"], ConfigError, "algorithm.rollout_correction='tis' must be one of"),
     (["algorithm.rollout_correction_threshold=0.5"], ConfigError, "algorithm.rollout_correction_threshold=0.5"),
