@@ -353,7 +353,7 @@ def check_pretrained_sources(cfg) -> None:
         raise ConfigError("set one of reward_model.path and reward_model.checkpoint, not both")
     if cfg.model.path:
         check_pretrained(cfg.model.path, cfg.model, "model.path")
-    if cfg.algorithm.reward_fn == REWARD_MODEL:
+    if cfg.algorithm.reward_fn == REWARD_MODEL and not rm.generative:  # a judge: megarl.controller.prepare.check_judge
         rm_cfg = dataclasses.replace(cfg.model, path=None, hf_config=rm.hf_config or cfg.model.hf_config)
         field = "reward_model.path" if rm.path else "reward_model.checkpoint"
         check_pretrained(rm.path or rm.checkpoint, rm_cfg, field, value_head=True)

@@ -706,8 +706,9 @@ class LoggingConfig:
 
 @dataclass
 class RewardModelConfig:
-    """A reward model (``algorithm.reward_fn=model``): a backbone with a scalar head, frozen; or
-    PRIME's implicit PRM (``algorithm.name=prime``): a causal LM, trained."""
+    """A reward model (``algorithm.reward_fn=model``): a backbone with a scalar head, frozen; a
+    generative one (``generative: true``, an LLM judge); or PRIME's implicit PRM
+    (``algorithm.name=prime``): a causal LM, trained."""
 
     path: Optional[str] = None
     """An HF ``LlamaForSequenceClassification`` / ``Qwen2…`` / ``Qwen3ForSequenceClassification``
@@ -719,6 +720,46 @@ class RewardModelConfig:
     """Its HF config.json; null = ``path``'s config.json when ``path`` is set, else the actor's ``model.hf_config``."""
     checkpoint: Optional[str] = None
     """Megatron dist checkpoint of the reward model (backbone + scalar head), any layout."""
+    generative: bool = False
+    """An LLM judge: ``path`` is an HF causal LM (with its own tokenizer) that reads ``template``
+    filled with each sample and writes a judgement, from which ``parser`` reads the score. It runs
+    on the training ranks through a rollout backend (``engine``), in the generation layout of
+    ``parallel.rollout``, asleep between calls. Rows scored by it: every row with
+    ``algorithm.reward_fn=model``; the rows of the data sources that ``algorithm.reward_fn_by_source``
+    maps to ``model``; and with ``rule_weight`` set, every row also scored by a rule."""
+    template: str = ("Question:\n{question}\n\nReference answer: {reference}\n\nResponse:\n{response}\n\n"
+                     "Grade the response from 0 to 10. End with \"Score: N\".")
+    """The judge's prompt (Python ``str.format`` fields: ``{question}``, the record's prompt, chat
+    messages joined by newlines; ``{response}``, the decoded response; ``{reference}``, the
+    record's answer, empty when it has none). Sent as one user message through the judge's chat
+    template when it has one and ``chat_template`` is true, else as plain text."""
+    chat_template: bool = True
+    """Wrap the filled template in the judge tokenizer's chat template (a generation prompt after it)."""
+    parser: str = r"Score:\s*(-?\d+(?:\.\d+)?)"
+    """How the judgement's text becomes a score: a regular expression whose first group (or whole
+    match, without groups) is read as a number at its first match; or a function
+    ``module:function`` / ``path/to/file.py:function`` called as ``fn(judgement, answer)`` in the
+    reward worker processes (algorithm.reward_workers, reward_timeout_s), returning a number. No
+    match, a non-number or a failing function: the row scores 0 and counts in
+    ``reward/judge_unparseable``."""
+    engine: Optional[Engine] = None
+    """The judge's rollout backend; null = ``parallel.rollout.engine``."""
+    max_new_tokens: int = bounded(64, ge=1)
+    """Judgement length limit (tokens); a judgement cut there is parsed as it is."""
+    temperature: float = bounded(0.0, ge=0)
+    """The judge's sampling temperature; 0 = greedy."""
+    batch_size: int = bounded(64, ge=1)
+    """Judgements per judge call (rows of one generate)."""
+    timeout_s: float = bounded(600.0, gt=0)
+    """Per scoring call: a batch that would start past this many seconds is not judged; its rows
+    score 0 and count in ``reward/judge_timeouts`` (a batch in flight is bounded by
+    ``max_new_tokens`` and trainer.hang_timeout_s)."""
+    judge_weight: float = 1.0
+    """A judged row's reward is ``judge_weight`` x the parsed score (plus the rule's, below)."""
+    rule_weight: Optional[float] = None
+    """null: a row is scored by the judge or by its rule (``algorithm.reward_fn`` /
+    ``reward_fn_by_source``), not both. A number: every row a rule scores is judged too, its reward
+    ``rule_weight`` x rule + ``judge_weight`` x judge."""
 
 
 @dataclass

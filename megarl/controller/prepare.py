@@ -21,7 +21,7 @@ from megarl.algorithms.correction import check_rollout_correction
 from megarl.algorithms.presets import preset, resolve
 from megarl.checkpoint.load import check_pretrained, check_pretrained_sources, locate, resolve_model_config
 from megarl.config import ConfigError, MegarlConfig, validate
-from megarl.config.schema import REWARD_MODEL, Loop, LoraSync, Placement, WeightSync
+from megarl.config.schema import REWARD_MODEL, LoRAConfig, Loop, LoraSync, Placement, WeightSync
 from megarl.controller.cluster import check_cluster
 from megarl.controller.roles import check_role_layouts
 from megarl.controller.split import check_placement
@@ -81,6 +81,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     algo, data = cfg.algorithm, cfg.data
     if preset(algo).prm:
         check_prime(cfg)
+    if cfg.reward_model.generative:
+        check_judge(cfg, layout)
     if cfg.trainer.critic_warmup_steps and not preset(algo).critic:
         raise ConfigError(f"trainer.critic_warmup_steps={cfg.trainer.critic_warmup_steps} warms up a critic; "
                           f"algorithm.name={algo.name} has none (use ppo or vapo, or set it to 0)")
@@ -119,7 +121,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
                                template_kwargs=data.chat_template_kwargs, template_path=data.chat_template_path)
     rm_vocab = None
     # the reward model scores the policy's token ids (and PRIME's PRM from reward_model.path reads them)
-    if algo.reward_fn == REWARD_MODEL or (preset(algo).prm and cfg.reward_model.path):
+    # (a generative judge reads text through its own tokenizer)
+    if (algo.reward_fn == REWARD_MODEL and not cfg.reward_model.generative) or (preset(algo).prm and cfg.reward_model.path):
         rm_vocab = megatron_args_from_hf(cfg.reward_model.hf_config or cfg.model.hf_config).vocab_size
     check_vocab(tokenizer.vocab_size, args.vocab_size, rm_vocab)
     if data.train_files:
@@ -146,7 +149,8 @@ def prepare(cfg: MegarlConfig) -> Prepared:
         print(f"megarl: trainer.total_epochs={cfg.trainer.total_epochs} over {len(stream.records)} prompts, "
               f"{data.prompts_per_step} a step: trainer.train_steps={cfg.trainer.train_steps}", flush=True)
     val_stream = validation_stream(cfg, tokenizer, args, agent)
-    return Prepared(cfg, layout, stream, Scorer(algo, tokenizer), tokenizer, agent, val_stream)
+    return Prepared(cfg, layout, stream, Scorer(algo, tokenizer, cfg.reward_model), tokenizer, agent,
+                    val_stream)
 
 
 def check_prime(cfg: MegarlConfig) -> None:
@@ -165,6 +169,66 @@ def check_prime(cfg: MegarlConfig) -> None:
     if rm.path:  # files, names, shapes and dtypes before any worker starts, named
         check_pretrained(rm.path, dataclasses.replace(cfg.model, path=rm.path, hf_config=rm.hf_config),
                          "reward_model.path")
+
+
+def check_judge(cfg: MegarlConfig, layout: Layout) -> None:
+    """reward_model.generative: an HF causal LM at reward_model.path, on the training ranks in the
+    generation layout, its engine's own checks, the template's fields and the parser, before any
+    worker starts."""
+    from megarl.rewards.judge import check_template, compile_parser, is_function
+    from megarl.rewards.registry import reward_fn_path
+    from megarl.trainer.steps import judge_hf_config
+
+    algo, rm, r, t = cfg.algorithm, cfg.reward_model, cfg.parallel.rollout, cfg.trainer
+    if not rm.path:
+        raise ConfigError("reward_model.generative needs reward_model.path: the judge's HF causal LM directory "
+                          "(config, weights and its tokenizer)")
+    if rm.checkpoint:
+        raise ConfigError("reward_model.generative reads an HF causal LM at reward_model.path; reward_model.checkpoint "
+                          "is a scalar-head reward model's: unset it")
+    if preset(algo).prm:
+        raise ConfigError("reward_model.generative with algorithm.name=prime: reward_model.path is PRIME's implicit "
+                          "PRM; a judge and an implicit PRM cannot share it")
+    if t.placement == Placement.split or t.loop == Loop.one_step_off:
+        raise ConfigError(f"reward_model.generative with trainer.placement={t.placement}, trainer.loop={t.loop}: the "
+                          f"judge runs on the training ranks between generation and training (colocated, "
+                          f"synchronous loop); its own ranks are not supported yet")
+    if algo.reward_fn != REWARD_MODEL and REWARD_MODEL not in algo.reward_fn_by_source.values() \
+            and rm.rule_weight is None:
+        raise ConfigError(f"reward_model.generative with algorithm.reward_fn={algo.reward_fn}: no row would be judged; "
+                          f"set algorithm.reward_fn=model (the judge alone), map data sources to model in "
+                          f"algorithm.reward_fn_by_source, or set reward_model.rule_weight (rule + judge)")
+    if algo.reward_fn == REWARD_MODEL and not algo.reward_fn_by_source and rm.rule_weight is not None:
+        raise ConfigError("reward_model.rule_weight sums a rule's reward with the judge's, but algorithm.reward_fn=model "
+                          "scores with the judge alone: set algorithm.reward_fn to a rule or unset reward_model.rule_weight")
+    try:
+        check_template(rm.template)
+        if is_function(rm.parser):
+            reward_fn_path(rm.parser)
+        else:
+            compile_parser(rm.parser)
+    except ValueError as err:
+        raise ConfigError(str(err).replace("algorithm.reward_fn", "reward_model.parser")) from None
+    judge_model = dataclasses.replace(cfg.model, path=rm.path, hf_config=judge_hf_config(rm), lora=LoRAConfig())
+    check_pretrained(rm.path, judge_model, "reward_model.path")
+    try:
+        args = megatron_args_from_hf(judge_model.hf_config)
+    except UnsupportedModelError as err:
+        raise ConfigError(f"reward_model.path: {err}") from None
+    check_layout(args, layout, judge_model)
+    try:
+        regroup(layout, r.tp, r.pp, r.ep if args.num_experts else 1, args.num_experts or 0)
+    except ValueError as err:
+        raise ConfigError(f"reward_model.generative in parallel.rollout's layout: {err}") from None
+    engine = rm.engine or r.engine
+    judge_cfg = dataclasses.replace(cfg, model=judge_model, algorithm=dataclasses.replace(algo, top_p=1.0, top_k=0),
+                                    parallel=dataclasses.replace(cfg.parallel, rollout=dataclasses.replace(r, engine=engine)))
+    backend = rollout_backend(engine)
+    try:
+        backend.check(judge_cfg)
+        backend.check_available(judge_cfg)
+    except ConfigError as err:
+        raise ConfigError(f"reward_model.engine={engine}: {err}") from None
 
 
 def validation_stream(cfg: MegarlConfig, tokenizer, args, agent) -> Optional[PromptStream]:

@@ -101,7 +101,7 @@ class RLWorker:
                 clip_range=algo.clip_low, agg_mode=algo.agg_mode, max_len=algo.max_new_tokens))
         if preset(algo).prm:  # PRIME's implicit PRM, in the actor's layout
             self.roles["prm"] = self._implicit_prm(state, args, steps)
-        if algo.reward_fn == REWARD_MODEL:  # colocated, in the actor's layout
+        if algo.reward_fn == REWARD_MODEL and not cfg.reward_model.generative:  # a scalar head, in the actor's layout
             from megarl.roles.reward_model import RewardModel
 
             rm = cfg.reward_model
@@ -139,6 +139,8 @@ class RLWorker:
         torch.cuda.empty_cache()  # the freed blocks back to the device, for the engine's processes
         engine = backend.colocated(cfg, args, regrouping, state.model)
         engine.release_memory()
+        if cfg.reward_model.generative:  # the judge's engine starts as the policy's, then sleeps
+            self.roles["judge"] = self._judge(layout)
         for handle in away:
             handle.reload()
         engine.resume_memory()
@@ -173,6 +175,26 @@ class RLWorker:
         progress.tick()
         return ImplicitPRM(MegatronEngine(prm_state, args.vocab_size, max_bad_steps=bad), ref, algo.prm_beta,
                            algo.temperature, shares_policy_reference=shared)
+
+    def _judge(self, layout):
+        """reward_model.generative's judge: its frozen weights, built in the actor's layout from
+        reward_model.path, feed a rollout backend's engine (reward_model.engine) in the generation
+        layout of parallel.rollout, which sleeps until the driver calls it."""
+        from megarl.config.schema import LoRAConfig, WeightSync
+        from megarl.roles.judge import Judge
+
+        cfg, rm, r = self.cfg, self.cfg.reward_model, self.cfg.parallel.rollout
+        judge_model = dataclasses.replace(cfg.model, path=rm.path, hf_config=rm.hf_config, lora=LoRAConfig())
+        args = megatron_args_from_hf(rm.hf_config)
+        state = build_frozen_state(judge_model, self.groups, rm.path)
+        progress.tick()
+        engine = rm.engine or r.engine
+        judge_cfg = dataclasses.replace(cfg, model=judge_model, parallel=dataclasses.replace(
+            cfg.parallel, rollout=dataclasses.replace(r, engine=engine, weight_sync=WeightSync.full)))
+        regrouping = regroup(layout, r.tp, r.pp, r.ep if args.num_experts else 1, args.num_experts or 0)
+        judge = rollout_backend(engine).colocated(judge_cfg, args, regrouping, state.model)
+        judge.release_memory()
+        return Judge(judge)
 
     # ------------------------------------------------------------------ split placement
     def connect_weights(self, address: str, port: int) -> None:

@@ -22,6 +22,7 @@ class Roles:
     critic: Optional[Any] = None
     reward_model: Optional[Any] = None  # scores for the Scorer (algorithm.reward_fn=model)
     prm: Optional[Any] = None  # PRIME's implicit process reward model
+    judge: Optional[Any] = None  # a generative reward model's engine (reward_model.generative)
 
 
 def rollout_ranks(cfg) -> int:
@@ -43,6 +44,8 @@ def start_groups(cfg, session) -> List:
     gpus, why = gpu_assignment(ray.cluster_resources().get("GPU", 0), world + extra, cfg.parallel.rollout.engine)
     print(f"megarl: {why}", file=sys.stderr, flush=True)
     env = {**session.worker_env, **rollout_backend(cfg.parallel.rollout.engine).worker_env()}
+    if cfg.reward_model.generative:  # the judge's engine runs on the same workers
+        env |= rollout_backend(cfg.reward_model.engine or cfg.parallel.rollout.engine).worker_env()
     groups: List = []
     try:
         groups.append(WorkerGroup(RLWorker, world, cfg, cpus_per_worker=1, gpus_per_worker=gpus, env=env,
@@ -73,7 +76,8 @@ def build_roles(group, rollout_group=None) -> Roles:
     else:
         rollout = proxies["rollout"]
     return Roles(actor=proxies["actor"], rollout=rollout, reference=proxies.get("reference"),
-                 critic=proxies.get("critic"), reward_model=proxies.get("reward_model"), prm=proxies.get("prm"))
+                 critic=proxies.get("critic"), reward_model=proxies.get("reward_model"), prm=proxies.get("prm"),
+                 judge=proxies.get("judge"))
 
 
 def check_role_layouts(parallel, layout) -> None:

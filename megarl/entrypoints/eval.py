@@ -55,7 +55,7 @@ def evaluate(cfg) -> Dict[str, float]:
     try:
         groups = start_groups(cfg, session)
         roles = build_roles(*groups)
-        scorer.model = roles.reward_model
+        scorer.attach(roles)
         roles.rollout.update_weights(0)
         validator = Validator(prepared.val_stream, scorer, cfg.algorithm, tok.eos_token_ids, cfg.trainer.seed,
                               tok.decode)

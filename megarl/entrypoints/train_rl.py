@@ -61,7 +61,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
     closing = []  # what the run started beside the roles: closed on the way out
     try:
         roles = build_roles(*groups)
-        scorer.model = roles.reward_model
+        scorer.attach(roles)
         checkpoints = Checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
         kl = KLCoefficient(cfg.algorithm) if cfg.algorithm.kl_target is not None else None
         done, run_ids = resume(checkpoints, group, stream, scorer, kl) if cfg.trainer.resume else (0, {})
@@ -104,8 +104,8 @@ def _validator(prepared: Prepared, roles, closing: List):
 
     cfg, scorer, tok = prepared.cfg, prepared.scorer, prepared.tokenizer
     if cfg.trainer.loop == Loop.one_step_off and cfg.trainer.placement == Placement.split:
-        scorer = Scorer(cfg.algorithm, tok)
-        scorer.model = roles.reward_model
+        scorer = Scorer(cfg.algorithm, tok, cfg.reward_model)
+        scorer.attach(roles)
         closing.append(scorer)
     return Validator(prepared.val_stream, scorer, cfg.algorithm, tok.eos_token_ids, cfg.trainer.seed, tok.decode)
 

@@ -36,6 +36,7 @@ class ScoreReport:
     failures: Counter = field(default_factory=collections.Counter)  # kind -> samples; timeouts apart
     timeouts: int = 0
     examples: Dict[str, str] = field(default_factory=dict)  # kind -> the first such sample
+    failed_rows: set = field(default_factory=set)  # the samples that failed or timed out
 
     @property
     def failed(self) -> int:
@@ -89,6 +90,7 @@ class RewardPool:
         queue = collections.deque(range(len(samples)))
 
         def fail(index: int, kind: str, message: str) -> None:
+            report.failed_rows.add(index)
             if kind == "timeout":
                 report.timeouts += 1
             else:

@@ -57,10 +57,10 @@ def load_scorer(spec):
     if isinstance(spec, str):
         return caller(load_object(spec))
     loaded = {}
-    for path in [spec["default"], *spec["by_source"].values()]:
+    for path in [p for p in [spec["default"], *spec["by_source"].values()] if p]:
         loaded.setdefault(path, caller(load_object(path)))
     table = {source: loaded[path] for source, path in spec["by_source"].items()}
-    default = loaded[spec["default"]]
+    default = loaded[spec["default"]] if spec["default"] else None  # None: such rows are never sent here
 
     def route(response, answer, context):
         return table.get((context["extra"] or {}).get("data_source"), default)(response, answer, context)

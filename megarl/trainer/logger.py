@@ -103,7 +103,7 @@ class RunLogger:
         self.world_size = cfg.trainer.nnodes * cfg.trainer.nproc_per_node
         self.flops = forward_flops(megatron_args_from_hf(cfg.model.hf_config))
         self.reward_model_flops = None
-        if cfg.algorithm.reward_fn == REWARD_MODEL:
+        if cfg.algorithm.reward_fn == REWARD_MODEL and not cfg.reward_model.generative:  # a scalar head's forward
             rm_config = cfg.reward_model.hf_config or cfg.model.hf_config
             self.reward_model_flops = forward_flops(megatron_args_from_hf(rm_config))
         self.bar = None

@@ -95,12 +95,14 @@ class PromptStream:
 def reward_spec(algo):
     """What a reward worker loads: the function's import path (or file), or with
     ``algorithm.reward_fn_by_source`` the default's and each data source's (checked here, in the
-    driver, before the run starts)."""
-    default = reward_fn_path(algo.reward_fn)
-    if not algo.reward_fn_by_source:
+    driver, before the run starts). Sources mapped to ``model`` (the generative judge's) are left
+    out, and so is a ``model`` default (None); None when no row is scored by a function."""
+    default = None if algo.reward_fn == REWARD_MODEL else reward_fn_path(algo.reward_fn)
+    rules = {s: name for s, name in algo.reward_fn_by_source.items() if name != REWARD_MODEL}
+    if not rules:
         return default
     by_source = {}
-    for source, name in algo.reward_fn_by_source.items():
+    for source, name in rules.items():
         try:
             by_source[str(source)] = reward_fn_path(name)
         except ValueError as err:
@@ -110,52 +112,144 @@ def reward_spec(algo):
 
 class Scorer:
     """Decode responses and score them with the configured reward function in worker processes
-    (:class:`RewardPool`, started on first use, kept for the run: call :meth:`close`), or with the
-    reward-model role (``reward_fn=model``; set ``model`` to its proxy)."""
+    (:class:`RewardPool`, started on first use, kept for the run: call :meth:`close`), with the
+    scalar reward-model role (``reward_fn=model``; set ``model`` to its proxy), or with a
+    generative one (``reward_model.generative``; set ``judge.judge`` to its proxy), alone, by data
+    source, or summed with the rule (:class:`megarl.rewards.judge.JudgeScorer`)."""
 
-    def __init__(self, algo, tokenizer):
+    def __init__(self, algo, tokenizer, reward_model=None):
         if algo.reward_timeout_s <= 0:
             raise ValueError(f"algorithm.reward_timeout_s={algo.reward_timeout_s} must be > 0")
         if algo.reward_workers < 1:
             raise ValueError(f"algorithm.reward_workers={algo.reward_workers} must be >= 1")
         self.model = None
-        if algo.reward_fn_by_source and algo.reward_fn == REWARD_MODEL:
-            raise ValueError("algorithm.reward_fn_by_source with algorithm.reward_fn=model: the reward model scores "
-                             "every row; route by data_source between reward functions only")
-        self.fn_path = None if algo.reward_fn == REWARD_MODEL else reward_spec(algo)
+        generative = reward_model is not None and reward_model.generative
+        judged_sources = {str(s) for s, name in algo.reward_fn_by_source.items() if name == REWARD_MODEL}
+        if not generative:
+            if algo.reward_fn_by_source and algo.reward_fn == REWARD_MODEL:
+                raise ValueError("algorithm.reward_fn_by_source with algorithm.reward_fn=model: the reward model scores "
+                                 "every row; route by data_source between reward functions only (or set "
+                                 "reward_model.generative=true: a judge takes some sources)")
+            if judged_sources:
+                raise ValueError(f"algorithm.reward_fn_by_source maps {sorted(judged_sources)} to model: only a "
+                                 f"generative reward model (reward_model.generative=true) scores by data source")
+        if generative and reward_model.rule_weight is not None and algo.reward_fn == REWARD_MODEL \
+                and not algo.reward_fn_by_source:
+            raise ValueError("reward_model.rule_weight sums a rule's reward with the judge's, but "
+                             "algorithm.reward_fn=model scores with the judge alone: set algorithm.reward_fn to a "
+                             "rule or unset reward_model.rule_weight")
+        self.fn_path = reward_spec(algo) if generative or algo.reward_fn != REWARD_MODEL else None
         self.tokenizer, self.algo = tokenizer, algo
+        self.judge = None
+        if generative:
+            from megarl.rewards.judge import JudgeScorer
+
+            self.judge = JudgeScorer(reward_model, judge_tokenizer(reward_model),
+                                     judge_positions(reward_model), self._pool)
+            self.judged_sources, self.rm = judged_sources, reward_model
         self.pool: Optional[RewardPool] = None
         self.failures = 0  # failed and timed-out samples over the run (checkpointed)
         self.counts = {"reward/failures": 0, "reward/timeouts": 0}  # since the last take_metrics
+        if self.judge is not None:
+            from megarl.rewards.judge import METRICS
+
+            self.counts |= dict.fromkeys(METRICS, 0)
+            self.judged = [0.0, 0]  # sum and count of the parsed judge scores since the last take_metrics
+
+    def attach(self, roles) -> None:
+        """The run's reward-model roles (their proxies), once its workers have started."""
+        self.model = roles.reward_model
+        if self.judge is not None:
+            self.judge.judge = roles.judge
+
+    def _pool(self, fn_path) -> RewardPool:
+        return RewardPool(fn_path, self.algo.reward_workers, self.algo.reward_timeout_s,
+                          memory_mb=self.algo.reward_memory_mb)
+
+    def _route(self, record) -> str:
+        """``judge``, ``rule`` or ``both`` for a row (generative reward model)."""
+        source = (record.extra or {}).get("data_source")
+        if str(source) in self.judged_sources or (self.algo.reward_fn == REWARD_MODEL
+                                                   and source not in self.algo.reward_fn_by_source):
+            return "judge"
+        return "rule" if self.rm.rule_weight is None else "both"
 
     def __call__(self, records: Sequence[PromptRecord], responses: Sequence[Response],
                  prompt_ids: Sequence[Sequence[int]] = ()) -> torch.Tensor:
-        if self.fn_path is None:
+        if self.fn_path is None and self.judge is None:
             sampled = Sampled(list(records), list(prompt_ids), list(responses), torch.zeros(len(responses)),
                               torch.zeros(len(responses)))
             return self.model.compute_scores(make_batch(sampled, self.tokenizer.pad_token_id, -1))["scores"]
-        if self.pool is None:
-            self.pool = RewardPool(self.fn_path, self.algo.reward_workers, self.algo.reward_timeout_s,
-                                   memory_mb=self.algo.reward_memory_mb)
         samples = []
         for r in responses:
             record = records[r.prompt_index]
             samples.append(RewardSample(self.tokenizer.decode(r.token_ids), record.answer, record.prompt, record.extra))
+        if self.judge is None:
+            return torch.tensor(self._rules(samples))
+        routes = [self._route(records[r.prompt_index]) for r in responses]
+        ruled = [i for i, route in enumerate(routes) if route != "judge"]
+        judged = [i for i, route in enumerate(routes) if route != "rule"]
+        scores = [0.0] * len(samples)
+        for i, score in zip(ruled, self._rules([samples[i] for i in ruled]) if ruled else []):
+            scores[i] = score * (1.0 if routes[i] == "rule" else self.rm.rule_weight)
+        if judged:
+            out = self.judge.judge_rows(*zip(*[(samples[i].prompt, samples[i].response, samples[i].answer,
+                                                 samples[i].extra) for i in judged]))
+            for k, v in out.counts.items():
+                self.counts[k] += v
+            self.failures += sum(out.counts.values())
+            for i, score, parsed in zip(judged, out.scores, out.parsed):
+                scores[i] += self.rm.judge_weight * score
+                self.judged[0] += score * parsed
+                self.judged[1] += parsed
+        return torch.tensor(scores)
+
+    def _rules(self, samples: List[RewardSample]) -> List[float]:
+        if self.pool is None:
+            self.pool = self._pool(self.fn_path)
         report = self.pool.score(samples)
         self.counts["reward/failures"] += report.failed
         self.counts["reward/timeouts"] += report.timeouts
         self.failures += report.failed + report.timeouts
-        return torch.tensor(report.scores)
+        return report.scores
 
     def take_metrics(self) -> Dict[str, float]:
-        """Failed and timed-out samples since the last call (one step's), for the step's metrics."""
+        """Failed and timed-out samples since the last call (one step's), for the step's metrics;
+        with a judge also its unparseable, timed-out and too-long rows and its parsed scores' mean."""
         out, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        if self.judge is not None:
+            total, count = self.judged
+            if count:
+                out["reward/judge_score_mean"] = total / count
+            self.judged = [0.0, 0]
         return out
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        if self.judge is not None:
+            self.judge.close()
+
+
+def judge_tokenizer(rm):
+    """The generative reward model's own tokenizer (reward_model.path), with its chat template
+    when ``reward_model.chat_template``."""
+    from megarl.data.tokenizer import HFTokenizer
+
+    return HFTokenizer(rm.path, chat_template=rm.chat_template)
+
+
+def judge_positions(rm) -> int:
+    from megarl.models.hf_config import megatron_args_from_hf
+
+    return megatron_args_from_hf(judge_hf_config(rm)).max_position_embeddings
+
+
+def judge_hf_config(rm) -> str:
+    from pathlib import Path
+
+    return rm.hf_config or str(Path(rm.path) / "config.json")
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new: int, buffer: int, factor: float) -> torch.Tensor:

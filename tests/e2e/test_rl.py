@@ -319,6 +319,9 @@ def test_one_step_off_staleness(tmp_path):
     assert all(r["sampling/staleness_mean"] <= r["sampling/staleness"] for r in stream)
 
 
+JUDGE_AT_CONFIGS = ("reward_model.path=configs", "reward_model.hf_config=configs/models/tiny-digits.json")  # no weights
+
+
 @pytest.mark.parametrize("overrides,error,field", [
     (["parallel.actor.tp=1", "data.prompts_per_step=3", "algorithm.samples_per_prompt=3"], ConfigError,
      "data.prompts_per_step"),
@@ -339,6 +342,19 @@ def test_one_step_off_staleness(tmp_path):
     (["algorithm.name=prime", "algorithm.reward_fn=model"], ConfigError, "algorithm.name=prime with "
                                                                          "algorithm.reward_fn=model"),
     (["algorithm.name=prime", "reward_model.path=configs"], ConversionError, "reward_model.path=/"),
+    # a generative reward model (LLM judge)
+    (["reward_model.generative=true", "algorithm.reward_fn=model"], ConfigError,
+     "reward_model.generative needs reward_model.path"),
+    (["reward_model.generative=true", *JUDGE_AT_CONFIGS], ConfigError, "no row would be judged"),
+    (["reward_model.generative=true", *JUDGE_AT_CONFIGS, "algorithm.reward_fn=model",
+      "reward_model.template=grade {answer}"], ConfigError, r"reward_model.template has the field\(s\) \['answer'\]"),
+    (["reward_model.generative=true", *JUDGE_AT_CONFIGS, "algorithm.reward_fn=model",
+      "reward_model.parser=no_such_module:fn"], ConfigError, "reward_model.parser='no_such_module:fn': cannot import"),
+    (["reward_model.generative=true", *JUDGE_AT_CONFIGS, "algorithm.reward_fn=model",
+      "trainer.loop=one_step_off"], ConfigError, "the judge runs on the training ranks"),
+    (["reward_model.generative=true", *JUDGE_AT_CONFIGS, "algorithm.reward_fn=model"], ConversionError,
+     "reward_model.path=/"),
+    (["algorithm.reward_fn_by_source={a: model}"], ValueError, "only a generative reward model"),
     (["algorithm.policy_loss=trpo"], ConfigError, "algorithm.policy_loss='trpo' must be one of"),
     (["algorithm.rollout_correction=tis"], ConfigError, "algorithm.rollout_correction='tis' must be one of"),
     (["algorithm.rollout_correction_threshold=0.5"], ConfigError, "algorithm.rollout_correction_threshold=0.5"),

@@ -1,0 +1,123 @@
+"""A generative reward model (``reward_model.generative``, an LLM judge) through ``megarl train``.
+
+The judge is a tiny HF Llama of its own (heads of 32, vLLM's CPU attention's least) trained by
+plain transformers to reverse digits, and the parser reads the first digit of what it writes: a
+judgement without one is garbage (counted in ``reward/judge_unparseable``, scored 0, the run goes on). The policy is another tiny Llama (less trained) with the same tokenizer (the judge tokenizes with its own
+directory's).
+
+- Native engine, tp=2 on 2 ranks, the judge's weights resharded into the generation layout
+  (t_g=1): each row's reward is 0.5 x exact_match (the rule) + the judge's score
+  (``reward_model.rule_weight``); the template asks the judge to ``reverse`` the response; the
+  judge's part equals what transformers' greedy ``generate`` of the same judge writes for the same
+  filled template.
+- vLLM engine for the judge (the policy's rollout native), 1 rank, the judge alone
+  (``algorithm.reward_fn=model``), given the bare response, to which it answers digits for some
+  and words for others: the same equality with transformers, and the garbage counted.
+
+Every row's judgement is compared, and the unparseable count equals the rows where transformers'
+judgement has no digit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli import megarl_here
+from tests.fixtures.hf_models import chat_examples, make_hf_model, make_tokenizer
+
+REVERSE = "reverse {response}"  # the judge reverses the response: mostly digits
+BARE = "{response}"  # the bare response: the judge writes digits for some, words (garbage) for others
+PARSER = r"(\d)"
+JUDGE_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}
+JUDGE_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    work = tmp_path_factory.mktemp("judge")
+    tokenizer = make_tokenizer(work / "tokenizer")
+    policy = make_hf_model("llama", work / "policy", tokenizer, train_steps=20)
+    judge = make_hf_model("llama", work / "judge", tokenizer, seed=1, overrides=JUDGE_HEADS)
+    data = work / "prompts.jsonl"
+    with data.open("w") as f:
+        for chat in chat_examples(16, seed=7):
+            f.write(json.dumps({"prompt": chat[:1], "answer": chat[1]["content"]}) + "\n")
+    return work, policy, judge, data
+
+
+def run(models, name: str, nproc: int, layout: str, algorithm: str, judge: str, template: str):
+    work, policy, judge_dir, data = models
+    run_dir = work / name
+    (work / f"{name}.yaml").write_text(f"""
+model: {{path: {policy}}}
+parallel: {{actor: {layout}, rollout: {{tp: 1}}}}
+data: {{train_files: [{data}], prompts_per_step: 4}}
+algorithm: {{name: grpo, samples_per_prompt: 2, max_new_tokens: 8, {algorithm}}}
+reward_model: {{path: {judge_dir}, generative: true, template: '{template}', parser: '{PARSER}',
+               max_new_tokens: {JUDGE_TOKENS}, batch_size: 3, {judge}}}
+trainer: {{train_steps: 1, nproc_per_node: {nproc}, run_dir: {run_dir}}}
+logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
+""")
+    proc = megarl_here("train", str(work / f"{name}.yaml"), cwd=work)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, metrics[0]
+
+
+def transformers_judgements(judge_dir: Path, template: str, responses):
+    """What the judge writes for each response under transformers' greedy generate, as the
+    trainer's tokenizer sees it: the filled template as one user message of the chat template."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(judge_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(judge_dir, dtype=torch.float32).eval()
+    out = []
+    for response in responses:
+        ids = tok.apply_chat_template([{"role": "user", "content": template.format(response=response)}],
+                                      add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            new = model.generate(**ids, max_new_tokens=JUDGE_TOKENS, do_sample=False)[0, ids["input_ids"].shape[1]:]
+        out.append(tok.decode(new, skip_special_tokens=True))
+    return out
+
+
+def judge_scores(texts):
+    found = [re.search(PARSER, t) for t in texts]
+    return [float(m.group(1)) if m else 0.0 for m in found], sum(m is None for m in found)
+
+
+def answers_of(rows):
+    chats = {c[0]["content"]: c[1]["content"] for c in chat_examples(16, seed=7)}
+    return [next(a for q, a in chats.items() if f"user\n{q}" in row["prompt"]) for row in rows]
+
+
+def test_native_judge_plus_rule_equals_transformers(models):
+    rows, metrics = run(models, "native", 2, "{tp: 2}", "reward_fn: exact_match",
+                        "rule_weight: 0.5, judge_weight: 1.0", REVERSE)
+    texts = transformers_judgements(models[2], REVERSE, [r["response"] for r in rows])
+    scores, garbage = judge_scores(texts)
+    rules = [float(r["response"].strip() == a) for r, a in zip(rows, answers_of(rows))]
+    for row, score, rule, text in zip(rows, scores, rules, texts):
+        assert row["reward"] == pytest.approx(0.5 * rule + score, abs=1e-6), (row["response"], text, row["reward"])
+    print(f"native judge: scores {scores}, rules {rules}, unparseable {garbage}")
+    assert metrics["reward/judge_unparseable"] == garbage
+    assert metrics["reward/judge_timeouts"] == 0 and metrics["reward/judge_too_long"] == 0
+    assert len(set(scores)) > 1, texts  # the judge tells the responses apart
+    parsed = [s for s, t in zip(scores, texts) if re.search(PARSER, t)]
+    assert metrics["reward/judge_score_mean"] == pytest.approx(sum(parsed) / len(parsed))
+
+
+def test_vllm_judge_alone_equals_transformers(models):
+    rows, metrics = run(models, "vllm", 1, "{tp: 1}", "reward_fn: model", "engine: vllm", BARE)
+    texts = transformers_judgements(models[2], BARE, [r["response"] for r in rows])
+    scores, garbage = judge_scores(texts)
+    assert [r["reward"] for r in rows] == pytest.approx(scores, abs=1e-6), list(zip([r["response"] for r in rows], texts))
+    assert metrics["reward/judge_unparseable"] == garbage
+    print(f"vllm judge: scores {scores}, unparseable {garbage}")
+    assert 0 < garbage < len(rows), texts  # garbage was met, counted, and the run went on
