@@ -1,6 +1,6 @@
 """Worker for test_actor_update.py (under torchrun). ``run``: for each spec, one actor update
-(PPO with clipping engaged + k3 KL loss + entropy bonus) from shared initial weights on a shared
-batch; saves the reduced gradients and the new weights as dist checkpoints and the metrics. A mode
+(PPO with clipping engaged + k3 KL loss + entropy bonus), critic update or implicit-PRM update
+(PRIME's BCE) from shared initial weights on a shared batch; saves the reduced gradients and the new weights as dist checkpoints and the metrics. A mode
 ending in ``+mb`` makes the update PPO's 4 mini-batches x 2 epochs (8 optimizer steps, shuffled),
 with the rows split over DP ranks in order, as the driver splits a batch.
 ``replay`` is the MoE model with routing replay of a routing that differs from its own (see
@@ -22,6 +22,7 @@ from megarl.models.value_head import attach_value_head
 from megarl.parallel import Layout, build_groups
 from megarl.roles.actor import Actor, ActorLossConfig
 from megarl.roles.critic import Critic, CriticLossConfig
+from megarl.roles.prm import ImplicitPRM
 from megarl.runtime import init_distributed, set_seed
 from tests.distributed.specs import HOW, parse
 from megarl.checkpoint.dist_ckpt import save_model
@@ -30,7 +31,10 @@ from tests.distributed.parity_worker import _full_tensors, _rel, grads_as_weight
 
 MODELS = {"dense": "configs/models/tiny-llama.json", "moe": "configs/models/tiny-qwen3-moe.json",
           "critic": "configs/models/tiny-llama.json",  # critic: the dense backbone with a value head
-          "replay": "configs/models/tiny-qwen3-moe.json"}  # moe with routing replay of ROUTING
+          "replay": "configs/models/tiny-qwen3-moe.json",  # moe with routing replay of ROUTING
+          "prm": "configs/models/tiny-llama.json"}  # PRIME's implicit PRM: the dense model, its BCE update
+INIT = {"replay": "moe", "prm": "dense"}  # models that start from another's initial weights
+PRM_BETA = 0.5  # z = beta * sum(logp - ref) of a few units: the BCE's gradient far from 0
 LOSS = ActorLossConfig(policy_loss="ppo", clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01)
 ROWS, SEQ = 8, 14
 MINI = "+mb"
@@ -99,7 +103,7 @@ def run(work: Path, specs, reference: bool) -> None:
         groups = build_groups(layout)
         set_seed(9, groups)
         model_cfg = ModelConfig(hf_config=MODELS[name])
-        init = work / ("moe" if name == "replay" else name) / "init"
+        init = work / INIT.get(name, name) / "init"
         critic = name == "critic"
         if reference and not init.exists():
             chunks = build_model(model_cfg, groups)
@@ -123,7 +127,12 @@ def run(work: Path, specs, reference: bool) -> None:
             rows = balance_across_dp(lengths, dp)[groups.dp_rank]  # each DP rank its share
         mine = {k: v[rows] for k, v in batch.items()}
         noise_old, noise_ref = mine.pop("noise_old"), mine.pop("noise_ref")
-        if critic:
+        if name == "prm":  # the policy's reference shared: its log-probs come with the batch
+            logp = Actor(engine, LOSS).compute_log_prob(mine, lengths[rows], HOW[mode])
+            mine["ref_log_probs"] = (logp + noise_ref) * mine["loss_mask"]
+            mine["prm_labels"] = (torch.arange(ROWS)[rows] % 2).float()[:, None] * mine["loss_mask"]
+            role = ImplicitPRM(engine, engine, PRM_BETA, 1.0, shares_policy_reference=True)
+        elif critic:
             role = Critic(engine, CriticLossConfig(clip_range=0.05))
             values = role.compute_values(mine, lengths[rows], HOW[mode])
             mine["old_values"] = (values + noise_old * 0.3) * mine["loss_mask"]  # some clipped
@@ -162,7 +171,7 @@ def compare(work: Path) -> None:
             got_metrics = json.loads((run_dir / "metrics.json").read_text())
             record = {"run": f"{name}/{run_dir.name}",
                       "loss": abs(got_metrics["loss"] - ref_metrics["loss"]) / abs(ref_metrics["loss"]),
-                      "clip_frac": ref_metrics["clip_frac"], "metrics": got_metrics}
+                      "clip_frac": ref_metrics.get("clip_frac"), "metrics": got_metrics}
             for kind in ("grads", "weights"):
                 got = _full_tensors(model_cfg, groups, run_dir / kind, value_head=name == "critic")
                 record[kind] = max(_rel(got[k], ref[kind][k]) for k in ref[kind])

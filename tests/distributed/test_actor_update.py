@@ -1,5 +1,6 @@
 """Update invariance: one actor update (PPO with clip-higher, clipping engaged, + k3 KL loss +
-entropy bonus), or one critic update (clipped value loss, value head), from the same weights and
+entropy bonus), one critic update (clipped value loss, value head), or one update of PRIME's
+implicit PRM (BCE of its sequence logit; tp2, dp2, pp2), from the same weights and
 batch gives the same gradients and new weights at every layout, with fixed or token-budget
 micro-batches, padded or packed sequences, dense and MoE (e=2); relative difference (norm of
 difference / norm) <= 1e-5 per tensor, fp32. Specs ending in ``+mb`` take PPO's 4 mini-batches x 2
@@ -23,7 +24,7 @@ TOL = 1e-5
 # layernorms' and QKV gradients at tp=2 (Intel AVX-512 kernels; under 1e-5 on AMD without AVX-512),
 # at most 6e-7 at the other layouts. One update is held to TOL.
 MB_TOL = 1e-4
-REFERENCES = ["dense@1,1,1,1", "moe@1,1,1,1", "critic@1,1,1,1", "replay@1,1,1,1",
+REFERENCES = ["dense@1,1,1,1", "moe@1,1,1,1", "critic@1,1,1,1", "replay@1,1,1,1", "prm@1,1,1,1",
               "dense@1,1,1,1:dynamic+mb", "moe@1,1,1,1:dynamic+mb", "critic@1,1,1,1:dynamic+mb"]
 SPECS = {
     1: ["dense@1,1,1,1:dynamic", "dense@1,1,1,1:packed"],
@@ -32,7 +33,8 @@ SPECS = {
         "critic@2,1,1,1", "critic@1,2,1,1:packed", "critic@1,1,2,1:dynamic",
         "dense@1,2,1,1,2", "critic@1,2,1,1,2:packed",  # ,2 = two virtual pipeline stages
         "dense@2,1,1,1:dynamic+mb", "dense@1,2,1,1:dynamic+mb", "dense@1,1,2,1:dynamic+mb",
-        "moe@1,1,2,2:dynamic+mb", "critic@1,1,2,1:dynamic+mb", "replay@2,1,1,1", "replay@1,1,2,2:packed"],
+        "moe@1,1,2,2:dynamic+mb", "critic@1,1,2,1:dynamic+mb", "replay@2,1,1,1", "replay@1,1,2,2:packed",
+        "prm@2,1,1,1", "prm@1,1,2,1:dynamic", "prm@1,2,1,1:packed"],
     4: ["dense@2,2,1,1", "dense@2,2,1,1:dynamic-packed", "moe@2,2,1,1", "critic@2,2,1,1", "replay@2,2,1,1"],
 }
 
@@ -52,7 +54,20 @@ def test_every_run_compared(records):
 
 
 def test_the_update_exercises_clipping(records):
-    assert all(0.05 < r["clip_frac"] < 0.95 for r in records)
+    assert all(0.05 < r["clip_frac"] < 0.95 for r in records if not r["run"].startswith("prm"))
+
+
+def test_the_prm_update_is_a_real_bce_step(records):
+    """The implicit PRM's BCE at beta 0.5: the sequence logits are away from 0 (the loss is not
+    ln 2) and half the labels are right; at pp > 1 rank 0 reports only loss and grad norm."""
+    import math
+
+    prm = [r for r in records if r["run"].startswith("prm")]
+    assert len(prm) == 4
+    for r in prm:
+        assert r["metrics"]["grad_norm"] > 0 and abs(r["metrics"]["loss"] - math.log(2)) > 1e-3, r
+        if "acc" in r["metrics"]:
+            assert 0 < r["metrics"]["acc"] < 1, r
 
 
 def test_mini_batches_take_one_optimizer_step_each(records):
@@ -62,8 +77,8 @@ def test_mini_batches_take_one_optimizer_step_each(records):
 
 def test_clip_fractions_split_by_side_and_ratio_extrema_bracket_the_mean(records):
     # rank 0 writes the metrics; at pp > 1 it is not the last stage and has only loss and grad norm
-    actor = [r for r in records if not r["run"].startswith("critic") and "clip_frac" in r["metrics"]]
-    assert len(actor) == sum(not s.startswith("critic") and parse(s)[1].pp == 1
+    actor = [r for r in records if not r["run"].startswith(("critic", "prm")) and "clip_frac" in r["metrics"]]
+    assert len(actor) == sum(not s.startswith(("critic", "prm")) and parse(s)[1].pp == 1
                              for s in REFERENCES + sum(SPECS.values(), []))
     for r in actor:
         m = r["metrics"]
