@@ -75,8 +75,8 @@ def user_models(tmp_path_factory):
             "moe": make_hf_model("qwen3_next", work / "moe", tokenizer, train_steps=5), "data": data}
 
 
-def user_config(path: Path, model: Path, data: Path, actor: str, rollout: str, algorithm: str) -> str:
-    path.write_text(f"""
+def user_config(path: Path, model: Path, data: Path, actor: str, rollout: str, algorithm: str, extra: str = "") -> str:
+    path.write_text(extra + f"""
 model: {{path: {model}, params_dtype: float32}}
 parallel: {{actor: {actor}, rollout: {rollout}}}
 optimizer: {{lr: 1.0e-3}}
@@ -90,15 +90,21 @@ trainer: {{train_steps: 2, save_interval: 0, nproc_per_node: 2}}
 def test_grpo_colocated_tp2_equals_cpu_mode(tmp_path, user_models):
     """From the same HF weights in fp32, the CUDA code paths compute what CPU mode computes (the
     harness's storage is the CPU's; its CUDA generators draw CPU streams): the same rewards, the
-    same log-probs and the same final weights."""
+    same log-probs and the same final weights. The rewards add an LLM judge's (the same Llama,
+    reward_model.generative, its engine resharded from tp=2 to t_g=1 on the "device"; the score
+    its judgement's length, read by a parser function in the reward workers) to the rule's."""
+    judge = (f"reward_model: {{path: {user_models['llama']}, generative: true, template: 'reverse {{response}}', "
+             f"parser: 'tests.fixtures.judge_parsers:length', max_new_tokens: 4, rule_weight: 1.0}}\n")
     config = user_config(tmp_path / "grpo.yaml", user_models["llama"], user_models["data"], "{tp: 2}", "{tp: 1}",
-                         "grpo")
+                         "grpo", extra=judge)
     rows = train(tmp_path / "run", config=config)
     cpu = train(tmp_path / "cpu", config=config, gpu_shaped=False)
     assert len(rows) == 2
     first_step_agrees(rows[0], FP32_LOGP)
     assert rows[0]["time/weight_sync_s"] > 0
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in cpu]
+    assert [r["reward/judge_score_mean"] for r in rows] == [r["reward/judge_score_mean"] for r in cpu]
+    assert all(r["reward/judge_unparseable"] == 0 and r["reward/judge_score_mean"] > 0 for r in rows)
     assert rows[1]["actor/ratio_mean"] == pytest.approx(cpu[1]["actor/ratio_mean"], abs=1e-6)
     final, final_cpu = (json.loads((tmp_path / d / "final.json").read_text()) for d in ("run", "cpu"))
     assert final["step"] == 2
