@@ -407,6 +407,41 @@ _QWEN_DENSE = {
     "sliding_window": Only(_qwen_no_window, _NO_WINDOW),
     "use_sliding_window": MAPPED, "max_window_layers": MAPPED, "layer_types": MAPPED,
 }
+
+
+def _mla_rope_ok(hf) -> bool:
+    """Plain RoPE, or YaRN as Megatron's MLA computes it: its YaRN embedding always rounds the
+    correction range to whole dimensions (transformers' ``truncate``, true by default) and takes
+    its cos/sin factor from mscale/mscale_all_dim alone (no ``attention_factor``); other rope types
+    are refused by name where the rope is read."""
+    rope = _rope(hf)
+    return rope["rope_type"] != "yarn" or (rope.get("attention_factor") is None
+                                           and bool(rope.get("truncate", True)))
+
+
+def mla_yarn_settings(hf) -> Dict[str, Any]:
+    """MLATransformerConfig's YaRN fields for an HF YaRN rope, as transformers' DeepseekV3
+    computes it. transformers scales cos/sin by mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) only where both are set (nonzero), else by mscale(factor) = 0.1·ln(factor)+1,
+    and the softmax by mscale(factor, mscale_all_dim)² where mscale_all_dim is set; Megatron's MLA
+    scales the softmax alike and cos/sin by that ratio, or by mscale(factor) where mscale is None.
+    beta_fast/beta_slow default to 32/1 when absent or null, original_max_position_embeddings to
+    max_position_embeddings (what transformers fills in), as in transformers."""
+    rope = _rope(hf)
+    if rope.get("factor") is None:
+        raise UnsupportedModelError(f"{hf['model_type']} rope_type 'yarn' needs rope_parameters.factor")
+    both = bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
+    original = rope.get("original_max_position_embeddings") or _get(hf, "max_position_embeddings")
+    return {
+        "rotary_scaling_factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(rope.get("beta_fast") or 32),
+        "beta_slow": float(rope.get("beta_slow") or 1),
+        "mscale": float(rope["mscale"]) if both else None,
+        "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+    }
+
+
 _ROUTER_AUX = {  # transformers returns its aux loss only with output_router_logits; megarl's aux
     # loss coefficient is router_aux_loss_coef unless model.moe_aux_loss_coeff overrides it
     "router_aux_loss_coef": MAPPED, "output_router_logits": INERT,
@@ -497,6 +532,11 @@ FIELDS: Dict[str, Dict[str, Union[str, Only]]] = {
             "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor", "topk_group")},
         "rope_interleave": Only(_at("rope_interleave", True),
                                 "only true: Megatron's MLA rope always de-interleaves q_pe/k_pe"),
+        # checked wherever the rope is given: rope_parameters, or an older file's rope_scaling
+        "rope_parameters": Only(_mla_rope_ok,
+                                "rope_type 'default', or 'yarn' without attention_factor and with "
+                                "truncate true or absent (Megatron's MLA YaRN derives its attention "
+                                "factor from mscale/mscale_all_dim and rounds the correction range)"),
         **_SIGMOID_ROUTING_FIELDS,
         # DeepSeek's own config.json keys that transformers' DeepseekV3 does not read.
         "scoring_func": Only(_at("scoring_func", "sigmoid"), "transformers' DeepseekV3 routes on sigmoid scores"),
@@ -656,12 +696,8 @@ def megatron_args_from_hf(path_or_dict) -> MegatronModelArgs:
     yarn = None
     if arch.mla:
         kwargs["rope_type"] = "rope" if rope_type == "default" else rope_type
-        if rope_type == "yarn":
-            kwargs.update(
-                rotary_scaling_factor=rope["factor"],
-                original_max_position_embeddings=rope["original_max_position_embeddings"],
-                beta_fast=rope.get("beta_fast", 32), beta_slow=rope.get("beta_slow", 1),
-                mscale=rope.get("mscale", 1.0), mscale_all_dim=rope.get("mscale_all_dim", 0.0))
+        if rope_type == "yarn":  # its FIELDS row refused what Megatron's MLA YaRN cannot compute
+            kwargs.update(mla_yarn_settings(hf))
         elif rope_type != "default":
             raise UnsupportedModelError(f"rope_type '{rope_type}' is not supported for MLA; use 'default' or 'yarn'")
     elif rope_type == "llama3":

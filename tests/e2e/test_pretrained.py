@@ -13,7 +13,9 @@ A GLM-4.5-style MoE (tp=2·ep=2) and a gpt-oss (tp=2·ep=2·etp=1: sinks, a wind
 other layer, biases, clamped SwiGLU) run the same way on the native engine, and so do a Qwen3-Next
 and a Qwen3.5 vision-language checkpoint (gated delta nets, whose state the native rollout keeps
 while it decodes, and gated attention; tp=2·ep=2), the latter's vision tower carried into the
-export bit-exact.
+export bit-exact, and a DeepSeek-V3 (tp=2·ep=2: MLA with low-rank q and kv under DeepSeek-V3's YaRN
+rope and mscale, sigmoid routing by nonzero expert biases within a group limit, a shared expert,
+a first dense layer), its router expert biases exported bit-exact as GLM's.
 
 The Qwen2-MoE case's prompts come as verl's data preprocessing writes them (a parquet of
 ``data_source``, chat-message ``prompt``, ``reward_model.ground_truth`` and ``extra_info``), scored
@@ -54,15 +56,26 @@ LAYOUTS = {  # case -> (nproc, actor layout)
     "qwen3_next": (2, "{tp: 2, ep: 2, etp: 1}"),
     # Qwen3.5's vision-language checkpoint: its text model trained, its vision tower carried into the export
     "qwen3_5_moe": (2, "{tp: 2, ep: 2, etp: 1}"),
+    # MLA (low-rank q and kv, interleaved rope) with DeepSeek-V3's YaRN rope and mscale (DSV3_YARN),
+    # sigmoid router with nonzero expert biases and a group limit, a shared expert, a first dense layer
+    "deepseek_v3": (2, "{tp: 2, ep: 2, etp: 1}"),
 }
 ROLLOUT = {"qwen3_moe+vllm": ", engine: vllm"}
 WINDOW = 8  # the chat prompts alone are longer
 GPT_OSS_WINDOW = 8  # tiny-gpt-oss.json's, on its 1st and 3rd layers: the chat prompts alone are longer
+# DeepSeek-V3's rope (factor 40 over 4096 positions, mscale = mscale_all_dim = 1: cos/sin unscaled,
+# the softmax scaled by (0.1·ln(factor) + 1)²) at this model's length: 4 over 64 of its 256 positions
+DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 OVERRIDES = {"qwen3_moe+vllm": {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
-             "mistral": {"sliding_window": WINDOW}, "gpt_oss": {"sliding_window": GPT_OSS_WINDOW}}
+             "mistral": {"sliding_window": WINDOW}, "gpt_oss": {"sliding_window": GPT_OSS_WINDOW},
+             "deepseek_v3": {"rope_parameters": DSV3_YARN}}
 # the same checkpoint read by transformers without its window: far other log-probs (the window mattered)
 NO_WINDOW = {"mistral": (WINDOW, {"sliding_window": None}),
              "gpt_oss": (GPT_OSS_WINDOW, {"layer_types": ["full_attention"] * 4})}
+# and without its YaRN rope, or without the softmax's mscale: far other log-probs (both mattered)
+OTHER_ROPE = {"deepseek_v3": [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+                              {"rope_parameters": {**DSV3_YARN, "mscale_all_dim": 0.0}}]}
 GAP_TOL = 1e-5  # the native rollout's log-probs vs the trainer's old log-probs, same tokens
 def tensors(directory: Path) -> dict:
     out = {}
@@ -158,16 +171,17 @@ def test_first_step_log_probs_equal_transformers(post_trained):
     gap = metrics[0]["rollout/logp_max_abs_diff"]
     assert gap <= GAP_TOL, f"{kind}: first step's rollout vs trainer log-prob {gap:.2e}"
     if kind in NO_WINDOW:  # the window dropped keys of every row: without it, far other log-probs
-        window, unwindowed = NO_WINDOW[kind]
-        assert min(len(r["prompt_ids"]) for r in rows) > window
-        full = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                                 **unwindowed).eval()
-        row = rows[0]
-        ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
-        with torch.no_grad():
-            logp = torch.log_softmax(full(ids).logits[0, len(row["prompt_ids"]) - 1:-1], dim=-1)
-        logp = logp.gather(1, ids[0, len(row["prompt_ids"]):, None]).squeeze(1)
-        assert (torch.tensor(row["old_log_probs"]) - logp).abs().max().item() > 100 * TOL
+        assert min(len(r["prompt_ids"]) for r in rows) > NO_WINDOW[kind][0]
+    for other in ([NO_WINDOW[kind][1]] if kind in NO_WINDOW else []) + OTHER_ROPE.get(kind, []):
+        full = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **other).eval()
+        apart = 0.0
+        for row in rows:
+            ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+            with torch.no_grad():
+                logp = torch.log_softmax(full(ids).logits[0, len(row["prompt_ids"]) - 1:-1], dim=-1)
+            logp = logp.gather(1, ids[0, len(row["prompt_ids"]):, None]).squeeze(1)
+            apart = max(apart, (torch.tensor(row["old_log_probs"]) - logp).abs().max().item())
+        assert apart > 100 * TOL, (other, apart)
     # The chat template rendered the prompt, and a stop on either EOS id ended the response.
     assert rows[0]["prompt_ids"][0] == IM_START_ID and rows[0]["prompt_ids"][-11] == IM_START_ID  # "<|im_start|>assistant\n"
     assert rows[0]["prompt"].startswith("user\nreverse ") and rows[0]["prompt"].endswith("assistant\n")
@@ -190,11 +204,14 @@ def test_export_is_bit_exact_and_generates(post_trained):
     assert sorted(exported) == sorted(source)
     for name, value in source.items():
         assert exported[name].dtype == value.dtype, name
-        # glm4_moe's router expert biases too: model.moe_router_bias_update_rate is 0 (their
-        # aux-loss-free balancing moved them by 1e-3 a step at any lr before)
+        # glm4_moe's and deepseek_v3's router expert biases too: model.moe_router_bias_update_rate
+        # is 0 (their aux-loss-free balancing moved them by 1e-3 a step at any lr before)
         assert torch.equal(exported[name], value), name
-    if kind == "glm4_moe":
-        assert sum(n.endswith(".mlp.gate.e_score_correction_bias") for n in source) == 3  # layers 1-3 are MoE
+    if kind in ("glm4_moe", "deepseek_v3"):  # layers 1-3 are MoE
+        biases = [v for n, v in source.items() if n.endswith(".mlp.gate.e_score_correction_bias")]
+        assert len(biases) == 3
+        if kind == "deepseek_v3":  # drawn nonzero (make_hf_model), as a real checkpoint's
+            assert all(b.abs().min() > 0 for b in biases)
     config = json.loads((work / "export" / "config.json").read_text())
     assert config["architectures"] and config.get("torch_dtype") == "float32"
     tok = transformers.AutoTokenizer.from_pretrained(work / "export")

@@ -661,6 +661,62 @@ def test_deepseek_v3_yarn():
     assert kw["mscale_all_dim"] == 1.0
 
 
+_DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("mscales", [
+    {"mscale": 1.0, "mscale_all_dim": 1.0},    # DeepSeek-V3's, Kimi-K2's
+    {"mscale": 0.707, "mscale_all_dim": 0.707},  # DeepSeek-V2's
+    {"mscale": 0.707, "mscale_all_dim": 1.0},
+    {},                                        # neither: cos/sin by 0.1·ln(factor)+1
+    {"mscale": 0.707},                         # transformers ignores mscale alone
+    {"mscale_all_dim": 1.0},                   # the softmax scaled, cos/sin by 0.1·ln(factor)+1
+    {"mscale": 0.0, "mscale_all_dim": 0.707},
+    {"mscale": None, "mscale_all_dim": None},
+])
+def test_deepseek_v3_yarn_scales_as_transformers(mscales):
+    """MLA's two YaRN factors from the mapped fields, by Megatron's own functions (what
+    MultiLatentAttention and YarnRotaryEmbedding compute), equal transformers' DeepseekV3: the
+    cos/sin factor (its rope's attention_factor) and the softmax factor (yarn_apply_mscale)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor, _yarn_get_mscale,
+    )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    config = transformers.DeepseekV3Config(**{**deepseek_v3(), "rope_parameters": {**_DSV3_YARN, **mscales}})
+    _, cos_sin = ROPE_INIT_FUNCTIONS["yarn"](config)
+    softmax = yarn_apply_mscale(config.rope_parameters, 1.0)
+    kw = megatron_args_from_hf(config.to_dict()).config_kwargs
+    assert kw["rope_type"] == "yarn"
+    assert _yarn_get_concentration_factor(kw["rotary_scaling_factor"], kw["mscale"], kw["mscale_all_dim"]) == \
+        pytest.approx(cos_sin, rel=1e-12)
+    assert _yarn_get_mscale(kw["rotary_scaling_factor"], kw["mscale_all_dim"]) ** 2 == pytest.approx(softmax, rel=1e-12)
+    assert (cos_sin, softmax) != (1.0, 1.0)  # each case scales one or the other
+
+
+def test_deepseek_v3_yarn_defaults_as_transformers():
+    """beta_fast/beta_slow null read as 32/1, an absent original_max_position_embeddings as
+    max_position_embeddings (transformers fills it in)."""
+    hf = deepseek_v3()
+    hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": None,
+                             "beta_slow": None}
+    kw = megatron_args_from_hf(hf).config_kwargs
+    assert (kw["beta_fast"], kw["beta_slow"], kw["original_max_position_embeddings"]) == (32.0, 1.0, 777)
+
+
+@pytest.mark.parametrize("extra", [{"attention_factor": 1.2}, {"truncate": False}])
+def test_deepseek_v3_yarn_megatron_cannot_reproduce_is_refused_by_name(extra):
+    """Megatron's MLA YaRN takes no attention factor of its own and always rounds the
+    correction range (transformers' truncate)."""
+    hf = deepseek_v3()
+    hf["rope_parameters"] = {**_DSV3_YARN, "mscale": 1.0, "mscale_all_dim": 1.0, **extra}
+    with pytest.raises(UnsupportedModelError, match="config field rope_parameters="):
+        megatron_args_from_hf(hf)
+    hf["rope_parameters"] = {**hf["rope_parameters"], "truncate": True, "attention_factor": None}
+    assert megatron_args_from_hf(hf).config_kwargs["rope_type"] == "yarn"
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------

@@ -68,6 +68,8 @@ BAD = {
         "scoring_func": {"scoring_func": "softmax"},
         "topk_method": {"topk_method": "greedy"},
         "moe_layer_freq": {"moe_layer_freq": 2},
+        "rope_parameters": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                                "original_max_position_embeddings": 4096, "truncate": False}},
     },
     "qwen3_next": {
         **COMMON_BAD,
