@@ -15,10 +15,6 @@ import typing
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Type, TypeVar
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-import yaml
-
 from megarl.config.schema import Choice, MegarlConfig
 
 T = TypeVar("T")
@@ -70,6 +66,9 @@ def _explain(exc: OmegaConfBaseException, source: str, schema: type = MegarlConf
 
 
 def _load_yaml(path: Path):
+    import yaml
+    from omegaconf import OmegaConf
+
     try:
         return OmegaConf.load(path)
     except yaml.YAMLError as exc:
@@ -123,6 +122,12 @@ def load_config(
     Returns a plain dataclass instance (``OmegaConf.to_object``), so code downstream sees typed
     attributes, not a DictConfig.
     """
+    # omegaconf and yaml load here, not with the package: every worker process imports the schema
+    # and none composes a config (0.5 s of each one's start-up)
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     cfg = OmegaConf.structured(schema)
     for path in yaml_files:
         path = Path(path)
@@ -155,6 +160,8 @@ def load_config(
 def to_yaml(cfg) -> str:
     """The config as YAML text (round-trips through :func:`load_config`); choices are written as
     the values users type (``token-mean``), not their enum names."""
+    from omegaconf import OmegaConf
+
     plain = dataclasses.asdict(cfg, dict_factory=lambda pairs: {k: v.value if isinstance(v, Choice) else v
                                                                  for k, v in pairs})
     return OmegaConf.to_yaml(OmegaConf.create(plain))

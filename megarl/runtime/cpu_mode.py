@@ -35,6 +35,7 @@ rollout's decode) run under :func:`suspended`.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import torch
@@ -193,15 +194,23 @@ def light_megatron_import():
     kernels it decorates are off on CPU (``megarl.models.builder``: ``bias_activation_fusion`` and
     ``masked_softmax_fusion`` follow Transformer Engine, ``apply_rope_fusion`` is off), so eager
     and compiled would run the same nothing. ``torch.compile`` is swapped only for the import's
-    duration, under the import lock."""
+    duration, under the import lock; so is ``wandb`` hidden (megatron's inference context, which
+    megarl does not use, would import it)."""
     if torch.cuda.is_available():
         yield
         return
     real, torch.compile = torch.compile, _passthrough_compile
+    # Its dynamic inference context (unused by megarl) imports wandb when installed: 1 s of every
+    # process. Hidden for the import only; megarl's own tracker imports the real wandb later.
+    hidden = "wandb" not in sys.modules
+    if hidden:
+        sys.modules["wandb"] = None
     try:
         yield
     finally:
         torch.compile = real
+        if hidden and sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
     from megatron.core import jit
 
     jit.disable_jit_fuser()

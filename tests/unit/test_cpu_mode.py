@@ -117,6 +117,12 @@ LIGHT_IMPORT = textwrap.dedent('''
     x = torch.randn(4, 6)
     assert torch.equal(fused_bias_swiglu.bias_swiglu_impl(x, None), torch.nn.functional.silu(x[:, :3]) * x[:, 3:])
     assert megarl.megatron_import._FINDER not in sys.meta_path  # gone after its one use
+    # a worker's imports skip wandb (megatron's unused inference context) and omegaconf (only the
+    # driver composes configs); the real wandb still imports for megarl's tracker afterwards
+    import megarl.controller.rl_worker
+    assert "wandb" not in sys.modules and "omegaconf" not in sys.modules, [m for m in ("wandb", "omegaconf") if m in sys.modules]
+    import wandb
+    assert wandb.__version__
 
     # with CUDA present the import is megatron's own
     from megarl.runtime import cpu_mode
