@@ -92,3 +92,12 @@ def test_a_driver_that_takes_ctrl_c_is_left_to_its_own_exit(tmp_path):
     assert rc == 130 and err.strip().splitlines()[-1] == "interrupted", err
     assert "not taken" not in err, err
     assert _gone(ray_like) and _gone(watchdog), err
+
+
+def test_the_watchdog_starts_without_torch():
+    """The watchdog (``python -m megarl.runtime.processes``) and the notice import no torch: a
+    watchdog up in tens of milliseconds hears a Ctrl-C in a run's first seconds on a loaded node
+    (with torch, its start took 3 s at a load of 10, and the Ctrl-C cases above timed out at 20)."""
+    probe = "import sys, megarl.runtime.processes, megarl.runtime.signals; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
