@@ -357,7 +357,8 @@ def advantages(batch: Batch, algo, kl_coef: Optional[float] = None) -> Columns:
         values=batch.values, index=batch.index, baseline_scores=batch.baseline_scores,
         gamma=algo.gamma, lam=algo.lam, lam_critic=algo.lam_critic, lam_length_alpha=algo.lam_length_alpha,
         process_rewards=batch.process_rewards, process_coef=algo.process_reward_coef,
-        outcome_coef=algo.outcome_reward_coef, norm_by_std=algo.norm_by_std, whiten=p.whiten)
+        outcome_coef=algo.outcome_reward_coef, process_norm=algo.prm_norm, norm_by_std=algo.norm_by_std,
+        whiten=p.whiten)
     out["advantages"], out["returns"] = ADVANTAGE_ESTIMATORS.get(p.estimator)(inputs)
     if batch.values is not None:
         out["old_values"] = batch.values

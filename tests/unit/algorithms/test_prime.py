@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from megarl.config.schema import PrmNorm
 from megarl.roles.prm import implicit_process_rewards, prm_bce
 from tests.unit.algorithms.test_vapo import random_batch
 
@@ -36,6 +37,19 @@ def test_token_rewards_and_cross_entropy():
         assert float(z[i]) == pytest.approx(zi, rel=1e-12)
         assert float(losses[i]) == pytest.approx(-(yi * math.log(p) + (1 - yi) * math.log(1 - p)), rel=1e-10)
     assert has.all()
+
+
+def reference_batch_norm(q, mask):
+    """verl-recipe prime_norm=batch_norm: every token reward over (max over the batch's rows i and
+    response tokens t of |sum_{s >= t} q_is|) + 1e-6."""
+    rows, width = mask.shape
+    steps = [[t for t in range(width) if mask[i, t]] for i in range(rows)]
+    largest = max(abs(sum(float(q[i, s]) for s in steps[i] if s >= t)) for i in range(rows) for t in steps[i])
+    out = torch.zeros(rows, width, dtype=torch.float64)
+    for i in range(rows):
+        for t in steps[i]:
+            out[i, t] = float(q[i, t]) / (largest + 1e-6)
+    return out
 
 
 def reference_prime(q, scores, mask, index, cp, co):
@@ -68,13 +82,20 @@ def reference_prime(q, scores, mask, index, cp, co):
     return adv, returns
 
 
-def test_rloo_of_process_and_outcome_rewards():
+@pytest.mark.parametrize("norm", list(PrmNorm))
+def test_rloo_of_process_and_outcome_rewards(norm):
+    """With batch_norm (the default) the token rewards are first scaled by the batch's largest
+    |reverse cumulative sum|; with none they enter the RLOO as they are."""
     mask, q, _ = random_batch(rows=6, seed=6)
+    q = q * 40  # log-ratios of a PRM far from its reference: batch_norm's divisor is well above 1
+    q[mask == 0] = float("nan")  # padding holds anything
     scores = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.0], dtype=torch.float64)
     index = torch.tensor([7, 3, 7, 3, 7, 3])  # two groups of three, interleaved
     adv, returns = ADVANTAGE_ESTIMATORS.get("prime")(AdvantageInputs(
-        response_mask=mask, process_rewards=q, scores=scores, index=index, process_coef=5.0, outcome_coef=5.0))
-    ref_adv, ref_returns = reference_prime(q, scores, mask, index, 5.0, 5.0)
+        response_mask=mask, process_rewards=q, scores=scores, index=index, process_coef=5.0, outcome_coef=5.0,
+        process_norm=norm))
+    scaled = reference_batch_norm(q, mask) if norm == PrmNorm.batch_norm else q
+    ref_adv, ref_returns = reference_prime(scaled, scores, mask, index, 5.0, 5.0)
     valid = mask.bool()
     torch.testing.assert_close(returns[valid], ref_returns[valid], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(adv[valid], ref_adv[valid], rtol=1e-10, atol=1e-10)
