@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS, kl_penalty_rewards
+from megarl.algorithms.advantages import prm_pair_accuracy
 from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.agent.loop import Agent
 from megarl.algorithms.presets import preset, resolve
@@ -429,6 +430,9 @@ def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None,
         with log.phase("process_rewards"):
             batch |= roles.prm.compute_rewards(batch)
         check_finite(batch, "process_rewards", "the implicit PRM's token rewards", step)
+        z = torch.where(batch.loss_mask.bool(), batch.process_rewards, 0.0).sum(-1)
+        pairs = prm_pair_accuracy(z, batch.raw_scores.clamp(0, 1), batch.index)
+        metrics |= {} if pairs is None else {"prm/pair_acc": pairs}
     batch |= advantages(batch, algo, kl.value if kl else None)
     metrics |= kl.observe(batch) if kl else {}
     if roles.critic:

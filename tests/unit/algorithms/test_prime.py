@@ -100,3 +100,29 @@ def test_rloo_of_process_and_outcome_rewards(norm):
     torch.testing.assert_close(returns[valid], ref_returns[valid], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(adv[valid], ref_adv[valid], rtol=1e-10, atol=1e-10)
     assert (returns[~valid] == 0).all() and (adv[~valid] == 0).all()
+
+
+def test_pair_accuracy_as_verl_recipes_dpo_acc():
+    """prm/pair_acc against a loop over each group's pairs: the |y_i - y_j|-weighted share of the
+    pairs with different labels that the sequence scores order alike (ties wrong), averaged over
+    the groups having such a pair; a group of equal labels is left out; none at all: None."""
+    from megarl.algorithms.advantages import prm_pair_accuracy
+
+    z = torch.tensor([0.3, -0.1, 0.2, 0.2, 0.0, -1.0, 0.0, 0.4, 0.1], dtype=torch.float64)
+    y = torch.tensor([1.0, 0.0, 0.25, 0.5, 0.5, 0.0, 0.75, 0.75, 0.75], dtype=torch.float64)
+    index = torch.tensor([4, 4, 9, 9, 4, 9, 2, 2, 2])  # group 2: equal labels, no pair counts
+    per_group = []
+    for g in (4, 9, 2):
+        rows = [i for i in range(len(z)) if index[i] == g]
+        num = den = 0.0
+        for a, i in enumerate(rows):
+            for j in rows[a + 1:]:
+                w = abs(float(y[i] - y[j]))
+                if w:
+                    num += w * (float(z[i] - z[j]) * float(y[i] - y[j]) > 0)
+                    den += w
+        if den:
+            per_group.append(num / den)
+    assert per_group == [1.0, 0.75]  # the mean over groups, not over pairs (0.917)
+    assert prm_pair_accuracy(z, y, index) == pytest.approx(sum(per_group) / 2, rel=1e-12)
+    assert prm_pair_accuracy(z, torch.zeros_like(y), index) is None
