@@ -273,14 +273,15 @@ def prime(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
 def prm_pair_accuracy(z: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> Optional[float]:
     """How often the PRM orders a prompt's responses as the verifier does (verl-recipe prime's
     ``dpo_acc``): within each group (``index``), over the pairs whose labels differ, the share
-    weighted by |y_i - y_j| where z_i - z_j has the sign of y_i - y_j (a tie is wrong); the mean
+    weighted by |y_i - y_j| where z_i - z_j has the sign of y_i - y_j (a tie counts a half: a PRM
+    that scores all alike, as at the start, is at chance, 0.5); the mean
     over the groups with such a pair (verl counts the others as 0.5), None if there is none.
     ``z`` [rows]: the sequence scores, ``labels`` [rows]."""
     dy = labels[:, None] - labels[None, :]
     dz = z[:, None] - z[None, :]
     pair = (index[:, None] == index[None, :]) & torch.ones_like(dy, dtype=torch.bool).triu(1) & (dy != 0)
     weight = torch.where(pair, dy.abs(), 0.0)
-    right = torch.where((dz > 0) == (dy > 0), weight, 0.0) * (dz != 0)
+    right = weight * torch.where(dz == 0, 0.5, ((dz > 0) == (dy > 0)).to(weight.dtype))
     _, group = torch.unique(index, return_inverse=True)
     groups = int(group.max()) + 1
     num = torch.zeros(groups, dtype=weight.dtype).index_add_(0, group, right.sum(-1))

@@ -104,7 +104,7 @@ def test_rloo_of_process_and_outcome_rewards(norm):
 
 def test_pair_accuracy_as_verl_recipes_dpo_acc():
     """prm/pair_acc against a loop over each group's pairs: the |y_i - y_j|-weighted share of the
-    pairs with different labels that the sequence scores order alike (ties wrong), averaged over
+    pairs with different labels that the sequence scores order alike (a tie a half), averaged over
     the groups having such a pair; a group of equal labels is left out; none at all: None."""
     from megarl.algorithms.advantages import prm_pair_accuracy
 
@@ -119,10 +119,12 @@ def test_pair_accuracy_as_verl_recipes_dpo_acc():
             for j in rows[a + 1:]:
                 w = abs(float(y[i] - y[j]))
                 if w:
-                    num += w * (float(z[i] - z[j]) * float(y[i] - y[j]) > 0)
+                    dz = float(z[i] - z[j])
+                    num += w * (0.5 if dz == 0 else float(dz * float(y[i] - y[j]) > 0))
                     den += w
         if den:
             per_group.append(num / den)
-    assert per_group == [1.0, 0.75]  # the mean over groups, not over pairs (0.917)
+    assert per_group == [1.0, 0.875]  # the mean over groups, not over pairs (0.958)
     assert prm_pair_accuracy(z, y, index) == pytest.approx(sum(per_group) / 2, rel=1e-12)
     assert prm_pair_accuracy(z, torch.zeros_like(y), index) is None
+    assert prm_pair_accuracy(torch.zeros_like(z), y, index) == 0.5  # the PRM at its start
