@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from megarl.algorithms.masked import masked_whiten
+from megarl.config.schema import PrmNorm
 from megarl.registry import Registry
 
 AdvantageEstimator = Callable[["AdvantageInputs"], Tuple[Tensor, Tensor]]
@@ -33,6 +34,7 @@ class AdvantageInputs:
     process_rewards: Optional[Tensor] = None  # [batch, T], PRIME's implicit PRM token rewards
     process_coef: float = 5.0  # PRIME: weight of the process rewards' RLOO
     outcome_coef: float = 5.0  # PRIME: weight of the outcome scores' RLOO
+    process_norm: PrmNorm = PrmNorm.batch_norm  # PRIME: batch_norm bounds the process rewards' returns to [-1, 1]
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda (of the policy's advantages)
     lam_critic: Optional[float] = None  # GAE: lambda of the value targets (returns); None = lam (VAPO: 1.0)
@@ -235,10 +237,21 @@ def _group_rloo(rewards: Tensor, valid: Tensor, index: Tensor) -> Tensor:
     return torch.where(valid, rewards * n / (n - 1) - means_sum[:, None] / (n - 1), 0.0)
 
 
+def batch_norm_process_rewards(process: Tensor, mask: Tensor) -> Tensor:
+    """verl-recipe ``prime``'s ``prime_norm: batch_norm``: the token rewards (0 off ``mask``) divided
+    by the largest |sum_{s >= t} r_s| over the batch's response tokens, + 1e-6, so that every
+    process return lies in [-1, 1] however far the PRM's log-ratios have drifted. Over the whole
+    step's batch (verl: over each data-parallel rank's share)."""
+    process = torch.where(mask.bool(), process, 0.0)
+    reverse_cumsum = process.flip(-1).cumsum(-1).flip(-1)
+    return process / (reverse_cumsum.abs().max() + 1e-6)
+
+
 @ADVANTAGE_ESTIMATORS.register("prime")
 def prime(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
-    """PRIME (Cui et al. 2025, arXiv:2502.01456, §3.3, as verl-recipe's ``prime``): RLOO applied
-    separately to the implicit PRM's token rewards and to the outcome score (on each response's
+    """PRIME (Cui et al. 2025, arXiv:2502.01456, §3.3, as verl-recipe's ``prime``): the implicit
+    PRM's token rewards scaled by ``process_norm`` (batch_norm: :func:`batch_norm_process_rewards`),
+    then RLOO applied separately to them and to the outcome score (on each response's
     last token), weighted ``process_coef`` and ``outcome_coef`` (5 and 5), summed; returns G_t =
     sum_{s >= t} of that reward (gamma 1, the reverse cumulative sum), advantages = G whitened over
     the batch's valid tokens (local statistics, see ``masked_whiten``)."""
@@ -249,7 +262,29 @@ def prime(inputs: AdvantageInputs) -> Tuple[Tensor, Tensor]:
     valid = mask.bool()
     last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & valid
     outcome = torch.where(last, scores[:, None].to(process.dtype), 0.0)
+    if inputs.process_norm == PrmNorm.batch_norm:
+        process = batch_norm_process_rewards(process, mask)
     rewards = (inputs.process_coef * _group_rloo(process, valid, index)
                + inputs.outcome_coef * _group_rloo(outcome, last, index))
     returns = _discounted_returns(rewards, mask, 1.0)
     return masked_whiten(returns, mask), returns
+
+
+def prm_pair_accuracy(z: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> Optional[float]:
+    """How often the PRM orders a prompt's responses as the verifier does (verl-recipe prime's
+    ``dpo_acc``): within each group (``index``), over the pairs whose labels differ, the share
+    weighted by |y_i - y_j| where z_i - z_j has the sign of y_i - y_j (a tie counts a half: a PRM
+    that scores all alike, as at the start, is at chance, 0.5); the mean
+    over the groups with such a pair (verl counts the others as 0.5), None if there is none.
+    ``z`` [rows]: the sequence scores, ``labels`` [rows]."""
+    dy = labels[:, None] - labels[None, :]
+    dz = z[:, None] - z[None, :]
+    pair = (index[:, None] == index[None, :]) & torch.ones_like(dy, dtype=torch.bool).triu(1) & (dy != 0)
+    weight = torch.where(pair, dy.abs(), 0.0)
+    right = weight * torch.where(dz == 0, 0.5, ((dz > 0) == (dy > 0)).to(weight.dtype))
+    _, group = torch.unique(index, return_inverse=True)
+    groups = int(group.max()) + 1
+    num = torch.zeros(groups, dtype=weight.dtype).index_add_(0, group, right.sum(-1))
+    den = torch.zeros(groups, dtype=weight.dtype).index_add_(0, group, weight.sum(-1))
+    informative = den > 0
+    return float((num[informative] / den[informative]).mean()) if informative.any() else None

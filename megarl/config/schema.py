@@ -141,6 +141,14 @@ class AggMode(Choice):
     seq_mean_token_sum_norm = "seq-mean-token-sum-norm"
 
 
+class PrmNorm(Choice):
+    """``algorithm.prm_norm``: how PRIME scales the implicit PRM's token rewards (verl-recipe's
+    ``reward_model.prime_norm``; megarl/algorithms/advantages.py)."""
+
+    batch_norm = "batch_norm"
+    none = "none"
+
+
 class RolloutCorrection(Choice):
     """``algorithm.rollout_correction``: importance weights of the rollout's samples
     (megarl/algorithms/correction.py)."""
@@ -530,6 +538,11 @@ class AlgorithmConfig:
     """PRIME: weight of the RLOO of the implicit PRM's token rewards (verl-recipe's reward_dpo_coef)."""
     outcome_reward_coef: float = bounded(5.0, ge=0)
     """PRIME: weight of the RLOO of the outcome reward (verl-recipe's reward_gt_coef)."""
+    prm_norm: PrmNorm = PrmNorm.batch_norm
+    """PRIME: batch_norm (verl-recipe's default prime_norm) divides the PRM's token rewards by the
+    largest |sum_{s >= t} r_s| over the step's batch before their RLOO, so every process return
+    lies in [-1, 1] however far the PRM's log-ratios drift; none = the raw beta x log-ratio, whose
+    scale grows with the PRM's drift from its reference."""
     prm_lr: Optional[float] = bounded(None, ge=0)
     """PRIME: the implicit PRM's learning rate; null = optimizer.lr. It starts from the policy's
     starting weights (or reward_model.path, an HF causal LM), is updated once per step (the actor's

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megarl.algorithms import ADVANTAGE_ESTIMATORS, AdvantageInputs, KL_ESTIMATORS, kl_penalty_rewards
+from megarl.algorithms.advantages import prm_pair_accuracy
 from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.agent.loop import Agent
 from megarl.algorithms.presets import preset, resolve
@@ -451,7 +452,8 @@ def advantages(batch: Batch, algo, kl_coef: Optional[float] = None) -> Columns:
         values=batch.values, index=batch.index, baseline_scores=batch.baseline_scores,
         gamma=algo.gamma, lam=algo.lam, lam_critic=algo.lam_critic, lam_length_alpha=algo.lam_length_alpha,
         process_rewards=batch.process_rewards, process_coef=algo.process_reward_coef,
-        outcome_coef=algo.outcome_reward_coef, norm_by_std=algo.norm_by_std, whiten=p.whiten)
+        outcome_coef=algo.outcome_reward_coef, process_norm=algo.prm_norm, norm_by_std=algo.norm_by_std,
+        whiten=p.whiten)
     out["advantages"], out["returns"] = ADVANTAGE_ESTIMATORS.get(p.estimator)(inputs)
     if batch.values is not None:
         out["old_values"] = batch.values
@@ -522,6 +524,9 @@ def train_on(batch: Batch, roles, algo, log, step: Optional[int] = None,
         with log.phase("process_rewards"):
             batch |= roles.prm.compute_rewards(batch)
         check_finite(batch, "process_rewards", "the implicit PRM's token rewards", step)
+        z = torch.where(batch.loss_mask.bool(), batch.process_rewards, 0.0).sum(-1)
+        pairs = prm_pair_accuracy(z, batch.raw_scores.clamp(0, 1), batch.index)
+        metrics |= {} if pairs is None else {"prm/pair_acc": pairs}
     batch |= advantages(batch, algo, kl.value if kl else None)
     metrics |= kl.observe(batch) if kl else {}
     if roles.critic:

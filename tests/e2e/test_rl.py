@@ -187,7 +187,7 @@ def test_prime_trains_its_implicit_prm_and_resumes(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["prm/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert rows[0]["prm/score_mean"] == pytest.approx(0.5, abs=1e-6)
-    assert all(r["prm/grad_norm"] > 0 and r["prm/optimizer_steps"] == 1 for r in rows)
+    assert all(r["prm/grad_norm"] > 0 and r["prm/optimizer_steps"] == 1 and 0 <= r["prm/pair_acc"] <= 1 for r in rows)
     assert rows[2]["prm/loss"] != rows[1]["prm/loss"]
 
 
