@@ -35,6 +35,13 @@ def plan(cfg, layout) -> str:
              f"algorithm {cfg.algorithm.name}; {cfg.data.prompts_per_step} prompts x "
              f"{cfg.algorithm.samples_per_prompt} samples per step; loop {cfg.trainer.loop}"]
     lines += rollout_backend(r.engine).plan_lines(cfg, rg.gen, cfg.trainer.placement)
+    rm = cfg.reward_model
+    if rm.generative:  # the judge: its own engine on these ranks, in the rollout's layout
+        judge = megatron_args_from_hf(rm.hf_config or f"{rm.path}/config.json")
+        gen = regroup(layout, r.tp, r.pp, r.ep if judge.num_experts else 1, judge.num_experts or 0).gen
+        lines.append(f"judge {rm.path} ({judge.model_type}) on every rank, layout {gen} "
+                     f"({rm.engine or r.engine}), asleep between calls; {rm.batch_size} judgements a call, "
+                     f"{rm.max_new_tokens} tokens each, {rm.timeout_s:g} s a step at most")
     for rank in range(layout.world_size):
         c, g = layout.coords(rank), rg.gen_coords(rank)
         lines.append(f"rank {rank:4d} node {rank // cfg.trainer.nproc_per_node}: actor tp={c['tp']} pp={c['pp']} "

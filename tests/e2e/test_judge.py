@@ -15,7 +15,7 @@ directory's).
   and words for others: the same equality with transformers, and the garbage counted.
 
 Every row's judgement is compared, and the unparseable count equals the rows where transformers'
-judgement has no digit.
+judgement has no digit. ``--dry-run`` names the judge in the plan.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def models(tmp_path_factory):
     return work, policy, judge, data
 
 
-def run(models, name: str, nproc: int, layout: str, algorithm: str, judge: str, template: str):
+def write_config(models, name: str, layout: str, algorithm: str, judge: str, template: str, nproc: int = 2):
     work, policy, judge_dir, data = models
     run_dir = work / name
     (work / f"{name}.yaml").write_text(f"""
@@ -63,7 +63,13 @@ reward_model: {{path: {judge_dir}, generative: true, template: '{template}', par
 trainer: {{train_steps: 1, nproc_per_node: {nproc}, run_dir: {run_dir}}}
 logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
 """)
-    proc = megarl_here("train", str(work / f"{name}.yaml"), cwd=work)
+    return work / f"{name}.yaml"
+
+
+def run(models, name: str, nproc: int, layout: str, algorithm: str, judge: str, template: str):
+    work, run_dir = models[0], models[0] / name
+    config = write_config(models, name, layout, algorithm, judge, template, nproc)
+    proc = megarl_here("train", str(config), cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rows = [json.loads(line) for line in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -121,3 +127,14 @@ def test_vllm_judge_alone_equals_transformers(models):
     assert metrics["reward/judge_unparseable"] == garbage
     print(f"vllm judge: scores {scores}, unparseable {garbage}")
     assert 0 < garbage < len(rows), texts  # garbage was met, counted, and the run went on
+
+
+def test_the_plan_names_the_judge(models, capsys):
+    """``--dry-run``: the judge's model, layout and engine in the plan, nothing started."""
+    from megarl.cli import main
+
+    work, policy, judge_dir, data = models
+    config = write_config(models, "plan", "{tp: 2}", "reward_fn: model", "judge_weight: 1.0", REVERSE)
+    assert main(["train", str(config), "trainer.nproc_per_node=2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"judge {judge_dir} (llama) on every rank, layout (tp=1, pp=1, dp=2) (native), asleep between calls" in out
