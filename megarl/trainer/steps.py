@@ -214,6 +214,17 @@ class Scorer:
         self.failures += report.failed + report.timeouts
         return report.scores
 
+    def counters(self) -> tuple:
+        """What :meth:`take_metrics` and the run's failure count will report, to put back with
+        :meth:`restore` after scoring that is not a training step's (validation)."""
+        return dict(self.counts), self.failures, list(getattr(self, "judged", ()))
+
+    def restore(self, saved: tuple) -> None:
+        counts, self.failures, judged = saved
+        self.counts = dict(counts)
+        if self.judge is not None:
+            self.judged = list(judged)
+
     def take_metrics(self) -> Dict[str, float]:
         """Failed and timed-out samples since the last call (one step's), for the step's metrics;
         with a judge also its unparseable, timed-out and too-long rows and its parsed scores' mean."""

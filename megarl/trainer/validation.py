@@ -120,7 +120,7 @@ class Validator:
         records = self.stream.records
         samples: List[Sample] = []
         rows: List[Dict] = []
-        counts, failures = dict(self.scorer.counts), self.scorer.failures  # the training steps' own
+        saved = self.scorer.counters()  # the training steps' own
         try:
             for start in range(0, len(records), CHUNK):
                 chunk = records[start:start + CHUNK]
@@ -140,5 +140,5 @@ class Validator:
                                  "answer": record.answer if isinstance(record.answer, (str, int, float)) else None,
                                  "extracted": answer, "finish_reason": r.finish_reason})
         finally:
-            self.scorer.counts, self.scorer.failures = counts, failures
+            self.scorer.restore(saved)
         return summarize(samples, self.n, self.extract is not None), rows

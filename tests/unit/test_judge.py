@@ -164,6 +164,24 @@ def test_scorer_judge_alone_by_source_and_weighted(judge_scorer):
         summed.close()
 
 
+def test_validation_leaves_the_training_steps_judge_metrics(judge_scorer):
+    """A validation's judgements (scored between steps, counters put back) do not reach the next
+    step's reward/judge_* metrics."""
+    records = [PromptRecord("p", "7", "f:0", {})]
+    scorer = judge_scorer(AlgorithmConfig(reward_fn="model"))
+    try:
+        scorer(records, sample(records, ["abc"])[0])  # a training step's: Score 3
+        saved = scorer.counters()
+        scorer(records, sample(records, ["xx"])[0])  # a validation's: unparseable
+        scorer(records, sample(records, ["abcdefg"])[0])  # Score 7
+        scorer.restore(saved)
+        metrics = scorer.take_metrics()
+        assert metrics["reward/judge_score_mean"] == 3.0 and metrics["reward/judge_unparseable"] == 0
+        assert scorer.failures == 0
+    finally:
+        scorer.close()
+
+
 def test_scorer_refuses_model_sources_without_a_judge():
     with pytest.raises(ValueError, match=r"maps \['chat'\] to model: only a generative reward model"):
         Scorer(AlgorithmConfig(reward_fn="exact_match", reward_fn_by_source={"chat": "model"}), CharTokenizer())
