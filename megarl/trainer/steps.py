@@ -191,6 +191,7 @@ class Scorer:
         ruled = [i for i, route in enumerate(routes) if route != "judge"]
         judged = [i for i, route in enumerate(routes) if route != "rule"]
         scores = [0.0] * len(samples)
+        self.last_judgements: List[Optional[str]] = [None] * len(samples)  # the judge's text per row, or None
         for i, score in zip(ruled, self._rules([samples[i] for i in ruled]) if ruled else []):
             scores[i] = score * (1.0 if routes[i] == "rule" else self.rm.rule_weight)
         if judged:
@@ -199,8 +200,9 @@ class Scorer:
             for k, v in out.counts.items():
                 self.counts[k] += v
             self.failures += sum(out.counts.values())
-            for i, score, parsed in zip(judged, out.scores, out.parsed):
+            for i, score, parsed, text in zip(judged, out.scores, out.parsed, out.texts):
                 scores[i] += self.rm.judge_weight * score
+                self.last_judgements[i] = text
                 self.judged[0] += score * parsed
                 self.judged[1] += parsed
         return torch.tensor(scores)

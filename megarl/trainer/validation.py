@@ -127,7 +127,8 @@ class Validator:
                 ids = [self.stream.token_ids(r) for r in chunk]
                 responses = rollout.generate(ids, self.sampling)
                 rewards = self.scorer(chunk, responses, ids)
-                for r, reward in zip(responses, rewards.tolist()):
+                judgements = getattr(self.scorer, "last_judgements", None) if getattr(self.scorer, "judge", None) else None
+                for k, (r, reward) in enumerate(zip(responses, rewards.tolist())):
                     record = chunk[r.prompt_index]
                     text = self.decode(r.token_ids)
                     source = str((record.extra or {}).get("data_source", ""))
@@ -138,7 +139,8 @@ class Validator:
                                  "prompt": self.decode(ids[r.prompt_index]), "response": text,
                                  "response_ids": list(r.token_ids), "reward": reward,
                                  "answer": record.answer if isinstance(record.answer, (str, int, float)) else None,
-                                 "extracted": answer, "finish_reason": r.finish_reason})
+                                 "extracted": answer, "finish_reason": r.finish_reason,
+                                 **({"judgement": judgements[k]} if judgements else {})})
         finally:
             self.scorer.restore(saved)
         return summarize(samples, self.n, self.extract is not None), rows

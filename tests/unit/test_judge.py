@@ -146,6 +146,7 @@ def test_scorer_judge_alone_by_source_and_weighted(judge_scorer):
     alone = judge_scorer(AlgorithmConfig(reward_fn="model"))
     try:
         assert alone(records, responses).tolist() == [3.0, 1.0, 0.0]
+        assert alone.last_judgements == ["Score: 3", "Score: 1", "no idea"]  # for the validation dump
         metrics = alone.take_metrics()
         assert metrics["reward/judge_unparseable"] == 1 and metrics["reward/judge_score_mean"] == 2.0
         assert alone.failures == 1
@@ -154,6 +155,7 @@ def test_scorer_judge_alone_by_source_and_weighted(judge_scorer):
     by_source = judge_scorer(AlgorithmConfig(reward_fn="exact_match", reward_fn_by_source={"chat": "model"}))
     try:  # chat rows judged, math by exact_match ("7" == "7")
         assert by_source(records, responses).tolist() == [3.0, 1.0, 0.0]
+        assert by_source.last_judgements == ["Score: 3", None, "no idea"]  # the math row: its rule's
         assert by_source.judge.judge.calls == [2]
     finally:
         by_source.close()
