@@ -37,7 +37,9 @@ def plan(cfg, layout) -> str:
     lines += rollout_backend(r.engine).plan_lines(cfg, rg.gen, cfg.trainer.placement)
     rm = cfg.reward_model
     if rm.generative:  # the judge: its own engine on these ranks, in the rollout's layout
-        judge = megatron_args_from_hf(rm.hf_config or f"{rm.path}/config.json")
+        from megarl.rewards.judge import judge_hf_config
+
+        judge = megatron_args_from_hf(judge_hf_config(rm))
         gen = regroup(layout, r.tp, r.pp, r.ep if judge.num_experts else 1, judge.num_experts or 0).gen
         lines.append(f"judge {rm.path} ({judge.model_type}) on every rank, layout {gen} "
                      f"({rm.engine or r.engine}), asleep between calls; {rm.batch_size} judgements a call, "

@@ -175,9 +175,8 @@ def check_judge(cfg: MegarlConfig, layout: Layout) -> None:
     """reward_model.generative: an HF causal LM at reward_model.path, on the training ranks in the
     generation layout, its engine's own checks, the template's fields and the parser, before any
     worker starts."""
-    from megarl.rewards.judge import check_template, compile_parser, is_function
+    from megarl.rewards.judge import check_template, compile_parser, is_function, judge_hf_config
     from megarl.rewards.registry import reward_fn_path
-    from megarl.trainer.steps import judge_hf_config
 
     algo, rm, r, t = cfg.algorithm, cfg.reward_model, cfg.parallel.rollout, cfg.trainer
     if not rm.path:

@@ -79,6 +79,27 @@ class Judgements:
     counts: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(METRICS, 0))
 
 
+def judge_hf_config(rm) -> str:
+    """The judge's config.json: ``reward_model.hf_config``, else ``reward_model.path``'s."""
+    from pathlib import Path
+
+    return rm.hf_config or str(Path(rm.path) / "config.json")
+
+
+def judge_tokenizer(rm):
+    """The judge's own tokenizer (``reward_model.path``), with its chat template when
+    ``reward_model.chat_template``."""
+    from megarl.data.tokenizer import HFTokenizer
+
+    return HFTokenizer(rm.path, chat_template=rm.chat_template)
+
+
+def judge_positions(rm) -> int:
+    from megarl.models.hf_config import megatron_args_from_hf
+
+    return megatron_args_from_hf(judge_hf_config(rm)).max_position_embeddings
+
+
 class JudgeScorer:
     """Scores rows with the judge role (``judge``: its proxy, set after the workers start).
     ``tokenizer``: the judge's (megarl.data.tokenizer.HFTokenizer); ``positions``: its model's
@@ -91,6 +112,11 @@ class JudgeScorer:
         self.pool_factory, self.pool = pool, None
         self.judge = None
         self.calls = 0
+
+    @classmethod
+    def for_model(cls, rm, pool: Optional[Callable[[str], Any]] = None) -> "JudgeScorer":
+        """The scorer of ``reward_model``'s judge, with its own tokenizer and positions."""
+        return cls(rm, judge_tokenizer(rm), judge_positions(rm), pool)
 
     def judge_rows(self, prompts: Sequence[Any], responses: Sequence[str], answers: Sequence[Any],
                    extras: Sequence[Dict[str, Any]] = ()) -> Judgements:

@@ -134,19 +134,14 @@ class Scorer:
             if judged_sources:
                 raise ValueError(f"algorithm.reward_fn_by_source maps {sorted(judged_sources)} to model: only a "
                                  f"generative reward model (reward_model.generative=true) scores by data source")
-        if generative and reward_model.rule_weight is not None and algo.reward_fn == REWARD_MODEL \
-                and not algo.reward_fn_by_source:
-            raise ValueError("reward_model.rule_weight sums a rule's reward with the judge's, but "
-                             "algorithm.reward_fn=model scores with the judge alone: set algorithm.reward_fn to a "
-                             "rule or unset reward_model.rule_weight")
         self.fn_path = reward_spec(algo) if generative or algo.reward_fn != REWARD_MODEL else None
         self.tokenizer, self.algo = tokenizer, algo
         self.judge = None
+        self.last_judgements: List[Optional[str]] = []  # the judge's text per row of the last call, or None
         if generative:
             from megarl.rewards.judge import JudgeScorer
 
-            self.judge = JudgeScorer(reward_model, judge_tokenizer(reward_model),
-                                     judge_positions(reward_model), self._pool)
+            self.judge = JudgeScorer.for_model(reward_model, self._pool)
             self.judged_sources, self.rm = judged_sources, reward_model
         self.pool: Optional[RewardPool] = None
         self.failures = 0  # failed and timed-out samples over the run (checkpointed)
@@ -191,7 +186,7 @@ class Scorer:
         ruled = [i for i, route in enumerate(routes) if route != "judge"]
         judged = [i for i, route in enumerate(routes) if route != "rule"]
         scores = [0.0] * len(samples)
-        self.last_judgements: List[Optional[str]] = [None] * len(samples)  # the judge's text per row, or None
+        self.last_judgements = [None] * len(samples)
         for i, score in zip(ruled, self._rules([samples[i] for i in ruled]) if ruled else []):
             scores[i] = score * (1.0 if routes[i] == "rule" else self.rm.rule_weight)
         if judged:
@@ -244,26 +239,6 @@ class Scorer:
             self.pool = None
         if self.judge is not None:
             self.judge.close()
-
-
-def judge_tokenizer(rm):
-    """The generative reward model's own tokenizer (reward_model.path), with its chat template
-    when ``reward_model.chat_template``."""
-    from megarl.data.tokenizer import HFTokenizer
-
-    return HFTokenizer(rm.path, chat_template=rm.chat_template)
-
-
-def judge_positions(rm) -> int:
-    from megarl.models.hf_config import megatron_args_from_hf
-
-    return megatron_args_from_hf(judge_hf_config(rm)).max_position_embeddings
-
-
-def judge_hf_config(rm) -> str:
-    from pathlib import Path
-
-    return rm.hf_config or str(Path(rm.path) / "config.json")
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new: int, buffer: int, factor: float) -> torch.Tensor:

@@ -14,8 +14,9 @@ directory's).
   (``algorithm.reward_fn=model``), given the bare response, to which it answers digits for some
   and words for others: the same equality with transformers, and the garbage counted.
 
-Every row's judgement is compared, and the unparseable count equals the rows where transformers'
-judgement has no digit. ``--dry-run`` names the judge in the plan.
+Every row's judgement of both steps is compared (after step 1 the judge sleeps, and is woken and
+refilled for step 2: on vLLM's CPU build a reload with its oneDNN prepacking), and the
+unparseable count equals the rows where transformers' judgement has no digit. ``--dry-run`` names the judge in the plan.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ BARE = "{response}"  # the bare response: the judge writes digits for some, word
 PARSER = r"(\d)"
 JUDGE_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}
 JUDGE_TOKENS = 8
+STEPS = 2  # the judge sleeps after step 1 and is woken and refilled for step 2: both checked
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ data: {{train_files: [{data}], prompts_per_step: 4}}
 algorithm: {{name: grpo, samples_per_prompt: 2, max_new_tokens: 8, {algorithm}}}
 reward_model: {{path: {judge_dir}, generative: true, template: '{template}', parser: '{PARSER}',
                max_new_tokens: {JUDGE_TOKENS}, batch_size: 3, {judge}}}
-trainer: {{train_steps: 1, nproc_per_node: {nproc}, run_dir: {run_dir}}}
+trainer: {{train_steps: {STEPS}, nproc_per_node: {nproc}, run_dir: {run_dir}}}
 logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
 """)
     return work / f"{name}.yaml"
@@ -71,9 +73,12 @@ def run(models, name: str, nproc: int, layout: str, algorithm: str, judge: str, 
     config = write_config(models, name, layout, algorithm, judge, template, nproc)
     proc = megarl_here("train", str(config), cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    rows = [json.loads(line) for line in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for step in range(1, STEPS + 1)
+            for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows, metrics[0]
+    assert len(metrics) == STEPS
+    return rows, {k: sum(m[k] for m in metrics) for k in ("reward/judge_unparseable", "reward/judge_timeouts",
+                                                         "reward/judge_too_long")} | {"steps": metrics}
 
 
 def transformers_judgements(judge_dir: Path, template: str, responses):
@@ -115,8 +120,11 @@ def test_native_judge_plus_rule_equals_transformers(models):
     assert metrics["reward/judge_unparseable"] == garbage
     assert metrics["reward/judge_timeouts"] == 0 and metrics["reward/judge_too_long"] == 0
     assert len(set(scores)) > 1, texts  # the judge tells the responses apart
-    parsed = [s for s, t in zip(scores, texts) if re.search(PARSER, t)]
-    assert metrics["reward/judge_score_mean"] == pytest.approx(sum(parsed) / len(parsed))
+    half = len(rows) // STEPS  # each step's parsed scores' mean
+    for step, m in enumerate(metrics["steps"]):
+        parsed = [s for s, t in zip(scores[step * half:(step + 1) * half], texts[step * half:(step + 1) * half])
+                  if re.search(PARSER, t)]
+        assert m["reward/judge_score_mean"] == pytest.approx(sum(parsed) / len(parsed))
 
 
 def test_vllm_judge_alone_equals_transformers(models):

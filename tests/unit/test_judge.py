@@ -16,7 +16,6 @@ from megarl.data.datasets import PromptRecord
 from megarl.rewards import judge as judge_mod
 from megarl.rewards.judge import JudgeScorer, check_template, compile_parser, is_function, parse_score, render
 from megarl.rollout import Response
-from megarl.trainer import steps
 from megarl.trainer.steps import Scorer
 
 FNS = "tests.unit.reward_fns"
@@ -122,8 +121,8 @@ def test_function_parser_runs_in_the_reward_workers(tmp_path):
 @pytest.fixture
 def judge_scorer(monkeypatch):
     """A Scorer whose judge reads ``Score: N`` from texts the stand-in writes: the response's length."""
-    monkeypatch.setattr(steps, "judge_tokenizer", lambda rm: CharTokenizer())
-    monkeypatch.setattr(steps, "judge_positions", lambda rm: 4096)
+    monkeypatch.setattr(judge_mod, "judge_tokenizer", lambda rm: CharTokenizer())
+    monkeypatch.setattr(judge_mod, "judge_positions", lambda rm: 4096)
 
     def make(algo, **rm):
         scorer = Scorer(algo, CharTokenizer(), RewardModelConfig(generative=True, template="{response}", **rm))
