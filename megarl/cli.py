@@ -2,6 +2,8 @@
 
 Subcommands:
   train      RL post-training (GRPO, PPO, DAPO, RLOO, REINFORCE++, ReMax) on Ray, colocated
+  sft        supervised fine-tuning of a model on chat data (messages or prompt/response rows) on Ray;
+             its run directory is what export-hf and train's model.path take
   eval       the held-out evaluation of a model (HF, Megatron, a run) on data.val_files, without training
   export-hf  the actor of a run's newest checkpoint as an HF checkpoint: RUN_DIR OUT [--dtype D]; a LoRA
              run's merged, or with --adapter its PEFT adapter directory
@@ -60,6 +62,12 @@ def _train_lm(args: List[str]) -> int:
 
 def _train(args: List[str]) -> int:
     from megarl.entrypoints.train_rl import main
+
+    return main(args)
+
+
+def _sft(args: List[str]) -> int:
+    from megarl.entrypoints.sft import main
 
     return main(args)
 
@@ -123,7 +131,7 @@ def _convert(args: List[str]) -> int:
         return done.code if isinstance(done.code, int) else 2
 
 
-COMMANDS = {"train": _train, "eval": _eval, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
+COMMANDS = {"train": _train, "sft": _sft, "eval": _eval, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
 
 
 def _message(exc: BaseException) -> str:
@@ -142,6 +150,13 @@ RL post-training (GRPO, PPO, DAPO, GSPO, RLOO, REINFORCE++, ReMax) on Ray. The Y
 order, then the key=value overrides (docs/configuration.md lists every key). --dry-run checks the
 configuration, the model and every data row, prints the layout of every role and starts nothing.
 A run resumes from its run directory's newest checkpoint (trainer.run_dir).""",
+    "sft": """usage: megarl sft CONFIG.yaml [key=value ...] model.path=DIR data.train_files=[FILE, ...]
+
+Supervised fine-tuning on the user's chat data: rows with a 'messages' conversation (data.messages_key)
+or a prompt/response pair (data.prompt_key, data.response_key), in jsonl, parquet, globs or HF datasets
+directories. The loss is on the assistant's tokens as the chat template renders them. data.val_files
+gives val/loss every trainer.val_interval steps. Checkpoints, resume and the trackers are megarl
+train's; megarl export-hf RUN_DIR OUT and megarl train model.path=RUN_DIR take the run directory.""",
     "eval": """usage: megarl eval CONFIG.yaml [key=value ...] model.path=DIR data.val_files=[FILE, ...]
 
 The held-out evaluation of megarl train's validation (data.val_files; algorithm.val_samples_per_prompt,

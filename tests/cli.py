@@ -6,7 +6,8 @@
   without a new interpreter's start-up and imports (3-4 s a command here, 8-12 s of a short
   ``megarl train`` run's wall time on 2 cores). Its output is captured, and echoed.
 
-A ``train`` command joins the suite's shared Ray cluster either way (:func:`tests.ray_cluster.joined`).
+A ``train``, ``sft`` or ``eval`` command joins the suite's shared Ray cluster either way
+(:func:`tests.ray_cluster.joined`).
 Runs whose subject is the process itself (a signal, a kill, the exit of a new interpreter) use
 :func:`megarl`.
 """

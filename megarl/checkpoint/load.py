@@ -55,6 +55,15 @@ def _tokenizer_dir(directory: Path) -> Optional[Path]:
     return directory if any((directory / f).is_file() for f in TOKENIZER_FILES) else None
 
 
+def newest_checkpoint(path: str) -> str:
+    """A run directory's newest checkpoint (``checkpoints/latest``: ``megarl train`` and ``megarl
+    sft`` write them); other paths as they are."""
+    latest = Path(path) / "checkpoints" / "latest"
+    if latest.is_file():
+        return str(Path(path) / "checkpoints" / latest.read_text().strip())
+    return path
+
+
 def locate(path: str | Path, field: str = "model.path", need_config: bool = True) -> PretrainedSource:
     """Accepted: an HF directory (config.json + ``*.safetensors``, with an index or not); a Megatron
     dist checkpoint from ``megarl convert hf-to-mcore`` (its ``hf/`` subdir holds config.json and

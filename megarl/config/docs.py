@@ -23,7 +23,7 @@ from megarl.config.schema import MegarlConfig
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
-TRAIN, EVAL, LM = "train", "eval", "train-lm"
+TRAIN, EVAL, LM, SFT = "train", "eval", "train-lm", "sft"
 # Which commands read a key (the page's "read by" column): the entry of the longest prefix of the
 # key decides. tests/unit/test_config_reads.py checks that each command's code reads each key it
 # is listed for.
@@ -31,12 +31,18 @@ _EVAL_DATA = ("val_files", "prompt_key", "answer_key", "bad_rows", "tokenizer", 
               "chat_template_path", "chat_template_kwargs", "system_prompt", "max_prompt_length", "truncation")
 _EVAL_ALGORITHM = ("reward_fn", "reward_fn_by_source", "reward_timeout_s", "reward_workers", "reward_memory_mb", "top_p",
                    "top_k", "max_new_tokens", "val_samples_per_prompt", "val_temperature", "val_max_new_tokens")
+_SFT_DATA = ("train_files", "shuffle", "val_files", "prompt_key", "response_key", "messages_key", "bad_rows", "tokenizer",
+             "chat_template", "chat_template_path", "chat_template_kwargs", "system_prompt", "truncation", "max_length",
+             "global_batch_size", "micro_batch_size", "pack_sequences")
+_SFT_TRAINER = ("train_steps", "total_epochs", "seed", "nproc_per_node", "log_interval", "max_bad_steps", "run_dir",
+                "nnodes", "ray_address", "node_ip_address", "hang_timeout_s", "save_interval", "val_interval",
+                "val_before_train", "keep_checkpoints", "resume", "checkpoint_format", "async_save")
 READ_BY: Dict[str, Tuple[str, ...]] = {
     "": (TRAIN,),
-    "model": (TRAIN, EVAL, LM), "model.path": (TRAIN, EVAL), "model.check_finite": (TRAIN, EVAL),
-    "model.lora": (TRAIN, EVAL),
-    "parallel.actor": (TRAIN, EVAL, LM), "parallel.rollout": (TRAIN, EVAL),
-    "optimizer": (TRAIN, LM),
+    "model": (TRAIN, EVAL, LM, SFT), "model.path": (TRAIN, EVAL, SFT), "model.check_finite": (TRAIN, EVAL, SFT),
+    "model.lora": (TRAIN, EVAL, SFT),
+    "parallel.actor": (TRAIN, EVAL, LM, SFT), "parallel.rollout": (TRAIN, EVAL),
+    "optimizer": (TRAIN, LM, SFT),
     **{f"data.{k}": (TRAIN, EVAL) for k in _EVAL_DATA},
     "data.task": (TRAIN, LM), "data.num_digits": (TRAIN, LM), "data.pack_sequences": (TRAIN, LM),
     "data.tool_call_rate": (LM,), "data.label_noise": (LM,), "data.global_batch_size": (LM,),
@@ -46,6 +52,7 @@ READ_BY: Dict[str, Tuple[str, ...]] = {
     "trainer.log_interval": (TRAIN, LM), "trainer.max_bad_steps": (TRAIN, LM), "trainer.save_dir": (LM,),
     **{f"trainer.{k}": (TRAIN, EVAL) for k in ("run_dir", "nnodes", "ray_address", "node_ip_address", "hang_timeout_s")},
     "reward_model": (TRAIN, EVAL),
+    "logging": (TRAIN, SFT),
 }
 
 
@@ -53,6 +60,14 @@ def read_by(key: str) -> Tuple[str, ...]:
     """The commands (``megarl <command>``) that read ``key``."""
     parts = key.split(".")
     return next(READ_BY[".".join(parts[:n])] for n in range(len(parts), -1, -1) if ".".join(parts[:n]) in READ_BY)
+
+
+# megarl sft's keys: SFT added to each key's other commands (megarl train's train_files, shuffle...);
+# the keys megarl sft alone reads
+_SFT_ONLY = ("data.response_key", "data.messages_key", "data.max_length")
+READ_BY.update({k: (SFT,) for k in _SFT_ONLY})
+READ_BY.update({k: tuple(c for c in read_by(k) if c != SFT) + (SFT,)
+                for k in [f"data.{k}" for k in _SFT_DATA] + [f"trainer.{k}" for k in _SFT_TRAINER] if k not in _SFT_ONLY})
 
 _OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 

@@ -366,6 +366,12 @@ class DataConfig:
     steps (megarl/trainer/validation.py); empty = no validation. Never trained on."""
     prompt_key: str = "prompt"
     """Record field holding the prompt (a string or a list of chat messages)."""
+    response_key: str = "response"
+    """``megarl sft``: record field holding the response of a prompt/response row."""
+    messages_key: str = "messages"
+    """``megarl sft``: record field holding a whole conversation (chat messages: system, user,
+    assistant with or without ``tool_calls``, tool); a row's ``tools`` field goes to the chat template.
+    The loss is on the assistant's tokens only (megarl/data/sft.py)."""
     answer_key: str = "answer"
     """Record field holding the reference answer (else the record's ``reward_model`` -> ``ground_truth``, verl's layout)."""
     bad_rows: BadRows = BadRows.fail
@@ -389,7 +395,11 @@ class DataConfig:
     truncation: Truncation = Truncation.error
     """A prompt over ``data.max_prompt_length``: ``error`` (stop before any worker starts, naming its
     file:row and length; with ``data.bad_rows=skip`` the row is dropped instead), ``left`` (keep its last tokens: the generation prompt stays), ``right``
-    (keep its first tokens) or ``skip`` (drop the row, logged and counted)."""
+    (keep its first tokens) or ``skip`` (drop the row, logged and counted). ``megarl sft``: a row
+    over ``data.max_length``, the same but for ``left``, which it refuses."""
+    max_length: Optional[int] = None
+    """``megarl sft``: tokens of one training row at most (the whole conversation after the chat
+    template); null = the model's max_position_embeddings. Longer rows: ``data.truncation``."""
     builtin_size: int = bounded(4096, ge=1)
     """Prompts generated for the built-in task."""
     prompts_per_step: int = bounded(16, ge=1)
@@ -416,12 +426,12 @@ class DataConfig:
     """``megarl train-lm``: probability that an answer digit of the built-in task is replaced by a
     random one (noisy demonstrations; ``make demo``'s warm start); 0 = clean."""
     global_batch_size: int = bounded(16, ge=1)
-    """``megarl train-lm`` only: sequences per optimizer step over all data-parallel ranks; must
+    """``megarl train-lm`` and ``megarl sft``: sequences per optimizer step over all data-parallel ranks; must
     divide by dp*micro_batch_size. (``megarl train``: a step's rows are data.prompts_per_step x
     algorithm.samples_per_prompt, split into algorithm.ppo_mini_batch_size updates and
     data.micro_batch_tokens micro-batches.)"""
     micro_batch_size: int = bounded(2, ge=1)
-    """``megarl train-lm`` only: sequences per micro-batch on one data-parallel rank."""
+    """``megarl train-lm`` and ``megarl sft``: sequences per micro-batch on one data-parallel rank."""
 
 
 REWARD_MODEL = "model"

@@ -19,7 +19,9 @@ from megarl.agent.loop import Agent
 from megarl.agent.validate import check_agent
 from megarl.algorithms.correction import check_rollout_correction
 from megarl.algorithms.presets import preset, resolve
-from megarl.checkpoint.load import check_pretrained, check_pretrained_sources, locate, resolve_model_config
+from megarl.checkpoint.load import (
+    check_pretrained, check_pretrained_sources, locate, newest_checkpoint, resolve_model_config,
+)
 from megarl.config import ConfigError, MegarlConfig, validate
 from megarl.config.schema import REWARD_MODEL, LoRAConfig, Loop, LoraSync, Placement, WeightSync
 from megarl.controller.cluster import check_cluster
@@ -320,6 +322,7 @@ def resolve_paths(cfg: MegarlConfig) -> MegarlConfig:
     data.train_files = [absolute(f) for f in data.train_files]
     cfg.trainer.run_dir = absolute(cfg.trainer.run_dir)
     if m.path:
+        m.path = newest_checkpoint(m.path)  # a run directory (megarl train's, megarl sft's): its newest
         # a bare dist checkpoint (Megatron-LM's: no hf/ subdir) needs model.hf_config
         source = locate(m.path, "model.path", need_config=not m.hf_config)
         m.hf_config = m.hf_config or str(source.config)

@@ -56,12 +56,25 @@ class RLWorker:
 
         return rendezvous_address(local=self.cfg.trainer.nnodes == 1)
 
-    def setup(self, master_addr: str, master_port: int) -> Dict:
+    def join(self, master_addr: str, master_port: int) -> None:
+        """Join the group's torch.distributed world (rank 0's rendezvous)."""
         local_rank = self.rank % self.cfg.trainer.nproc_per_node
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(local_rank),
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        init_distributed(progress.collective_timeout_s(self.cfg.trainer.hang_timeout_s))
+
+    def collect_info(self, layout) -> Dict:
+        """What the driver keeps of this rank: its DP index, whether it answers for it (TP rank 0
+        of the last stage, CP rank 0: CP ranks gather whole sequences, so each holds the full
+        result), and the verbs of its roles."""
+        g = self.groups
+        return {"rank": torch.distributed.get_rank(), "dp": layout.dp, "dp_rank": g.dp_rank,
+                "collect": g.tp_rank == 0 and g.is_last_stage and g.pg.cp.rank() == 0,
+                "verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
+
+    def setup(self, master_addr: str, master_port: int) -> Dict:
+        self.join(master_addr, master_port)
         cfg, algo = self.cfg, self.cfg.algorithm
-        init_distributed(progress.collective_timeout_s(cfg.trainer.hang_timeout_s))
         self.peak_tflops = gpu_peak_tflops(cfg.logging.gpu_peak_tflops,
                                            torch.cuda.get_device_name() if torch.cuda.is_available() else None)
         layout = Layout.from_config(cfg.parallel.actor, torch.distributed.get_world_size())
@@ -121,15 +134,10 @@ class RLWorker:
         if args.num_experts:  # moe/routing_mismatch_frac is logged with and without replay
             self.roles["actor"].engine.track_routing(replay=algo.routing_replay)
         self.how = MicroBatching(max_tokens=cfg.data.micro_batch_tokens, packed=cfg.data.pack_sequences)
-        g = self.groups
-        info = {"rank": torch.distributed.get_rank(), "dp": layout.dp, "dp_rank": g.dp_rank,
-                # one rank per DP index answers: TP rank 0 of the last stage, CP rank 0 (CP ranks
-                # gather whole sequences, so each holds the full result)
-                "collect": g.tp_rank == 0 and g.is_last_stage and g.pg.cp.rank() == 0}
         backend = rollout_backend(r.engine)
         if cfg.trainer.placement == Placement.split:  # the rollout has its own ranks: this rank sends it weights
             self.sender = backend.sender(cfg, args, layout, state.model)
-            return info | {"verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
+            return self.collect_info(layout)
         regrouping = regroup(layout, r.tp, r.pp, r.ep, args.num_experts or 0)
         # The engine starts with the trained states off the device (vLLM refuses to start below its
         # gpu_memory_utilization of free memory, SGLang sizes its pool from what is free), and gives
@@ -145,9 +153,8 @@ class RLWorker:
             handle.reload()
         engine.resume_memory()
         self.roles["rollout"] = Rollout(engine, self.phases)
-        return info | {"micro_dp_group": list(regrouping.micro_dp_group(torch.distributed.get_rank())),
-                       "gen_layout": str(regrouping.gen),
-                       "verbs": {name: declared_verbs(type(role)) for name, role in self.roles.items()}}
+        return self.collect_info(layout) | {"micro_dp_group": list(regrouping.micro_dp_group(torch.distributed.get_rank())),
+                                            "gen_layout": str(regrouping.gen)}
 
     def _implicit_prm(self, policy_state, args, steps: int):
         """PRIME's PRM: a trained causal LM from the policy's starting weights (its reference the

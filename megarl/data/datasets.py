@@ -68,7 +68,8 @@ def _hf_dataset(path: Path):
     return datasets.load_from_disk(str(path))
 
 
-def _rows(path: Path) -> Iterator[tuple]:
+def rows_of(path: Path) -> Iterator[tuple]:
+    """(row number, row) of one dataset file or directory; a bad jsonl line as a DataError in its place."""
     if path.is_dir():
         yield from enumerate(_hf_dataset(path), 1)
     elif path.suffix == ".jsonl":
@@ -118,7 +119,7 @@ def load_records(files: Sequence[str], prompt_key: str = "prompt", answer_key: s
     out: List[PromptRecord] = []
     for path in expand_files(files, key):
         skipped = 0
-        for row_number, row in _rows(path):
+        for row_number, row in rows_of(path):
             try:
                 record = _check(row, prompt_key, answer_key)
             except DataError as err:

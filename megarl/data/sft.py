@@ -14,13 +14,26 @@ from a hand-written one.
   refused by name (give the template generation markers, or a template of your own).
 
 System, user and tool messages, and the generation prompt, carry no loss. A prompt/response pair
-is the conversation ``[user: prompt, assistant: response]``.
+is the conversation ``[user: prompt, assistant: response]`` (a prompt given as chat messages is
+those messages); with no chat template (``data.chat_template=false``, or a tokenizer without
+one) it is the prompt's text followed by the response's and EOS, the loss on the latter two.
+
+:func:`load_examples` reads a dataset's rows into examples (every row checked before any worker
+starts, named by file and row); :class:`ExampleStream` deals them out in seeded epochs, and
+:func:`collate` makes a batch of next-token rows.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import random
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -33,6 +46,7 @@ class ExampleError(ValueError):
 class SFTExample:
     ids: List[int]
     mask: List[int]  # per token: 1 where the model is trained to produce it (the assistant's), else 0
+    source: str = ""  # "file:row"
 
     def __post_init__(self):
         assert len(self.ids) == len(self.mask)
@@ -112,6 +126,16 @@ def pair_example(tok, prompt: str, response: str, eos_ids: Sequence[int], **kwar
                         eos_ids, **kwargs)
 
 
+def plain_pair_example(tok, prompt: str, response: str, eos_id: int) -> SFTExample:
+    """A prompt/response pair without a chat template: the prompt's tokens (with whatever special
+    tokens the tokenizer adds), then the response's and EOS, trained."""
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        raise ExampleError("a prompt/response row needs two strings without a chat template")
+    head = _ids(tok.encode(prompt))
+    tail = _ids(tok.encode(response, add_special_tokens=False)) + [eos_id]
+    return SFTExample(head + tail, [0] * len(head) + [1] * len(tail))
+
+
 def fit(example: SFTExample, max_length: int, truncate: bool) -> SFTExample:
     """At most ``max_length`` tokens: cut on the right (``truncate``; a row left with no trained
     token is refused), else a longer row is refused by its length."""
@@ -119,7 +143,129 @@ def fit(example: SFTExample, max_length: int, truncate: bool) -> SFTExample:
         return example
     if not truncate:
         raise ExampleError(f"{len(example.ids)} tokens > data.max_length={max_length}")
-    cut = SFTExample(example.ids[:max_length], example.mask[:max_length])
+    cut = SFTExample(example.ids[:max_length], example.mask[:max_length], example.source)
     if not cut.trained:
         raise ExampleError(f"no assistant token within data.max_length={max_length} ({len(example.ids)} tokens)")
     return cut
+
+
+def _row_example(row: Any, data, tok) -> SFTExample:
+    """One dataset row (``data``: DataConfig; ``tok``: megarl.data.tokenizer.HFTokenizer)."""
+    if not isinstance(row, Mapping):
+        raise ExampleError("is not a JSON object")
+    chat = tok.chat_template
+    kwargs = {"template_kwargs": tok.template_kwargs}
+    tools = row.get("tools")
+    if isinstance(tools, str):  # parquet keeps nested schemas as JSON text
+        tools = json.loads(tools) if tools.strip() else None
+    if tools:
+        kwargs["tools"] = tools
+    if data.messages_key in row:
+        if not chat:
+            raise ExampleError(f"'{data.messages_key}' rows need a chat template: the tokenizer {tok.path} has none "
+                               f"(give one with data.chat_template_path) or data.chat_template is false")
+        messages = list(row[data.messages_key] or [])
+    elif data.prompt_key in row and data.response_key in row:
+        prompt, response = row[data.prompt_key], row[data.response_key]
+        if not chat:
+            return plain_pair_example(tok.tok, prompt, response, tok.eos_token_id)
+        if not isinstance(response, str):
+            raise ExampleError(f"'{data.response_key}' must be a string")
+        head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
+        messages = head + [{"role": "assistant", "content": response}]
+    else:
+        raise ExampleError(f"has neither '{data.messages_key}' (data.messages_key) nor '{data.prompt_key}' and "
+                           f"'{data.response_key}' (data.prompt_key, data.response_key); fields: {sorted(row)}")
+    if tok.system_prompt is not None and not (messages and isinstance(messages[0], Mapping)
+                                              and messages[0].get("role") == "system"):
+        messages = [{"role": "system", "content": tok.system_prompt}] + messages
+    return chat_example(tok.tok, messages, tok.eos_token_ids, **kwargs)
+
+
+def load_examples(files: Sequence[str], data, tok, max_length: int, key: str = "data.train_files") -> List[SFTExample]:
+    """Every row of ``files`` (jsonl, parquet, globs, HF datasets directories) as an example of at
+    most ``max_length`` tokens. ``data.truncation``: ``right`` cuts a longer row, ``skip`` drops
+    it, ``error`` refuses it; ``data.bad_rows=skip`` drops (and logs) any row that fails, else the
+    first stops the command, named by file and row."""
+    from megarl.config.schema import BadRows, Truncation
+    from megarl.data.datasets import DataError, expand_files, rows_of
+
+    out: List[SFTExample] = []
+    dropped = 0
+    for path in expand_files(files, key):
+        for number, row in rows_of(path):
+            where = f"{path}:{number}"
+            try:
+                if isinstance(row, DataError):
+                    raise ExampleError(str(row))
+                example = _row_example(row, data, tok)
+                if len(example.ids) > max_length and data.truncation == Truncation.skip:
+                    dropped += 1
+                    continue
+                example = fit(example, max_length, data.truncation == Truncation.right)
+            except (ExampleError, ValueError, TypeError, KeyError) as err:
+                if data.bad_rows == BadRows.fail:
+                    hint = ("data.truncation=right or skip, or a larger data.max_length"
+                            if "data.max_length" in str(err) else "data.bad_rows=skip to skip such rows")
+                    raise DataError(f"{where} {err} ({key}; set {hint})") from None
+                log.warning("skipping %s: %s", where, err)
+                dropped += 1
+                continue
+            example.source = where
+            out.append(example)
+    if dropped:
+        log.warning("%s: %d row(s) dropped", key, dropped)
+    if not out:
+        raise DataError(f"{key}: no usable rows in {list(files)}")
+    return out
+
+
+def collate(examples: Sequence[SFTExample], pad_id: int, rows: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Next-token rows, right-padded to the longest: ``tokens`` (ids[:-1]), ``labels`` (ids[1:]),
+    ``loss_mask`` (the label's mask) and ``position_ids``; ``rows`` pads the batch with empty rows
+    (no trained token) up to that many (a last validation batch, for the ranks to split)."""
+    rows = rows or len(examples)
+    seq = max(len(e.ids) for e in examples) - 1
+    tokens = torch.full((rows, seq), pad_id, dtype=torch.long)
+    labels = torch.full((rows, seq), pad_id, dtype=torch.long)
+    mask = torch.zeros(rows, seq)
+    for i, e in enumerate(examples):
+        n = len(e.ids) - 1
+        tokens[i, :n] = torch.tensor(e.ids[:-1])
+        labels[i, :n] = torch.tensor(e.ids[1:])
+        mask[i, :n] = torch.tensor(e.mask[1:], dtype=torch.float)
+    return {"tokens": tokens, "labels": labels, "loss_mask": mask,
+            "position_ids": torch.arange(seq).expand(rows, -1).contiguous()}
+
+
+class ExampleStream:
+    """The training examples in epochs, each a permutation drawn from ``seed`` and the epoch (in
+    file order with ``shuffle`` false); its position is part of a checkpoint."""
+
+    def __init__(self, examples: Sequence[SFTExample], seed: int, shuffle: bool = True):
+        self.examples, self.seed, self.shuffle = list(examples), seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._draw()
+
+    def _draw(self) -> List[int]:
+        order = list(range(len(self.examples)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> List[SFTExample]:
+        out = []
+        while len(out) < n:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._draw()
+            out.append(self.examples[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state(self) -> Dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: Mapping[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._draw()

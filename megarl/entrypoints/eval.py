@@ -23,14 +23,6 @@ from megarl.config import ConfigError, load_config
 __all__ = ["main", "evaluate"]
 
 
-def newest_checkpoint(path: str) -> str:
-    """A run directory's newest checkpoint (``checkpoints/latest``); other paths as they are."""
-    latest = Path(path) / "checkpoints" / "latest"
-    if latest.is_file():
-        return str(Path(path) / "checkpoints" / latest.read_text().strip())
-    return path
-
-
 def evaluate(cfg) -> Dict[str, float]:
     """Evaluate ``cfg``'s model on ``cfg.data.val_files``; returns the metrics (and writes the files)."""
     from megarl.checkpoint.disk import replace_text
@@ -44,9 +36,8 @@ def evaluate(cfg) -> Dict[str, float]:
     if not cfg.model.path:
         raise ConfigError("megarl eval needs model.path (an HF directory, a Megatron checkpoint, a run checkpoint "
                           "or a run directory)")
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=newest_checkpoint(cfg.model.path)),
-                              trainer=dataclasses.replace(cfg.trainer, resume=False, save_interval=0))
-    prepared = prepare(cfg)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume=False, save_interval=0))
+    prepared = prepare(cfg)  # model.path: a run directory's newest checkpoint (resolve_paths)
     cfg, scorer, tok = prepared.cfg, prepared.scorer, prepared.tokenizer
     out = Path(cfg.trainer.run_dir)
     out.mkdir(parents=True, exist_ok=True)

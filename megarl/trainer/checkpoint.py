@@ -198,17 +198,18 @@ class CheckpointSchedule:
             raise Preempted(f"SIGTERM: stopped after step {step}, {saved}; rerun the command to resume")
 
 
-def resume(checkpoints: Checkpoints, group, stream, scorer, kl=None) -> Tuple[int, Dict[str, str]]:
-    """Load the newest usable checkpoint, if any, into the workers (``group``), the prompt stream,
-    the reward-failure count and the adaptive KL coefficient (``kl``): (the last step done, each
-    tracker's run id), or (0, {})."""
+def resume(checkpoints: Checkpoints, group, stream, scorer=None, kl=None) -> Tuple[int, Dict[str, str]]:
+    """Load the newest usable checkpoint, if any, into the workers (``group``), the prompt (or
+    ``megarl sft``'s example) stream, the reward-failure count (``scorer``) and the adaptive KL
+    coefficient (``kl``): (the last step done, each tracker's run id), or (0, {})."""
     found = checkpoints.latest()
     if not found:
         return 0, {}
     path, driver = found
     same_layout = all(group.call("load_checkpoint", str(path)))
     stream.load_state(driver["stream"])
-    scorer.failures = driver["reward_failures"]
+    if scorer is not None:
+        scorer.failures = driver["reward_failures"]
     if kl is not None and "kl_coef" in driver:
         kl.value = driver["kl_coef"]
     relayout = "" if same_layout else " into another layout (weights, optimizer and schedule exact; RNG reseeded)"

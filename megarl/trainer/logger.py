@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -59,11 +59,11 @@ def console_line(record: Dict[str, float]) -> str:
 
 class RunLogger:
     def __init__(self, cfg, total_steps: int, start_step: int = 0, run_ids: Optional[Dict[str, str]] = None,
-                 decode: Optional[Callable[[List[int]], str]] = None):
+                 decode: Optional[Callable[[List[int]], str]] = None, desc: str = "rl"):
         """``start_step``: the last step already done (a resumed run keeps the metrics up to it).
         ``run_ids``: each tracker's run to reopen (a resumed run's, from its checkpoint).
         ``decode``: token ids -> text, for the samples written by ``logging.rollout_dump_interval``."""
-        self.cfg, self.total_steps = cfg, total_steps
+        self.cfg, self.total_steps, self.bar_desc = cfg, total_steps, desc
         self.decode = decode
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ class RunLogger:
         if cfg.logging.progress_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="rl", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
         self.step_start = time.perf_counter()
 
     @property
@@ -173,6 +173,25 @@ class RunLogger:
         self.step_start = time.perf_counter()
         return record
 
+    def scalars(self, step: int, metrics: Dict[str, float], console: Sequence[str]) -> Dict[str, float]:
+        """A step of a stage other than RL (``megarl sft``): its metrics and ``time/step_s`` to
+        metrics.jsonl and the trackers, and every trainer.log_interval steps (and the last) a
+        console line of the ``console`` keys."""
+        seconds = time.perf_counter() - self.step_start
+        record = {"step": step, **metrics, **self.timings, "time/step_s": seconds,
+                  "memory/driver_peak_rss_gb": peak_rss_gb()}
+        self.timings = {}
+        self.history.append(record)
+        append_text(self.metrics_path, json.dumps(record) + "\n", f"step {step}'s metrics line")
+        self._track({k: v for k, v in record.items() if k != "step"}, step)
+        if self.bar:
+            self.bar.set_postfix({k.split("/")[-1]: f"{record[k]:.4g}" for k in console[:1]})
+            self.bar.update(1)
+        if step % self.cfg.trainer.log_interval == 0 or step == self.total_steps:
+            self._print(" | ".join([f"step {step}"] + [f"{k} {record[k]:.4g}" for k in console if k in record]))
+        self.step_start = time.perf_counter()
+        return record
+
     def validation(self, step: int, metrics: Dict[str, float], rows: List[Dict]) -> None:
         """A validation's metrics to <run_dir>/validation.jsonl, MLflow, TensorBoard and the console
         at ``step`` (0: before training), its responses to <run_dir>/validation/step_<N>.jsonl. The
@@ -187,7 +206,8 @@ class RunLogger:
         self._track(metrics, step)
         from megarl.trainer.validation import HEADLINE
 
-        shown = [k for k in metrics if HEADLINE.match(k)] + ["val/response/length_mean"]
+        shown = [k for k in metrics if HEADLINE.match(k) or k == "val/loss"] + [
+            k for k in ("val/response/length_mean",) if k in metrics]
         self._print(f"validation at step {step} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in shown))
         self.step_start = time.perf_counter()
 
@@ -212,9 +232,10 @@ class RunLogger:
             total += self.reward_model_flops.forward(lengths, value_head=True)
         return total
 
-    def close(self) -> Path:
-        """Write the reward curve; end every tracker's run, FINISHED."""
-        png = self.run_dir / "reward_curve.png"
+    def close(self, key: str = "reward/mean", png_name: str = "reward_curve.png") -> Path:
+        """Write the curve of ``key`` (the mean reward, ``megarl sft``'s loss); end every
+        tracker's run, FINISHED."""
+        png = self.run_dir / png_name
         if self.history:
             import matplotlib
 
@@ -222,15 +243,16 @@ class RunLogger:
             import matplotlib.pyplot as plt
 
             steps = [r["step"] for r in self.history]
-            rewards = [r["reward/mean"] for r in self.history]
+            rewards = [r[key] for r in self.history]
             fig, ax = plt.subplots(figsize=(6, 3.5))
-            ax.plot(steps, rewards, label="mean reward")
+            ax.plot(steps, rewards, label=key)
             window = max(1, len(rewards) // 10)
             smooth = torch.tensor(rewards).unfold(0, window, 1).mean(-1).tolist() if len(rewards) >= window else rewards
             ax.plot(steps[window - 1:], smooth, label=f"moving mean ({window})")
             ax.set_xlabel("step")
-            ax.set_ylabel("reward")
-            ax.set_title(f"{self.cfg.algorithm.name} on {self.cfg.algorithm.reward_fn}")
+            ax.set_ylabel(key)
+            ax.set_title(f"{self.cfg.algorithm.name} on {self.cfg.algorithm.reward_fn}" if key == "reward/mean"
+                         else self.bar_desc)
             ax.legend()
             fig.tight_layout()
             fig.savefig(png, dpi=100)

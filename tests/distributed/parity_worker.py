@@ -175,6 +175,41 @@ def engine_phase(model_cfg, optim_cfg, groups, init, run_dir, model_name) -> dic
     return results
 
 
+# megarl sft's path (megarl.roles.sft: the real vocabulary's softmax, chat-shaped masks), padded
+# and packed, at every layout of these models, and against transformers at one process
+SFT_MODELS = {"dense", "moe"}
+
+
+def sft_batch(vocab: int):
+    """Conversation-shaped SFT rows of ENGINE_LENGTHS real tokens (random tokens after them, as
+    right padding): two assistant spans trained, positions 3-5 and 8 to the row's end; the prompt
+    and the turn between carry no loss."""
+    gen = torch.Generator().manual_seed(SEED + 200)
+    tokens = torch.randint(3, vocab, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+    position = torch.arange(SEQ)
+    real = position.unsqueeze(0) < ENGINE_LENGTHS.unsqueeze(1)
+    spans = ((position >= 3) & (position < 6)) | (position >= 8)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": (real & spans).float(), "position_ids": position.expand(GLOBAL_BATCH, -1).contiguous()}
+
+
+def sft_phase(model_cfg, optim_cfg, groups, init, run_dir) -> dict:
+    """The SFT loss's gradients (DDP-reduced, saved whole) and loss, padded and packed."""
+    vocab = megatron_args_from_hf(model_cfg.hf_config).vocab_size
+    batch = supervised.dp_shard(sft_batch(vocab), groups)
+    state = build_train_state(model_cfg, optim_cfg, groups, 1, use_distributed_optimizer=False,
+                              init_checkpoint=str(init))
+    engine = MegatronEngine(state, vocab)  # megarl sft's learner: the real vocabulary
+    losses = {}
+    for mode, how in ENGINE_MODES.items():
+        for chunk in state.model:
+            chunk.zero_grad_buffer()
+        losses[mode] = supervised.forward_backward(engine, batch, how)
+        with grads_as_weights(state.model):
+            save_model(state.model, run_dir / f"sft_grads_{mode}")
+    return losses
+
+
 def run(args) -> None:
     init_distributed()
     out = Path(args.workdir)
@@ -223,10 +258,11 @@ def run(args) -> None:
                      for s in range(STEPS)]
             save_model(state.model, run_dir / "weights")
             engine = engine_phase(model_cfg, optim_cfg, groups, init, run_dir, model_name)
+            sft = sft_phase(model_cfg, optim_cfg, groups, init, run_dir) if model_name in SFT_MODELS else {}
             if torch.distributed.get_rank() == 0:
                 (run_dir / "losses.json").write_text(json.dumps({
                     "loss": loss, "attention_calls": calls[0], "step_losses": [m["loss"] for m in steps],
-                    "grad_norms": [m["grad_norm"] for m in steps], "engine": engine}))
+                    "grad_norms": [m["grad_norm"] for m in steps], "engine": engine, "sft": sft}))
             groups.destroy()
 
 
@@ -258,6 +294,37 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def transformers_sft(model_dir: Path, model_cfg, ref_losses) -> dict:
+    """The single process's SFT loss and gradients against transformers on the same weights and
+    batch: the initial weights and the reduced gradients go through megarl's Megatron -> HF
+    converter (grads under HF names, read back as a model), transformers computes the token-mean cross entropy of the
+    masked labels and its gradients in fp32. Relative differences: the loss, and the worst tensor."""
+    import shutil
+
+    import transformers
+    from megarl.checkpoint.convert import mcore_to_hf
+
+    config_dir = model_dir / "hf_config"
+    config_dir.mkdir(exist_ok=True)
+    shutil.copy2(model_cfg.hf_config, config_dir / "config.json")
+    for source, dest in (("init", "hf_init"), ("t1p1d1e1/sft_grads_padded", "hf_sft_grads")):
+        mcore_to_hf(model_dir / source, model_dir / dest, hf_config_dir=config_dir, hashes=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "hf_init", dtype=torch.float32).eval()
+    batch = sft_batch(model.config.vocab_size)
+    logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits.float()
+    logp = torch.log_softmax(logits, -1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    loss = -(logp * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    # the gradients read as a model, so transformers maps the names (fused experts) as for weights
+    grads = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "hf_sft_grads", dtype=torch.float32)
+    ours = dict(grads.named_parameters())
+    theirs = {name: p.grad for name, p in model.named_parameters()}
+    worst = max(theirs, key=lambda k: _rel(ours[k], theirs[k]))
+    return {"loss": abs(ref_losses["sft"]["padded"] - loss.item()) / loss.item(),
+            "grads": _rel(ours[worst], theirs[worst]), "grads_worst_tensor": worst,
+            "tensors": len(theirs), "tensors_compared": len(set(ours) & set(theirs))}
+
+
 def compare(args) -> None:
     init_distributed()
     out = Path(args.workdir)
@@ -268,6 +335,8 @@ def compare(args) -> None:
         ref_dir = out / model_name / "t1p1d1e1"
         ref = {kind: _full_tensors(model_cfg, groups, ref_dir / kind)
                for kind in ["grads", "weights"] + [f"engine_weights_{mode}" for mode in ENGINE_MODES]}
+        if model_name in SFT_MODELS:
+            ref["sft_grads"] = _full_tensors(model_cfg, groups, ref_dir / "sft_grads_padded")
         ref_losses = json.loads((ref_dir / "losses.json").read_text())
         for run_dir in sorted(p for p in (out / model_name).iterdir() if p.name.startswith("t")):
             losses = json.loads((run_dir / "losses.json").read_text())
@@ -303,7 +372,15 @@ def compare(args) -> None:
                 entry[kind] = _rel(got[worst], ref[kind][worst])
                 entry[kind + "_worst_tensor"] = worst
                 entry[kind + "_nonzero"] = sum(int(v.abs().sum() > 0) for v in got.values())
+            if model_name in SFT_MODELS:  # each mode against the single process's padded run
+                want = ref_losses["sft"]["padded"]
+                for mode in ENGINE_MODES:
+                    entry[f"sft_loss_{mode}"] = abs(losses["sft"][mode] - want) / abs(want)
+                    got = _full_tensors(model_cfg, groups, run_dir / f"sft_grads_{mode}")
+                    entry[f"sft_grads_{mode}"] = max(_rel(got[k], ref["sft_grads"][k]) for k in ref["sft_grads"])
             report[f"{model_name}/{run_dir.name}"] = entry
+        if model_name in SFT_MODELS:
+            report[f"sft_transformers/{model_name}"] = transformers_sft(out / model_name, model_cfg, ref_losses)
         groups.destroy()
         _readers.clear()
     Path(args.report).write_text(json.dumps(report, indent=2))

@@ -138,3 +138,59 @@ def test_a_template_that_rewrites_history_is_refused(tokenizers):
     tok.chat_template = rewriting
     with pytest.raises(ExampleError, match=r"renders message 2 \(assistant\) differently .* generation %\} markers"):
         chat_example(tok, CONVERSATION, EOS_IDS)
+
+
+def test_example_stream_epochs_and_resume():
+    """Each epoch deals every example once, in a seeded order; a stream restored from another's
+    state deals the same examples next (a resumed megarl sft)."""
+    from megarl.data.sft import ExampleStream, SFTExample
+
+    examples = [SFTExample([i, i + 1], [0, 1], f"f:{i}") for i in range(5)]
+    a = ExampleStream(examples, seed=3)
+    assert sorted(e.source for e in a.take(5)) == [f"f:{i}" for i in range(5)] and a.epoch == 0
+    a.take(3)
+    assert a.state() == {"epoch": 1, "position": 3}
+    b = ExampleStream(examples, seed=3)
+    b.load_state(a.state())
+    assert [e.source for e in b.take(7)] == [e.source for e in a.take(7)]
+    in_order = ExampleStream(examples, seed=3, shuffle=False)
+    assert [e.source for e in in_order.take(6)] == [f"f:{i}" for i in range(5)] + ["f:0"]
+
+
+def test_load_examples_reads_rows_by_kind_and_names_bad_ones(tmp_path):
+    import json as _json
+
+    from megarl.config.schema import BadRows, DataConfig, Truncation
+    from megarl.data.datasets import DataError
+    from megarl.data.sft import collate, load_examples
+    from megarl.data.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(str(make_tokenizer(tmp_path / "tok")))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(_json.dumps(r) for r in [
+        {"messages": CONVERSATION},
+        {"prompt": "2+2?", "response": "4"},
+        {"prompt": [{"role": "user", "content": "2+2?"}], "response": "4"},
+        {"text": "neither"},
+    ]) + "\n")
+    with pytest.raises(DataError, match=f"{rows}:4 .*data.messages_key"):
+        load_examples([str(rows)], DataConfig(), tok, 256)
+    got = load_examples([str(rows)], DataConfig(bad_rows=BadRows.skip), tok, 256)
+    assert [e.source for e in got] == [f"{rows}:1", f"{rows}:2", f"{rows}:3"]
+    assert got[1].ids == got[2].ids and got[1].mask == got[2].mask  # a string prompt is one user message
+    assert trained_text(tok.tok, got[1]) == ["4<|im_end|>"]
+    batch = collate(got, pad_id=0, rows=4)  # next-token rows; a fourth, empty row
+    assert batch["tokens"].shape == (4, len(got[0].ids) - 1) and batch["loss_mask"][3].sum() == 0
+    assert batch["loss_mask"][1].sum() == got[1].trained and batch["labels"][0, 0] == got[0].ids[1]
+    limit = len(got[1].ids)  # the conversation is longer: error, skip or cut
+    with pytest.raises(DataError, match=f"{rows}:1 .*data.max_length={limit}.*data.truncation=right or skip"):
+        load_examples([str(rows)], DataConfig(), tok, limit)
+    kept = load_examples([str(rows)], DataConfig(bad_rows=BadRows.skip, truncation=Truncation.skip), tok, limit)
+    assert [e.source for e in kept] == [f"{rows}:2", f"{rows}:3"]
+    cut = load_examples([str(rows)], DataConfig(bad_rows=BadRows.skip, truncation=Truncation.right), tok, 50)
+    assert len(cut) == 3 and cut[0].ids == got[0].ids[:50] and cut[0].mask == got[0].mask[:50] and cut[0].trained
+    assert not load_examples([str(rows)], DataConfig(bad_rows=BadRows.skip, truncation=Truncation.right), tok,
+                             limit)[0].source.endswith(":1")  # cut before any assistant token: refused
+    plain = HFTokenizer(str(tmp_path / "tok"), chat_template=False)  # no template: the text, then response + EOS
+    (ex,) = load_examples([str(rows)], DataConfig(bad_rows=BadRows.skip), plain, 256)
+    assert ex.ids[-1] == plain.eos_token_id and trained_text(plain.tok, ex) == ["4<|im_end|>"]

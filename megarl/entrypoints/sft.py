@@ -1,0 +1,202 @@
+"""``megarl sft``: supervised fine-tuning of the user's model on their chat data, on the RL
+trainer's engine and run machinery (Ray workers in the actor's layout, run checkpoints, resume,
+the trackers): the run directory it writes is one ``megarl export-hf`` exports and
+``megarl train model.path=RUN_DIR`` starts from.
+
+The driver reads every row first (megarl/data/sft.py: the chat template's assistant tokens are
+the loss mask), then each step sends ``data.global_batch_size`` examples to the workers, which
+train on their data-parallel share (megarl/roles/sft.py). ``data.val_files`` gives ``val/loss``
+every ``trainer.val_interval`` steps (and before training, with ``trainer.val_before_train``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+from megarl.config import ConfigError, MegarlConfig, load_config, to_yaml, validate
+from megarl.config.schema import Truncation
+
+__all__ = ["main", "prepare_sft", "run"]
+CONSOLE = ("train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "time/step_s")
+
+
+@dataclass
+class PreparedSFT:
+    cfg: MegarlConfig
+    tokenizer: object  # megarl.data.tokenizer.HFTokenizer
+    train: List  # SFTExample
+    val: Optional[List]
+
+
+def prepare_sft(cfg: MegarlConfig) -> PreparedSFT:
+    """Check the configuration and read every row, before any process starts."""
+    from megarl.checkpoint.load import check_pretrained_sources
+    from megarl.controller.cluster import check_cluster
+    from megarl.controller.prepare import check_lora, resolve_paths, world_size
+    from megarl.data.sft import load_examples
+    from megarl.data.tokenizer import HFTokenizer, check_vocab, load_tokenizer
+    from megarl.models.builder import check_layout
+    from megarl.models.hf_config import megatron_args_from_hf, read_hf_config
+    from megarl.parallel import Layout
+    from megarl.trainer.logger import check_logging
+    from megarl.trainer.resume import check_resume
+
+    validate(cfg)
+    cfg = resolve_paths(cfg)
+    data = cfg.data
+    if not data.train_files:
+        raise ConfigError("megarl sft needs data.train_files (jsonl, parquet, globs or HF datasets directories of "
+                          f"'{data.messages_key}' conversations or '{data.prompt_key}'/'{data.response_key}' pairs)")
+    check_cluster(cfg.trainer)
+    layout = Layout.from_config(cfg.parallel.actor, world_size(cfg))
+    args = megatron_args_from_hf(cfg.model.hf_config)
+    check_layout(args, layout, cfg.model)
+    cfg.model.lora = check_lora(cfg, args)
+    if data.global_batch_size % (layout.dp * data.micro_batch_size):
+        raise ConfigError(f"data.global_batch_size={data.global_batch_size} must divide by dp={layout.dp} x "
+                          f"data.micro_batch_size={data.micro_batch_size}")
+    if data.truncation == Truncation.left:
+        raise ConfigError("data.truncation=left: megarl sft keeps a conversation's start (its system prompt and "
+                          "first turns); use right, skip or error")
+    changed = check_resume(cfg)
+    if changed:
+        print(f"megarl: warning: {changed}", file=sys.stderr, flush=True)
+    check_logging(cfg.logging)
+    check_pretrained_sources(cfg)
+    tok = load_tokenizer(data.tokenizer, data.chat_template, system_prompt=data.system_prompt,
+                         template_kwargs=data.chat_template_kwargs, template_path=data.chat_template_path)
+    if not isinstance(tok, HFTokenizer):
+        raise ConfigError("megarl sft reads text: set data.tokenizer (or a model.path with tokenizer files) to an "
+                          "HF tokenizer")
+    check_vocab(tok.vocab_size, args.vocab_size)
+    positions = read_hf_config(cfg.model.hf_config).get("max_position_embeddings")
+    if data.max_length is None:
+        data.max_length = positions or 4096
+    elif positions and data.max_length > positions:
+        raise ConfigError(f"data.max_length={data.max_length} is more than the model's max_position_embeddings "
+                          f"{positions}")
+    train = load_examples(data.train_files, data, tok, data.max_length)
+    val = load_examples(data.val_files, data, tok, data.max_length, key="data.val_files") if data.val_files else None
+    if cfg.trainer.total_epochs:
+        cfg.trainer.train_steps = math.ceil(cfg.trainer.total_epochs * len(train) / data.global_batch_size)
+        print(f"megarl: trainer.total_epochs={cfg.trainer.total_epochs} over {len(train)} examples, "
+              f"data.global_batch_size={data.global_batch_size}: trainer.train_steps={cfg.trainer.train_steps}",
+              file=sys.stderr, flush=True)
+    trained = sum(e.trained for e in train)
+    print(f"megarl sft: {len(train)} training examples ({trained} trained tokens of "
+          f"{sum(len(e.ids) for e in train)})" + (f", {len(val)} validation examples" if val else ""),
+          file=sys.stderr, flush=True)
+    return PreparedSFT(cfg, tok, train, val)
+
+
+def run(prepared: PreparedSFT) -> List[dict]:
+    """Train under ``trainer.run_dir``'s lock; a run that fails or is interrupted is marked so in its trackers."""
+    from megarl.trainer.logger import end_unfinished_runs
+    from megarl.trainer.run_dir import lock_run_dir
+
+    with lock_run_dir(prepared.cfg.trainer.run_dir):
+        try:
+            return _run_locked(prepared)
+        except BaseException as err:
+            end_unfinished_runs(err)
+            raise
+
+
+def _run_locked(prepared: PreparedSFT) -> List[dict]:
+    from megarl.controller.cluster import RaySession
+    from megarl.controller.group import WorkerGroup, gpu_assignment
+    from megarl.controller.prepare import world_size
+    from megarl.controller.sft_worker import SFTWorker
+    from megarl.data.sft import ExampleStream
+    from megarl.runtime.signals import Preemption
+    from megarl.trainer.checkpoint import CheckpointSchedule, Checkpoints, resume
+    from megarl.trainer.logger import RunLogger
+
+    cfg, tok = prepared.cfg, prepared.tokenizer
+    stream = ExampleStream(prepared.train, cfg.trainer.seed, cfg.data.shuffle)
+    preemption = Preemption(cfg.trainer.signal_grace_s)
+    try:
+        session = RaySession(cfg.trainer, num_cpus=world_size(cfg))
+    except BaseException:
+        preemption.close()
+        raise
+    preemption.install()
+    group = None
+    try:
+        import ray
+
+        gpus, why = gpu_assignment(ray.cluster_resources().get("GPU", 0), world_size(cfg))
+        print(f"megarl: {why}", file=sys.stderr, flush=True)
+        group = WorkerGroup(SFTWorker, world_size(cfg), cfg, gpus_per_worker=gpus, env=session.worker_env,
+                            nnodes=cfg.trainer.nnodes, liveness=session.liveness)
+        learner = group.roles()["actor"]
+        checkpoints = Checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
+        done, run_ids = resume(checkpoints, group, stream) if cfg.trainer.resume else (0, {})
+        log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, run_ids=run_ids, desc="sft")
+        schedule = CheckpointSchedule(checkpoints, cfg.trainer, group, lambda step: {
+            "step": step, "stream": stream.state(), "tracker_run_ids": log.run_ids}, to_yaml(cfg), preemption)
+        preemption.armed = True
+        train(cfg, learner, stream, prepared.val, tok.pad_token_id, log, done + 1, schedule.after_step)
+        preemption.armed = False
+        schedule.finish(blocking=True)
+        final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
+        (log.run_dir / "final.json").write_text(json.dumps(final))
+        log.close("train/loss", "loss_curve.png")
+        print(f"run directory {log.run_dir}: metrics.jsonl, checkpoints/, loss_curve.png, final.json "
+              f"(megarl export-hf {log.run_dir} OUT; megarl train model.path={log.run_dir})", flush=True)
+        return log.history
+    finally:
+        preemption.close()
+        if group is not None:
+            group.shutdown()
+        session.close()
+
+
+def train(cfg, learner, stream, val, pad_id: int, log, start_step: int, after_step) -> None:
+    """The SFT loop: a global batch per step, validation loss every trainer.val_interval steps."""
+    from megarl.data.sft import collate
+
+    t, data = cfg.trainer, cfg.data
+    if start_step == 1 and val and t.val_before_train:
+        val_loss(learner, val, data, pad_id, log, 0)
+    for step in range(start_step, t.train_steps + 1):
+        start = time.perf_counter()
+        metrics = learner.train_step(collate(stream.take(data.global_batch_size), pad_id))
+        seconds = time.perf_counter() - start
+        log.scalars(step, {f"train/{k}": v for k, v in metrics.items()} | {
+            "train/tokens_per_s": metrics["tokens"] / seconds, "train/epoch": stream.epoch}, CONSOLE)
+        if val and t.val_interval and (step % t.val_interval == 0 or step == t.train_steps):
+            val_loss(learner, val, data, pad_id, log, step)
+        after_step(step)
+
+
+def val_loss(learner, val, data, pad_id: int, log, step: int) -> float:
+    """The token-mean cross entropy of every held-out example (``val/loss``), logged at ``step``."""
+    from megarl.data.sft import collate
+
+    total = count = 0.0
+    n = data.global_batch_size
+    for i in range(0, len(val), n):
+        loss, tokens = learner.eval_loss(collate(val[i:i + n], pad_id, rows=n))
+        total, count = total + loss, count + tokens
+    log.validation(step, {"val/loss": total / count, "val/tokens": count}, [])
+    return total / count
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    files = [a for a in argv if a.endswith((".yaml", ".yml"))]
+    history = run(prepare_sft(load_config(files, [a for a in argv if a not in files])))
+    if history:
+        print(json.dumps({"steps": len(history), "loss_first": round(history[0]["train/loss"], 4),
+                          "loss_last": round(history[-1]["train/loss"], 4)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

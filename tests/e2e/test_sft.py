@@ -1,0 +1,146 @@
+"""``megarl sft`` through the command line, on a random tiny Llama (hidden 64, 4 layers, the ChatML
+test tokenizer) and generated conversations (the user gives digits, the assistant reverses them):
+``messages`` rows in jsonl (some multi-turn, with a tool turn) and prompt/response pairs in
+parquet, validation on held-out pairs.
+
+One run of 10 steps at tp=2 with packed sequences (checkpoints at 5 and 10), then the same
+command with ``trainer.train_steps=14``, which resumes after step 10. The validation loss falls;
+``megarl export-hf`` of the run loads in transformers, whose token-mean cross entropy of the
+held-out assistant tokens equals the run's last ``val/loss`` (fp32, 1e-5); ``megarl train
+model.path=<that export>`` runs GRPO. Bad rows and settings exit 2 before Ray starts, named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.cli import main
+from tests.cli import megarl_here
+from tests.fixtures.hf_models import PAD_ID, chat_examples, make_hf_model, make_tokenizer
+
+TOOL_TURN = [{"role": "system", "content": "Reverse digits."}, {"role": "user", "content": "reverse 123"},
+             {"role": "assistant", "content": "look up 123"}, {"role": "tool", "content": "321"},
+             {"role": "assistant", "content": "321"}]
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    work = tmp_path_factory.mktemp("sft")
+    tokenizer = make_tokenizer(work / "tokenizer")
+    model = make_hf_model("llama", work / "model", tokenizer, train_steps=0)  # random weights
+    chats = chat_examples(184, seed=11)
+    with (work / "chat.jsonl").open("w") as f:
+        for chat in chats[:100]:
+            f.write(json.dumps({"messages": chat}) + "\n")
+        for _ in range(8):
+            f.write(json.dumps({"messages": TOOL_TURN}) + "\n")
+    pq.write_table(pa.Table.from_pylist([{"prompt": c[0]["content"], "response": c[1]["content"]}
+                                         for c in chats[100:160]]), work / "pairs.parquet")
+    with (work / "val.jsonl").open("w") as f:
+        for chat in chats[160:]:
+            f.write(json.dumps({"prompt": chat[0]["content"], "response": chat[1]["content"]}) + "\n")
+    with (work / "prompts.jsonl").open("w") as f:
+        for chat in chats[:8]:
+            f.write(json.dumps({"prompt": chat[:1], "answer": chat[1]["content"]}) + "\n")
+    return work, model
+
+
+SFT = ("data.global_batch_size=16", "data.micro_batch_size=4", "data.pack_sequences=true", "parallel.actor.tp=2",
+       "optimizer.lr=3.0e-3", "optimizer.lr_warmup_steps=0", "trainer.save_interval=5", "trainer.val_interval=5",
+       "trainer.log_interval=5", "logging.progress_bar=false")
+
+
+@pytest.fixture(scope="module")
+def runs(user):
+    work, model = user
+    files = (f"model.path={model}", f"data.train_files=[{work / 'chat.jsonl'},{work / 'pairs.parquet'}]",
+             f"data.val_files=[{work / 'val.jsonl'}]", f"trainer.run_dir={work / 'run'}")
+    first = megarl_here("sft", *files, *SFT, "trainer.train_steps=10", cwd=work)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = megarl_here("sft", *files, *SFT, "trainer.train_steps=14", cwd=work)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    export = megarl_here("export-hf", str(work / "run"), str(work / "export"), cwd=work)
+    assert export.returncode == 0, export.stderr[-3000:]
+    return first, resumed
+
+
+def test_sft_trains_resumes_and_validates(user, runs):
+    work, _ = user
+    first, resumed = runs
+    assert "168 training examples" in first.stderr  # 108 conversations and 60 pairs
+    assert "resuming after step 10" in resumed.stdout
+    assert sorted(p.name for p in (work / "run" / "checkpoints").glob("step_*")) == ["step_000010", "step_000014"]
+    rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    assert all(r["train/update_ok"] == 1.0 and r["train/tokens"] > 0 for r in rows)
+    vals = {r["step"]: r["val/loss"] for r in map(json.loads, (work / "run" / "validation.jsonl").read_text().splitlines())}
+    assert sorted(vals) == [0, 5, 10, 14]
+    assert vals[0] > 5.0 and vals[14] < 0.6 * vals[0], vals  # ln(260) = 5.56 at random weights
+
+
+def test_export_loads_in_transformers_with_the_runs_validation_loss(user, runs):
+    """transformers on the exported weights: the held-out rows as megarl sft reads them (its
+    masks: the assistant's tokens and <|im_end|>), the same token-mean cross entropy."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config import load_config
+    from megarl.data.sft import collate, load_examples
+    from megarl.data.tokenizer import HFTokenizer
+
+    work, _ = user
+    model = AutoModelForCausalLM.from_pretrained(work / "export", dtype=torch.float32).eval()
+    cfg = load_config([work / "run" / "checkpoints" / "step_000014" / "config.yaml"])
+    tok = HFTokenizer(str(work / "export"))
+    batch = collate(load_examples([str(work / "val.jsonl")], cfg.data, tok, cfg.data.max_length), PAD_ID)
+    with torch.no_grad():
+        logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    mask = batch["loss_mask"].double()
+    loss = (-(logp * mask).sum() / mask.sum()).item()
+    last = json.loads((work / "run" / "validation.jsonl").read_text().splitlines()[-1])
+    assert last["val/tokens"] == mask.sum().item()
+    assert loss == pytest.approx(last["val/loss"], rel=1e-5)
+
+
+def test_grpo_from_the_sft_export(user, runs):
+    work, _ = user
+    proc = megarl_here("train", f"model.path={work / 'export'}", f"data.train_files=[{work / 'prompts.jsonl'}]",
+                       "data.prompts_per_step=4", "algorithm.samples_per_prompt=2", "algorithm.reward_fn=exact_match",
+                       "algorithm.max_new_tokens=8", "parallel.actor.tp=2", "trainer.train_steps=2",
+                       "trainer.save_interval=0", f"trainer.run_dir={work / 'grpo'}", "logging.backends=[console]",
+                       "logging.progress_bar=false", cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (work / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["rollout/logp_max_abs_diff"] < 1e-4  # the rollout serves the SFT weights
+
+
+@pytest.mark.parametrize("override, named", [
+    ("data.truncation=left", "data.truncation=left"),
+    ("data.max_length=8", "data.max_length=8"),
+    ("data.global_batch_size=6", "data.global_batch_size=6"),
+])
+def test_bad_settings_exit_2_before_ray(user, tmp_path, capsys, override, named):
+    import ray
+
+    work, model = user
+    code = main(["sft", f"model.path={model}", f"data.train_files=[{work / 'chat.jsonl'}]", "parallel.actor.tp=2",
+                 "data.micro_batch_size=4", f"trainer.run_dir={tmp_path / 'run'}", override])
+    err = capsys.readouterr().err
+    assert code == 2 and named in err, err
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_a_bad_row_is_named_by_file_and_row(user, tmp_path, capsys):
+    work, model = user
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": TOOL_TURN}) + "\n" + json.dumps({"text": "no fields"}) + "\n")
+    code = main(["sft", f"model.path={model}", f"data.train_files=[{bad}]", f"trainer.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{bad}:2" in err and "data.messages_key" in err and "data.bad_rows=skip" in err, err
