@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
 # make demo: the post-training workflow on CPU, as a user runs it on their own model.
-#   1. warm start: brief supervised training of a random tiny Llama (megarl train-lm), saved as a
-#      Megatron dist checkpoint
-#   2. convert it to a Hugging Face directory (megarl convert mcore-to-hf): the "pretrained model"
-#   3. GRPO post-training from that directory (megarl train ... model.path=DIR)
-#   4. export the result as a Hugging Face directory (megarl export-hf)
-#   5. load the export with transformers and generate
+#   1. the warm start's chat data: demonstrations of the task as conversations, and the tokenizer
+#      whose chat template renders them (scripts/demo_data.py)
+#   2. warm start: supervised fine-tuning of a random tiny Llama on them (megarl sft)
+#   3. export it as a Hugging Face directory (megarl export-hf): the "pretrained model"
+#   4. GRPO post-training from that directory (megarl train ... model.path=DIR)
+#   5. export the result as a Hugging Face directory (megarl export-hf)
+#   6. load the export with transformers and generate
 # Usage: scripts/demo.sh [key=value ...]   (overrides for the GRPO stage)
 # Environment: DEMO_DIR (output, default runs/demo; replaced on every run), SFT_ARGS (overrides
 # for the warm start), MEGARL (the megarl command), PYTHON (the interpreter with transformers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEMO_DEFAULT_DIR=runs/demo DEMO_STAGES=5
+DEMO_DEFAULT_DIR=runs/demo DEMO_STAGES=6
 source scripts/stages.sh
-stage 1 "supervised warm start of a random tiny Llama -> $out/sft_model" \
-    "$megarl" train-lm configs/demo/sft.yaml "trainer.save_dir=$out/sft_model" "${sft_args[@]}"
-stage 2 "the warm start as a Hugging Face directory -> $out/sft_hf" \
-    "$megarl" convert mcore-to-hf "$out/sft_model" "$out/sft_hf"
-stage 3 "GRPO from that directory (model.path) -> $out/grpo" \
+stage 1 "the warm start's conversations and tokenizer -> $out/conversations.jsonl, $out/tokenizer" \
+    "$python" scripts/demo_data.py "$out"
+stage 2 "supervised fine-tuning of a random tiny Llama on them -> $out/sft" \
+    "$megarl" sft configs/demo/sft.yaml "data.train_files=[$out/conversations.jsonl]" "data.tokenizer=$out/tokenizer" \
+    "trainer.run_dir=$out/sft" "${sft_args[@]}"
+stage 3 "the warm start as a Hugging Face directory -> $out/sft_hf" \
+    "$megarl" export-hf "$out/sft" "$out/sft_hf"
+stage 4 "GRPO from that directory (model.path) -> $out/grpo" \
     "$megarl" train configs/demo/grpo.yaml "model.path=$out/sft_hf" "trainer.run_dir=$out/grpo" "$@"
-stage 4 "export the post-trained actor -> $out/final_hf" \
+stage 5 "export the post-trained actor -> $out/final_hf" \
     "$megarl" export-hf "$out/grpo" "$out/final_hf"
-stage 5 "load $out/final_hf with transformers and generate" \
+stage 6 "load $out/final_hf with transformers and generate" \
     "$python" - "$out/final_hf" <<'EOF'
 import sys
 

@@ -3,7 +3,10 @@ built-in task can be saved, converted and loaded by transformers with its tokeni
 
 Same ids as :class:`megarl.data.tokenizer.DigitTokenizer` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2,
 then one token per character) and the same prompts: encoding prepends ``<bos>`` as
-``DigitTokenizer.prompt_ids`` does. No chat template: the built-in prompts are plain text.
+``DigitTokenizer.prompt_ids`` does. Its chat template (:data:`CHAT_TEMPLATE`) renders the built-in
+task's format: a conversation ``[user: "1234=", assistant: "4321"]`` is ``<bos>1234=4321<eos>``,
+the assistant's text and EOS inside ``{% generation %}`` markers (``megarl sft``'s loss mask), and
+a user prompt with the generation prompt is the RL prompt's ids, ``<bos>1234=``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,16 @@ import json
 from pathlib import Path
 
 from megarl.data.tokenizer import DigitTokenizer
+
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] + eos_token }}{%- endgeneration %}"
+    "{%- else %}{{- message['content'] }}{%- endif %}"
+    "{%- endfor %}"
+)
 
 
 def build_digit_tokenizer():
@@ -29,8 +42,10 @@ def build_digit_tokenizer():
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, reference.bos_token_id)])
     tok.add_special_tokens([pad, bos, eos])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos,
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos,
                                    model_max_length=1 << 30, clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def save_digit_tokenizer(directory: str | Path) -> None:

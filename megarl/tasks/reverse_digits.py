@@ -1,7 +1,8 @@
 """The built-in task: reverse the digits (``3141=`` → ``1413``), in the digit tokenizer's vocabulary.
 
 Its RL prompts (:func:`reverse_digits_records`), the supervised warm start's demonstrations
-(:func:`reverse_digits_batch`) and its verifier (:func:`reverse_digits_reward`, ``algorithm.reward_fn=reverse_digits``).
+(:func:`reverse_digits_conversations` for ``megarl sft``, :func:`reverse_digits_batch` for
+``megarl train-lm``) and its verifier (:func:`reverse_digits_reward`, ``algorithm.reward_fn=reverse_digits``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ def reverse_digits_records(count: int, num_digits: int, seed: int) -> List[Promp
     return out
 
 
+
+
+def reverse_digits_conversations(count: int, num_digits: int, seed: int,
+                                 label_noise: float = 0.0) -> List[Dict[str, List[Dict[str, str]]]]:
+    """``count`` chat rows ``{"messages": [user: "d1..dn=", assistant: the digits reversed]}``,
+    each answer digit replaced by a random one with probability ``label_noise``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
+        answer = "".join(rng.choice("0123456789") if rng.random() < label_noise else d for d in digits[::-1])
+        rows.append({"messages": [{"role": "user", "content": digits + "="}, {"role": "assistant", "content": answer}]})
+    return rows
 
 
 def reverse_digits_batch(step: int, batch_size: int, num_digits: int, seed: int,

@@ -1,8 +1,10 @@
-"""`make demo`'s workflow, shortened to a few steps per stage: warm start (train-lm) → HF
-directory (mcore-to-hf) → GRPO from it (model.path) → export-hf; every stage's output is
-there, transformers loads the final export with its tokenizer and generates until EOS; the
-warm start's sequences are the RL prompts + responses token for token; `mlflow ui` on the GRPO
-stage's store serves the run back over its REST API and the web UI's page."""
+"""`make demo`'s workflow, shortened to a few steps per stage: the warm start's conversations →
+supervised fine-tuning on them (megarl sft) → HF directory (export-hf) → GRPO from it
+(model.path) → export-hf; every stage's output is there, transformers loads the final export with
+its tokenizer and generates until EOS; the warm start's conversations, through the digit
+tokenizer's chat template, are the RL prompts + responses token for token (and so are train-lm's
+sequences); `mlflow ui` on the GRPO stage's store serves the run back over its REST API and the
+web UI's page."""
 
 from __future__ import annotations
 
@@ -22,8 +24,7 @@ import torch
 
 from megarl.data.digit_hf import build_digit_tokenizer
 from megarl.data.tokenizer import DigitTokenizer
-from megarl.tasks.reverse_digits import reverse_digits_records
-from megarl.tasks.reverse_digits import reverse_digits_batch
+from megarl.tasks.reverse_digits import reverse_digits_batch, reverse_digits_conversations, reverse_digits_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,6 +45,29 @@ def test_warm_start_sequences_are_rl_prompts_plus_responses():
     assert record.prompt.endswith("=") and hf.encode(record.prompt) == builtin.prompt_ids(record.prompt)
 
 
+def test_warm_start_conversations_render_as_rl_prompts_plus_responses(tmp_path):
+    """megarl sft's rows of the demo (scripts/demo_data.py) through the digit tokenizer's chat
+    template: BOS, the prompt, the answer and EOS, the loss on the answer and EOS; the same
+    tokenizer makes the GRPO stage's prompts (its chat template applied) the built-in ones."""
+    from megarl.data.sft import chat_example
+    from megarl.data.tokenizer import HFTokenizer
+    from megarl.data.digit_hf import save_digit_tokenizer
+
+    builtin = DigitTokenizer()
+    save_digit_tokenizer(tmp_path)
+    tok = HFTokenizer(str(tmp_path))
+    rows = reverse_digits_conversations(64, num_digits=4, seed=1, label_noise=0.3)
+    noisy = 0
+    for row in rows:
+        prompt, answer = (m["content"] for m in row["messages"])
+        example = chat_example(tok.tok, row["messages"], tok.eos_token_ids)
+        assert example.ids == builtin.prompt_ids(prompt) + builtin.encode(answer) + [builtin.eos_token_id]
+        assert example.mask == [0] * 6 + [1] * 5
+        assert tok.prompt_ids(prompt) == builtin.prompt_ids(prompt)  # GRPO's prompt, through the template
+        noisy += answer != prompt[:4][::-1]
+    assert 0.4 < noisy / len(rows) < 0.95  # about 1 - 0.7^4 of the answers have a wrong digit
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """One shortened `make demo` for the module's tests: (its output directory, the process)."""
@@ -58,12 +82,14 @@ def demo(tmp_path_factory):
 
 def test_demo_workflow(demo):
     out, proc = demo
-    for number in range(1, 6):
-        assert f"=== stage {number}/5" in proc.stdout
-    assert "GRPO mean reward: " in proc.stdout and (out / "sft_model" / "metadata.json").is_file()
+    for number in range(1, 7):
+        assert f"=== stage {number}/6" in proc.stdout
+    assert len((out / "conversations.jsonl").read_text().splitlines()) == 8000
+    sft = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sft] == [1, 2, 3] and (out / "sft" / "checkpoints" / "step_000003").is_dir()
+    assert "GRPO mean reward: " in proc.stdout
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in (out / "sft_model" / "hf").iterdir()}
-    assert (out / "sft_hf" / "tokenizer.json").is_file() and list((out / "sft_hf").glob("*.safetensors"))
+        p.name for p in (out / "sft_hf").iterdir()} and list((out / "sft_hf").glob("*.safetensors"))
     assert len((out / "grpo" / "metrics.jsonl").read_text().splitlines()) == 2
     final = out / "final_hf"
     assert f"The post-trained model (Hugging Face: weights, config, generation config, tokenizer): {out}/final_hf" \

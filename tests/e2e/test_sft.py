@@ -6,8 +6,8 @@ parquet, validation on held-out pairs.
 One run of 10 steps at tp=2 with packed sequences (checkpoints at 5 and 10), then the same
 command with ``trainer.train_steps=14``, which resumes after step 10. The validation loss falls;
 ``megarl export-hf`` of the run loads in transformers, whose token-mean cross entropy of the
-held-out assistant tokens equals the run's last ``val/loss`` (fp32, 1e-5); ``megarl train
-model.path=<that export>`` runs GRPO. Bad rows and settings exit 2 before Ray starts, named."""
+held-out assistant tokens equals the run's last ``val/loss`` (fp32, 1e-5). Bad rows and settings
+exit 2 before Ray starts, named. (GRPO from an SFT export: ``make demo``, tests/e2e/test_demo.py.)"""
 
 from __future__ import annotations
 
@@ -45,9 +45,6 @@ def user(tmp_path_factory):
     with (work / "val.jsonl").open("w") as f:
         for chat in chats[160:]:
             f.write(json.dumps({"prompt": chat[0]["content"], "response": chat[1]["content"]}) + "\n")
-    with (work / "prompts.jsonl").open("w") as f:
-        for chat in chats[:8]:
-            f.write(json.dumps({"prompt": chat[:1], "answer": chat[1]["content"]}) + "\n")
     return work, model
 
 
@@ -106,19 +103,6 @@ def test_export_loads_in_transformers_with_the_runs_validation_loss(user, runs):
     last = json.loads((work / "run" / "validation.jsonl").read_text().splitlines()[-1])
     assert last["val/tokens"] == mask.sum().item()
     assert loss == pytest.approx(last["val/loss"], rel=1e-5)
-
-
-def test_grpo_from_the_sft_export(user, runs):
-    work, _ = user
-    proc = megarl_here("train", f"model.path={work / 'export'}", f"data.train_files=[{work / 'prompts.jsonl'}]",
-                       "data.prompts_per_step=4", "algorithm.samples_per_prompt=2", "algorithm.reward_fn=exact_match",
-                       "algorithm.max_new_tokens=8", "parallel.actor.tp=2", "trainer.train_steps=2",
-                       "trainer.save_interval=0", f"trainer.run_dir={work / 'grpo'}", "logging.backends=[console]",
-                       "logging.progress_bar=false", cwd=work)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (work / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert rows[0]["rollout/logp_max_abs_diff"] < 1e-4  # the rollout serves the SFT weights
 
 
 @pytest.mark.parametrize("override, named", [
