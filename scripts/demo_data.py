@@ -20,7 +20,7 @@ from megarl.tasks.reverse_digits import reverse_digits_conversations
 
 def main(out: str, count: int = 8000, noise: float = 0.3, seed: int = 1) -> None:
     out_dir = Path(out)
-    save_digit_tokenizer(out_dir / "tokenizer")
+    save_digit_tokenizer(out_dir / "tokenizer", chat_template=True)
     digits = DigitTokenizer()
     ids = {"bos_token_id": digits.bos_token_id, "eos_token_id": digits.eos_token_id, "pad_token_id": digits.pad_token_id}
     (out_dir / "tokenizer" / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")

@@ -3,8 +3,9 @@ built-in task can be saved, converted and loaded by transformers with its tokeni
 
 Same ids as :class:`megarl.data.tokenizer.DigitTokenizer` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2,
 then one token per character) and the same prompts: encoding prepends ``<bos>`` as
-``DigitTokenizer.prompt_ids`` does. Its chat template (:data:`CHAT_TEMPLATE`) renders the built-in
-task's format: a conversation ``[user: "1234=", assistant: "4321"]`` is ``<bos>1234=4321<eos>``,
+``DigitTokenizer.prompt_ids`` does. With ``chat_template`` (``make demo``'s SFT data; train-lm's
+and the agent demo's tokenizer has none: their prompts and observations are plain text),
+:data:`CHAT_TEMPLATE` renders the built-in task's format: a conversation ``[user: "1234=", assistant: "4321"]`` is ``<bos>1234=4321<eos>``,
 the assistant's text and EOS inside ``{% generation %}`` markers (``megarl sft``'s loss mask), and
 a user prompt with the generation prompt is the RL prompt's ids, ``<bos>1234=``.
 """
@@ -27,8 +28,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_digit_tokenizer():
-    """A ``PreTrainedTokenizerFast`` with exactly the ids of ``DigitTokenizer``."""
+def build_digit_tokenizer(chat_template: bool = False):
+    """A ``PreTrainedTokenizerFast`` with exactly the ids of ``DigitTokenizer`` (and :data:`CHAT_TEMPLATE`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -44,13 +45,15 @@ def build_digit_tokenizer():
     tok.add_special_tokens([pad, bos, eos])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos,
                                    model_max_length=1 << 30, clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def save_digit_tokenizer(directory: str | Path) -> None:
-    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` to ``directory``."""
-    tokenizer = build_digit_tokenizer()
+def save_digit_tokenizer(directory: str | Path, chat_template: bool = False) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` (and the
+    chat template) to ``directory``."""
+    tokenizer = build_digit_tokenizer(chat_template)
     tokenizer.save_pretrained(str(directory))
     # transformers 5 names its fast class "TokenizersBackend", which transformers 4 (and the
     # engines pinned to it, e.g. SGLang) cannot resolve; both resolve "PreTrainedTokenizerFast".

@@ -54,7 +54,7 @@ def test_warm_start_conversations_render_as_rl_prompts_plus_responses(tmp_path):
     from megarl.data.digit_hf import save_digit_tokenizer
 
     builtin = DigitTokenizer()
-    save_digit_tokenizer(tmp_path)
+    save_digit_tokenizer(tmp_path, chat_template=True)
     tok = HFTokenizer(str(tmp_path))
     rows = reverse_digits_conversations(64, num_digits=4, seed=1, label_noise=0.3)
     noisy = 0
