@@ -22,11 +22,19 @@ native failed on AMD EPYC hosts and passed on Intel ones).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.e2e.test_rl import history, mean
+from tests.ray_cluster import joined
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = "model.hf_config=configs/models/tiny-digits-hd32.json"
 VLLM = ("parallel.rollout.engine=vllm", MODEL)
@@ -123,14 +131,19 @@ def test_split_one_step_off(split, colocated_one_step_off):
 TIED_STEPS = 5
 
 
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def tied_started(tmp_path_factory):
     """``megarl train model.path=DIR parallel.rollout.engine=vllm`` on one rank (tp=1, vLLM's own
     engine) from an HF directory holding a random model of SmolLM-135M's widths, tied embeddings
     included (hidden 576, 9 heads of 64, 3 KV heads, vocabulary 49152; 4 of its 30 layers). The
     entropy bonus moves every weight each step (exact_match scores these random answers 0), so
-    every sync reloads a changed tied embedding into the engine."""
-    from tests.cli import megarl_here as megarl
+    every sync reloads a changed tied embedding into the engine.
+
+    Started with the module, as a new interpreter joining the suite's Ray cluster, and run beside
+    the module's other runs: its one rank and engine keep about one core of two busy, the other
+    runs' two ranks fill the rest (beside the colocated run on a loaded 2-core machine, the pair
+    took 173 s instead of 198 s). ``tied`` waits for it; if no test asks, it is stopped (Ctrl-C)
+    at the module's end."""
     from tests.fixtures.hf_models import chat_examples, make_tied_llama, make_tokenizer
 
     work = tmp_path_factory.mktemp("tied")
@@ -146,9 +159,24 @@ algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_
 trainer: {{train_steps: {TIED_STEPS}, save_interval: 0, nproc_per_node: 1, run_dir: {work / 'run'}}}
 logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
 """)
-    proc = megarl("train", str(work / "run.yaml"), f"model.path={model_dir}", "parallel.rollout.engine=vllm",
-                  cwd=work)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    args = ("train", str(work / "run.yaml"), f"model.path={model_dir}", "parallel.rollout.engine=vllm")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    with open(work / "stdout", "w") as out, open(work / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=work, env=env,
+                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield proc, model_dir, work
+    finally:
+        if proc.poll() is None:  # no test asked for it: Ctrl-C, the CLI's own teardown
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tied(tied_started):
+    proc, model_dir, work = tied_started
+    code = proc.wait(timeout=900)
+    assert code == 0, (work / "stdout").read_text()[-3000:] + (work / "stderr").read_text()[-6000:]
     rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     return model_dir, work / "run", rows
 
