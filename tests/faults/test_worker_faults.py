@@ -3,9 +3,9 @@ with SIGSTOP (colocated and split placement), Ctrl-C on ``megarl train`` during 
 driver killed with SIGKILL while a checkpoint is being written; and what a private Ray listens on.
 
 Each case is one short real run of the demo (private Ray, two ranks, token authentication as Ray
-defaults it), stopped once its first step is logged. The harness (conftest.py) then checks that no
-process of the case is left: Ray's GCS, raylet and agents, workers, forked checkpoint writers,
-reward workers, the run's watchdog."""
+defaults it), stopped once its first step is logged (the stopped-rank case has two, overlapping).
+The harness (conftest.py) then checks that no process of the case is left: Ray's GCS, raylet and
+agents, workers, forked checkpoint writers, reward workers, the run's watchdog."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 from megarl.runtime.processes import RUN_TAG, run_processes, tagged_pids
 from tests.distributed.launch import ROOT
@@ -137,56 +140,59 @@ def test_a_killed_worker_rank_stops_the_run_named_within_seconds(tmp_path):
     wait_gone(tag, 5.0)
 
 
-def test_a_stopped_rollout_rank_of_an_asynchronous_split_run(tmp_path):
-    """Split placement, one step off: the rollout's own ranks and the driver's drawing thread. A
-    rollout rank stopped mid-run (SIGSTOP) is named as such within trainer.hang_timeout_s, and
-    nothing of the run is left; the weights group's store and every other socket of the run
-    listen on loopback only. (A killed rank is named through the same wait as in the colocated
-    case above.)"""
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, "trainer.placement=split", "parallel.rollout.nproc=2", "trainer.loop=one_step_off",
-                 f"trainer.hang_timeout_s={HANG_S}")
+def stopped_rank_run(run_dir, group: str, *extra, stopped: Optional[threading.Event] = None) -> tuple:
+    """A run (trainer.hang_timeout_s=HANG_S) whose rank 1 of ``group`` is stopped with SIGSTOP
+    once its first step is logged, after every listening socket of the run is seen on loopback:
+    the driver exits 3 within HANG_S + 30 s of the stop, without a traceback, and nothing of the
+    run is left 5 s later. ``stopped`` is set once the rank is stopped, or the case has failed
+    before. Returns (rank 1's pid, the driver's output)."""
+    stopped = stopped or threading.Event()
+    proc = start(run_dir, f"trainer.hang_timeout_s={HANG_S}", *extra)
     try:
         wait_for_first_step(proc, run_dir)
-        rollout = {rank: pid for rank, (pid, _) in worker_pids(proc, "rollout workers").items()}
-        assert sorted(rollout) == [0, 1], rollout
-        tag = run_tag(rollout[1])
+        ranks = {rank: pid for rank, (pid, _) in worker_pids(proc, group).items()}
+        assert sorted(ranks) == [0, 1], ranks
+        tag = run_tag(ranks[1])
         check_listeners(listening_sockets({proc.pid} | {pid for pid, _ in run_processes(tag)}))
-        os.kill(rollout[1], signal.SIGSTOP)
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped.set()
         took = wait_exit(proc, HANG_S + 30)
     finally:
+        stopped.set()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     err = stderr(proc)
-    print(f"driver exited {took:.1f}s after rollout rank 1 was stopped")
+    print(f"{run_dir.name}: driver exited {took:.1f}s after {group} rank 1 was stopped")
     assert proc.returncode == 3, err[-3000:]
-    assert f"rollout rank 1 (pid {rollout[1]} on node 127.0.0.1) made no progress for" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     wait_gone(tag, 5.0)
+    return ranks[1], err
 
 
-def test_a_stopped_worker_rank_is_named_and_the_run_exits_3(tmp_path):
-    """SIGSTOP (what a wedged GPU or a stuck file system looks like from outside): the rank's
-    heartbeat stops, it is named within trainer.hang_timeout_s, every process is stopped."""
-    run_dir = tmp_path / "run"
-    proc = start(run_dir, f"trainer.hang_timeout_s={HANG_S}")
-    try:
-        wait_for_first_step(proc, run_dir)
-        ranks = worker_pids(proc)
-        tag = run_tag(ranks[1][0])
-        os.kill(ranks[1][0], signal.SIGSTOP)
-        took = wait_exit(proc, HANG_S + 30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    err = stderr(proc)
-    print(f"driver exited {took:.1f}s after rank 1 was stopped")
-    assert proc.returncode == 3, err[-3000:]
+def test_a_stopped_rank_is_named_and_the_run_exits_3(tmp_path):
+    """SIGSTOP (what a wedged GPU or a stuck file system looks like from outside) to rank 1 of two
+    runs: a colocated one, and one of split placement, one step off (the rollout's own ranks and
+    the driver's drawing thread), whose rollout rank is stopped mid-run. The rank's heartbeat
+    stops; it is named within trainer.hang_timeout_s, the run exits 3 and nothing of it is left;
+    every socket of either run (the split run's weights group's store too) listens on loopback
+    only. (A killed rank is named through the same wait in both placements.)
+
+    The split run starts once the colocated run's rank is stopped: it starts up while the
+    colocated driver waits out its hang timeout, an idle wait."""
+    stopped = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        colocated = pool.submit(stopped_rank_run, tmp_path / "colocated", "workers", stopped=stopped)
+        stopped.wait()
+        if colocated.done():  # it failed before its rank was stopped
+            colocated.result()
+        split = pool.submit(stopped_rank_run, tmp_path / "split", "rollout workers", "trainer.placement=split",
+                            "parallel.rollout.nproc=2", "trainer.loop=one_step_off")
+        (pid, err), (split_pid, split_err) = colocated.result(), split.result()
+
     line = err.strip().splitlines()[-1]
-    assert re.fullmatch(rf"megarl train: error: rank 1 \(pid {ranks[1][0]} on node 127\.0\.0\.1\) made no progress "
+    assert re.fullmatch(rf"megarl train: error: rank 1 \(pid {pid} on node 127\.0\.0\.1\) made no progress "
                         rf"for \d+ s in \S+ \(its heartbeat stopped: .*\)", line), line
-    assert "Traceback" not in err, err[-3000:]
-    wait_gone(tag, 5.0)
+    assert f"rollout rank 1 (pid {split_pid} on node 127.0.0.1) made no progress for" in split_err, split_err[-3000:]
 
 
 def test_ctrl_c_during_a_hang_stops_the_run_with_exit_130_and_one_line(tmp_path):
