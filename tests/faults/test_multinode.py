@@ -148,9 +148,10 @@ echo "driver $$ ${{RAY_AUTH_MODE:-}} ${{RAY_AUTH_TOKEN:-}} | $*" >> "$FAKE_LOG"
 for _ in $(seq 200); do
   [ "$(grep -c -- --block "$FAKE_LOG")" -ge "$(echo $FAKE_HOSTS | wc -w)" ] && break; sleep 0.1
 done
-# on SIGTERM it records it, "checkpoints" for a second, and exits 143
+# on SIGTERM it records it, "checkpoints" for a second, and exits 143 (DRIVER-WAITS: its trap is set)
 if [ -n "${{FAKE_DRIVER_WAITS:-}}" ]; then
   sleep 600 & s=$!; trap 'echo "DRIVER-TERM $$" >> "$FAKE_LOG"; kill $s; sleep 1; echo "DRIVER-EXIT $$" >> "$FAKE_LOG"; exit 143' TERM
+  echo "DRIVER-WAITS $$" >> "$FAKE_LOG"
   wait $s
 fi
 exit "${{FAKE_DRIVER_EXIT:-0}}"''',
@@ -176,21 +177,27 @@ def slurm(tmp_path, script, *args, wait=True, **env):
     return proc, log
 
 
+def wait_logged(proc, log, text: str) -> None:
+    """Until ``text`` is in the fake job's log (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while not (log.exists() and text in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+
+
 def slurm_until_driver(tmp_path):
     """train.sbatch in a fake job whose driver waits for a signal, once the driver has started."""
     proc, log = slurm(tmp_path, "train.sbatch", "cfg.yaml", wait=False, FAKE_DRIVER_WAITS="1")
-    deadline = time.monotonic() + 60
-    while not (log.exists() and "driver " in log.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
+    wait_logged(proc, log, "driver ")
     return proc, log
 
 
 def calls(log) -> list:
-    """(program, pid, auth mode, token, args) per recorded call, in order; 'TERM pid' lines as-is."""
+    """(program, pid, auth mode, token, args) per recorded call, in order; 'TERM pid' lines (and the
+    driver's DRIVER-*) as-is."""
     out = []
     for line in log.read_text().splitlines():
-        if line.startswith(("TERM ", "DRIVER-TERM ", "DRIVER-EXIT ")):
+        if line.startswith(("TERM ", "DRIVER-WAITS ", "DRIVER-TERM ", "DRIVER-EXIT ")):
             out.append((line.split()[0], int(line.split()[1]), "", "", ""))
         elif " | " in line:
             head, args = line.split(" | ", 1)
@@ -264,7 +271,7 @@ def test_slurm_train_cleans_up_when_the_driver_fails_or_the_job_is_cancelled(tmp
     # shell alone reaches the driver once; the Ray steps are stopped after the driver has exited
     (tmp_path / "p").mkdir()
     proc, log = slurm_until_driver(tmp_path / "p")
-    time.sleep(0.5)  # the driver's trap is set
+    wait_logged(proc, log, "DRIVER-WAITS")  # the driver's trap is set
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
