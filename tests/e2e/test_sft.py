@@ -4,9 +4,10 @@ test tokenizer) and generated conversations (the user gives digits, the assistan
 parquet, validation on held-out pairs.
 
 One run of 10 steps at tp=2 with packed sequences (checkpoints at 5 and 10), then the same
-command with ``trainer.train_steps=14``, which resumes after step 10. The validation loss falls;
-``megarl export-hf`` of the run loads in transformers, whose token-mean cross entropy of the
-held-out assistant tokens equals the run's last ``val/loss`` (fp32, 1e-5). Bad rows and settings
+command with ``trainer.train_steps=14``, which resumes after step 10; then LoRA adapters trained
+3 steps at dp=2 from that run's directory (``model.path=RUN_DIR``). The validation loss falls;
+``megarl export-hf`` of either run (the LoRA one merged) loads in transformers, whose token-mean
+cross entropy of the held-out assistant tokens equals the run's last ``val/loss`` (fp32, 1e-5). Bad rows and settings
 exit 2 before Ray starts, named. (GRPO from an SFT export: ``make demo``, tests/e2e/test_demo.py.)"""
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ def runs(user):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     export = megarl_here("export-hf", str(work / "run"), str(work / "export"), cwd=work)
     assert export.returncode == 0, export.stderr[-3000:]
+    # LoRA adapters on the SFT run's newest checkpoint (model.path=RUN_DIR) at dp=2, exported merged
+    lora = megarl_here("sft", f"model.path={work / 'run'}", *files[1:3], f"trainer.run_dir={work / 'lora'}",
+                       "model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=1.0e-2", "trainer.train_steps=3",
+                       "trainer.val_interval=3", "trainer.val_before_train=false", "data.global_batch_size=16",
+                       "data.micro_batch_size=4", "trainer.save_interval=3", "logging.progress_bar=false", cwd=work)
+    assert lora.returncode == 0, lora.stderr[-3000:]
+    export = megarl_here("export-hf", str(work / "lora"), str(work / "lora_export"), cwd=work)
+    assert export.returncode == 0, export.stderr[-3000:]
     return first, resumed
 
 
@@ -79,11 +88,18 @@ def test_sft_trains_resumes_and_validates(user, runs):
     vals = {r["step"]: r["val/loss"] for r in map(json.loads, (work / "run" / "validation.jsonl").read_text().splitlines())}
     assert sorted(vals) == [0, 5, 10, 14]
     assert vals[0] > 5.0 and vals[14] < 0.6 * vals[0], vals  # ln(260) = 5.56 at random weights
+    # the LoRA run: adapters only in its checkpoint, and they moved the loss
+    lora = [json.loads(line) for line in (work / "lora" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lora] == [1, 2, 3] and all(r["train/update_ok"] == 1.0 for r in lora)
+    (lora_val,) = [json.loads(line)["val/loss"] for line in (work / "lora" / "validation.jsonl").read_text().splitlines()]
+    assert lora_val != pytest.approx(vals[14], rel=1e-6)
 
 
-def test_export_loads_in_transformers_with_the_runs_validation_loss(user, runs):
-    """transformers on the exported weights: the held-out rows as megarl sft reads them (its
-    masks: the assistant's tokens and <|im_end|>), the same token-mean cross entropy."""
+@pytest.mark.parametrize("run", ["run", "lora"])
+def test_export_loads_in_transformers_with_the_runs_validation_loss(user, runs, run):
+    """transformers on the exported weights (the LoRA run's merged into its base): the held-out
+    rows as megarl sft reads them (its masks: the assistant's tokens and <|im_end|>), the same
+    token-mean cross entropy."""
     from transformers import AutoModelForCausalLM
 
     from megarl.config import load_config
@@ -91,16 +107,17 @@ def test_export_loads_in_transformers_with_the_runs_validation_loss(user, runs):
     from megarl.data.tokenizer import HFTokenizer
 
     work, _ = user
-    model = AutoModelForCausalLM.from_pretrained(work / "export", dtype=torch.float32).eval()
-    cfg = load_config([work / "run" / "checkpoints" / "step_000014" / "config.yaml"])
-    tok = HFTokenizer(str(work / "export"))
+    export = work / ("export" if run == "run" else "lora_export")
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    cfg = load_config([sorted((work / run / "checkpoints").glob("step_*"))[-1] / "config.yaml"])
+    tok = HFTokenizer(str(export))
     batch = collate(load_examples([str(work / "val.jsonl")], cfg.data, tok, cfg.data.max_length), PAD_ID)
     with torch.no_grad():
         logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
     logp = torch.log_softmax(logits.double(), -1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
     mask = batch["loss_mask"].double()
     loss = (-(logp * mask).sum() / mask.sum()).item()
-    last = json.loads((work / "run" / "validation.jsonl").read_text().splitlines()[-1])
+    last = json.loads((work / run / "validation.jsonl").read_text().splitlines()[-1])
     assert last["val/tokens"] == mask.sum().item()
     assert loss == pytest.approx(last["val/loss"], rel=1e-5)
 
