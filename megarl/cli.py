@@ -4,6 +4,8 @@ Subcommands:
   train      RL post-training (GRPO, PPO, DAPO, RLOO, REINFORCE++, ReMax) on Ray, colocated
   sft        supervised fine-tuning of a model on chat data (messages or prompt/response rows) on Ray;
              its run directory is what export-hf and train's model.path take
+  train-rm   reward-model training (Bradley-Terry) on prompt/chosen/rejected rows; export-hf writes an HF
+             *ForSequenceClassification directory that reward_model.path takes
   eval       the held-out evaluation of a model (HF, Megatron, a run) on data.val_files, without training
   export-hf  the actor of a run's newest checkpoint as an HF checkpoint: RUN_DIR OUT [--dtype D]; a LoRA
              run's merged, or with --adapter its PEFT adapter directory
@@ -72,6 +74,12 @@ def _sft(args: List[str]) -> int:
     return main(args)
 
 
+def _train_rm(args: List[str]) -> int:
+    from megarl.entrypoints.sft import main
+
+    return main(args, stage="train-rm")
+
+
 def _eval(args: List[str]) -> int:
     from megarl.entrypoints.eval import main
 
@@ -131,7 +139,7 @@ def _convert(args: List[str]) -> int:
         return done.code if isinstance(done.code, int) else 2
 
 
-COMMANDS = {"train": _train, "sft": _sft, "eval": _eval, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
+COMMANDS = {"train": _train, "sft": _sft, "train-rm": _train_rm, "eval": _eval, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
 
 
 def _message(exc: BaseException) -> str:
@@ -157,6 +165,13 @@ or a prompt/response pair (data.prompt_key, data.response_key), in jsonl, parque
 directories. The loss is on the assistant's tokens as the chat template renders them. data.val_files
 gives val/loss every trainer.val_interval steps. Checkpoints, resume and the trackers are megarl
 train's; megarl export-hf RUN_DIR OUT and megarl train model.path=RUN_DIR take the run directory.""",
+    "train-rm": """usage: megarl train-rm CONFIG.yaml [key=value ...] model.path=DIR data.train_files=[FILE, ...]
+
+Reward-model training: a scalar head on model.path's backbone, scored at each sequence's last token,
+trained with the Bradley-Terry loss on rows with a prompt (data.prompt_key) and a preferred and a
+dispreferred response (data.chosen_key, data.rejected_key; strings, or whole conversations). The
+batch sizes count pairs. data.val_files gives val/accuracy and val/margin. megarl export-hf RUN_DIR OUT
+writes a *ForSequenceClassification directory that transformers loads and reward_model.path takes.""",
     "eval": """usage: megarl eval CONFIG.yaml [key=value ...] model.path=DIR data.val_files=[FILE, ...]
 
 The held-out evaluation of megarl train's validation (data.val_files; algorithm.val_samples_per_prompt,

@@ -33,7 +33,7 @@ from megarl.checkpoint.dist_ckpt import (
 from megarl.checkpoint.hf_files import write_side_files
 from megarl.checkpoint.hf_io import HFCheckpoint, ShardWriter, finalize
 from megarl.checkpoint.integrity import manifest_root, safe_reader, verify_manifest
-from megarl.checkpoint.load import HF_SUBDIR, fill_from_hf
+from megarl.checkpoint.load import HF_SUBDIR, VALUE_HEAD_BIAS, fill_from_hf, hf_plan
 from megarl.config import ModelConfig, ParallelConfig
 from megarl.models import build_model
 from megarl.models.builder import check_layout
@@ -131,6 +131,7 @@ class McoreToHFPlan:
     # Megatron key -> (the key it is stored under, its index on a stacked layer axis or None)
     sources: Dict[str, Tuple[str, Optional[int]]]
     stored: Dict[str, object]  # stored key -> torch TensorStorageMetadata
+    value_head: bool = False  # a scalar head (megarl train-rm's): exported as *ForSequenceClassification
 
 
 def _locate(by_key: Dict[str, List[Item]], stored: Dict, num_layers: int, ckpt_dir: Path):
@@ -179,8 +180,11 @@ def prepare_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
     embedding = stored.get("embedding.word_embeddings.weight")
     if embedding is None:
         raise ConversionError(f"{ckpt_dir} has no 'embedding.word_embeddings.weight'")
-    by_key = build_plan(args, vocab_multiple=embedding.size[0]).by_mcore_key(te_names=False)
+    head = stored.get("output_layer.weight")
+    value_head = head is not None and head.size[0] == 1  # a reward model's scalar head
+    by_key = hf_plan(args, embedding.size[0], value_head=value_head).by_mcore_key(te_names=False)
     sources, missing, unexpected = _locate(by_key, stored, args.config_kwargs["num_layers"], ckpt_dir)
+    unexpected = [k for k in unexpected if not (value_head and k == VALUE_HEAD_BIAS)]  # checked zero on export
     if missing or unexpected:
         raise ConversionError(
             f"{ckpt_dir} does not match its {args.model_type} config: "
@@ -189,7 +193,7 @@ def prepare_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
             + (f"{len(unexpected)} unexpected, first '{unexpected[0]}'" if unexpected else ""))
     if out_dir.exists():
         raise FileExistsError(f"output {out_dir} already exists; remove it or choose another path")
-    return McoreToHFPlan(ckpt_dir, config_dir, config, by_key, sources, stored)
+    return McoreToHFPlan(ckpt_dir, config_dir, config, by_key, sources, stored, value_head)
 
 
 def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
@@ -264,6 +268,11 @@ def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max
                 for name, value in zip(item.hf_names, item.rule.transform.to_hf(part)):
                     writer.add(name, value.to(out_dtype or value.dtype).clone())
         del tensor
+    if rank == 0 and prepared.value_head:  # HF's score has no bias: the Bradley-Terry loss never moves it
+        bias = read_tensor(reader, VALUE_HEAD_BIAS, prepared.stored[VALUE_HEAD_BIAS], None)
+        if bias.abs().max() > 0:
+            raise ConversionError(f"{prepared.ckpt_dir}: the value head's bias is {bias.tolist()}; an HF "
+                                  f"*ForSequenceClassification score has none, so it cannot be exported")
     if rank == 0:  # a wrapper's untrained tensors, as they were (Qwen3.5's vision tower)
         source, carried = carried_tensors(config, config_dir)
         with writing():
@@ -278,7 +287,8 @@ def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max
         with writing():
             finalize(tmp, weight_map, sum(part["bytes"] for part in gathered))
             written = out_dtype or prepared.stored["embedding.word_embeddings.weight"].properties.dtype
-            write_side_files(tmp, config, written, config_dir, Path(tokenizer_dir) if tokenizer_dir else None)
+            write_side_files(tmp, config, written, config_dir, Path(tokenizer_dir) if tokenizer_dir else None,
+                             sequence_classification=prepared.value_head)
         tmp.rename(out_dir)
     torch.distributed.barrier()
 

@@ -81,6 +81,14 @@ def sharded_state_dict(chunks: List[torch.nn.Module], layer_keys: str = "per_lay
     return dicts[0] if len(dicts) == 1 else {f"model{i}": d for i, d in enumerate(dicts)}
 
 
+def _without(state: Dict, keys) -> Dict:
+    """``state`` (nested dicts of sharded tensors) less the tensors whose checkpoint key is in ``keys``."""
+    if not keys:
+        return state
+    return {name: _without(value, keys) if isinstance(value, dict) else value for name, value in state.items()
+            if getattr(value, "key", None) not in keys}
+
+
 def verify_dist_checkpoint(path: str | Path):
     """Check a dist checkpoint's files without reading any tensor: the metadata is readable
     (through :func:`~megarl.checkpoint.integrity.load_dist_metadata`'s allow-list), and every file it points to exists and is as long as its last recorded tensor needs.
@@ -209,14 +217,16 @@ def save_sharded(state: Dict, path: str | Path, before_rename: Optional[Callable
     torch.distributed.barrier()
 
 
-def load_model(chunks: List[torch.nn.Module], path: str | Path) -> None:
+def load_model(chunks: List[torch.nn.Module], path: str | Path, skip=()) -> None:
     """Load weights saved by :func:`save_model`, by Megatron-LM, or per layer by earlier megarl,
-    in any layout, into this layout's chunks."""
+    in any layout, into this layout's chunks; the tensors whose checkpoint keys ``skip`` names
+    keep their values."""
     from megatron.core import dist_checkpointing
 
     metadata = verify_dist_checkpoint(path)
+    wanted = _without(sharded_state_dict(chunks, checkpoint_layer_keys(metadata)), set(skip))
     with weights_only_loads():
-        state = dist_checkpointing.load(sharded_state_dict(chunks, checkpoint_layer_keys(metadata)), str(path))
+        state = dist_checkpointing.load(wanted, str(path))
     per_chunk = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
     for chunk, loaded in zip(chunks, per_chunk):
         module = _unwrap(chunk)

@@ -38,7 +38,16 @@ def causal_lm_architecture(model_type: str) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
-def export_config(config: Dict, dtype: torch.dtype) -> Dict:
+def sequence_classification_architecture(model_type: str) -> str:
+    """``LlamaForSequenceClassification`` for ``llama``: transformers' scorer class for the model type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        raise ValueError(f"transformers has no sequence-classification class for model_type '{model_type}'")
+    return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[model_type]
+
+
+def export_config(config: Dict, dtype: torch.dtype, sequence_classification: bool = False) -> Dict:
     """The source config.json for weights written as ``dtype`` by our converter: ``architectures``
     is the model type's causal-LM class (the source may name a reward or remote-code class; a
     multimodal wrapper, hf_config.Wrapper, keeps its own, whose tensors the export carries),
@@ -49,6 +58,9 @@ def export_config(config: Dict, dtype: torch.dtype) -> Dict:
     out = {k: v for k, v in config.items() if k != "auto_map"}
     if not (config["model_type"] in WRAPPERS and config.get("architectures")):  # a wrapper keeps its class:
         out["architectures"] = [causal_lm_architecture(config["model_type"])]  # its carried tensors are in
+    if sequence_classification:  # a reward model: one score, at the last non-pad token
+        out["architectures"] = [sequence_classification_architecture(config["model_type"])]
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     out["dtype"] = out["torch_dtype"] = _DTYPE_NAMES[dtype]
     return out
 
@@ -63,12 +75,23 @@ def derived_generation_config(config: Dict) -> Optional[Dict]:
 
 
 def write_side_files(dest: Path, config: Dict, dtype: torch.dtype, config_dir: Optional[Path],
-                     tokenizer_dir: Optional[Path]) -> List[str]:
+                     tokenizer_dir: Optional[Path], sequence_classification: bool = False) -> List[str]:
     """Write config.json (:func:`export_config`), generation_config.json (the first found in
     ``config_dir``, ``tokenizer_dir``, else derived from the config) and the tokenizer files
-    (of ``tokenizer_dir``, else of ``config_dir``) into ``dest``. Returns the names written."""
+    (of ``tokenizer_dir``, else of ``config_dir``) into ``dest``. Returns the names written. A
+    ``sequence_classification`` export's config gets the tokenizer's pad id when it has none
+    (transformers finds each row's last token by it)."""
     written = ["config.json"]
-    (dest / "config.json").write_text(json.dumps(export_config(config, dtype), indent=2) + "\n")
+    out = export_config(config, dtype, sequence_classification)
+    files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
+    if not files and config_dir is not None:
+        files = tokenizer_files(config_dir)
+    if sequence_classification and out.get("pad_token_id") is None and files:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(files[0].parent)
+        out["pad_token_id"] = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    (dest / "config.json").write_text(json.dumps(out, indent=2) + "\n")
     sources: Sequence[Path] = [d for d in (config_dir, tokenizer_dir) if d is not None]
     found = next((d / GENERATION_CONFIG for d in sources if (d / GENERATION_CONFIG).is_file()), None)
     if found is not None:
@@ -77,9 +100,6 @@ def write_side_files(dest: Path, config: Dict, dtype: torch.dtype, config_dir: O
     elif (derived := derived_generation_config(config)) is not None:
         (dest / GENERATION_CONFIG).write_text(json.dumps(derived, indent=2) + "\n")
         written.append(GENERATION_CONFIG)
-    files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
-    if not files and config_dir is not None:
-        files = tokenizer_files(config_dir)
     for path in files:
         shutil.copy2(path, dest / path.name)
         written.append(path.name)

@@ -110,13 +110,14 @@ def resolve_model_config(model_cfg):
 # ----------------------------------------------------------------------------- the mapping
 
 
-def hf_plan(args, vocab_multiple: int, value_head: bool = False) -> Plan:
+def hf_plan(args, vocab_multiple: int, value_head: bool = False, score: bool = True) -> Plan:
     """The converter's plan; with ``value_head`` the scalar head comes from an HF ``score.weight``
-    (a sequence-classification checkpoint) instead of the vocabulary projection."""
+    (a sequence-classification checkpoint) instead of the vocabulary projection, or with ``score``
+    false from nowhere (a new head on a causal LM's backbone)."""
     if value_head:
         args = dataclasses.replace(args, tie_word_embeddings=True)  # no lm_head rule
     plan = build_plan(args, vocab_multiple)
-    if value_head:
+    if value_head and score:
         plan.items.append(Item("output_layer.weight", (SCORE,), Rule("output_layer.weight", (SCORE,))))
     return plan
 
@@ -201,12 +202,13 @@ def _shards(state: Dict) -> List:
     return [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
 
 
-def fill_from_hf(state: Dict, plan: Plan, hf: HFCheckpoint, model_type: str) -> None:
+def fill_from_hf(state: Dict, plan: Plan, hf: HFCheckpoint, model_type: str, keep=()) -> None:
     """Copy HF tensors into the tensors of a per-layer sharded state dict
-    (``sharded_state_dict(chunks, layer_keys="per_layer")``), in place. Collective: every name and
-    shape is checked on every rank before any weight is read, and all ranks raise together."""
+    (``sharded_state_dict(chunks, layer_keys="per_layer")``), in place; those named in ``keep``
+    keep their values (a new head's initialisation). Collective: every name and shape is checked
+    on every rank before any weight is read, and all ranks raise together."""
     by_key = plan.by_mcore_key()
-    shards = _shards(state)
+    shards = [sh for sh in _shards(state) if sh.key not in keep]
     errors = []
     for sh in shards:
         if sh.key == VALUE_HEAD_BIAS and sh.key not in by_key:
@@ -227,16 +229,27 @@ def fill_from_hf(state: Dict, plan: Plan, hf: HFCheckpoint, model_type: str) -> 
 # ----------------------------------------------------------------------------- loading
 
 
+NEW_HEAD = ("output_layer.weight", VALUE_HEAD_BIAS)  # a value head a causal LM's checkpoint lacks
+
+
 def load_pretrained(chunks: List[torch.nn.Module], path: str | Path, args, vocab_multiple: int,
-                    value_head: bool = False) -> None:
+                    value_head: bool = False, new_head: bool = False) -> None:
     """Fill this rank's model chunks (not yet wrapped in DDP) from ``path``, anything
-    :func:`locate` accepts. Collective over the world."""
+    :func:`locate` accepts. Collective over the world. ``new_head`` (with ``value_head``): a
+    source without a scalar head (a causal LM: its vocabulary projection is not read) leaves the
+    value head as initialised; a source with one (an HF ``score.weight``, a value-head dist
+    checkpoint) fills it."""
     source = locate(path, need_config=False)
     if source.kind == "mcore":
-        load_model(chunks, source.weights)
+        head = verify_dist_checkpoint(source.weights).state_dict_metadata.get("output_layer.weight")
+        has_head = head is not None and head.size[0] == 1
+        load_model(chunks, source.weights, skip=NEW_HEAD if value_head and new_head and not has_head else ())
         return
-    state = sharded_state_dict(chunks, layer_keys="per_layer")
-    fill_from_hf(state, hf_plan(args, vocab_multiple, value_head), HFCheckpoint(source.weights), args.model_type)
+    hf = HFCheckpoint(source.weights)
+    score = not (new_head and SCORE not in hf.names())
+    keep = () if score or not value_head else NEW_HEAD
+    fill_from_hf(sharded_state_dict(chunks, layer_keys="per_layer"), hf_plan(args, vocab_multiple, value_head, score),
+                 hf, args.model_type, keep=keep)
 
 
 # ----------------------------------------------------------------------------- pre-flight

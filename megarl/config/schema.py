@@ -368,6 +368,11 @@ class DataConfig:
     """Record field holding the prompt (a string or a list of chat messages)."""
     response_key: str = "response"
     """``megarl sft``: record field holding the response of a prompt/response row."""
+    chosen_key: str = "chosen"
+    """``megarl train-rm``: record field holding the preferred response (a string, the answer to the
+    row's prompt, or a whole conversation as chat messages)."""
+    rejected_key: str = "rejected"
+    """``megarl train-rm``: record field holding the dispreferred response (as ``chosen_key``'s)."""
     messages_key: str = "messages"
     """``megarl sft``: record field holding a whole conversation (chat messages: system, user,
     assistant with or without ``tool_calls``, tool); a row's ``tools`` field goes to the chat template.
@@ -426,12 +431,12 @@ class DataConfig:
     """``megarl train-lm``: probability that an answer digit of the built-in task is replaced by a
     random one (noisy demonstrations; ``make demo``'s warm start); 0 = clean."""
     global_batch_size: int = bounded(16, ge=1)
-    """``megarl train-lm`` and ``megarl sft``: sequences per optimizer step over all data-parallel ranks; must
+    """``megarl train-lm`` and ``megarl sft``: sequences (``megarl train-rm``: pairs) per optimizer step over all data-parallel ranks; must
     divide by dp*micro_batch_size. (``megarl train``: a step's rows are data.prompts_per_step x
     algorithm.samples_per_prompt, split into algorithm.ppo_mini_batch_size updates and
     data.micro_batch_tokens micro-batches.)"""
     micro_batch_size: int = bounded(2, ge=1)
-    """``megarl train-lm`` and ``megarl sft``: sequences per micro-batch on one data-parallel rank."""
+    """``megarl train-lm`` and ``megarl sft``: sequences (``megarl train-rm``: pairs) per micro-batch on one data-parallel rank."""
 
 
 REWARD_MODEL = "model"

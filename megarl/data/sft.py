@@ -29,7 +29,7 @@ import json
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -182,15 +182,49 @@ def _row_example(row: Any, data, tok) -> SFTExample:
     return chat_example(tok.tok, messages, tok.eos_token_ids, **kwargs)
 
 
+def _pair_examples(row: Any, data, tok) -> List[SFTExample]:
+    """A preference row: its prompt with the chosen and with the rejected response (strings: one
+    assistant message each; lists of messages: whole conversations), as two examples."""
+    if not isinstance(row, Mapping):
+        raise ExampleError("is not a JSON object")
+    missing = [k for k in (data.chosen_key, data.rejected_key) if k not in row]
+    if missing:
+        raise ExampleError(f"has no {' and no '.join(repr(k) for k in missing)} (data.chosen_key, "
+                           f"data.rejected_key); fields: {sorted(row)}")
+    out = []
+    for key in (data.chosen_key, data.rejected_key):
+        response = row[key]
+        if isinstance(response, (list, tuple)):  # a whole conversation
+            one = {data.messages_key: response, "tools": row.get("tools")}
+        else:
+            if data.prompt_key not in row:
+                raise ExampleError(f"has no '{data.prompt_key}' (data.prompt_key) for its '{key}' response")
+            one = {data.prompt_key: row[data.prompt_key], data.response_key: response, "tools": row.get("tools")}
+        out.append(_row_example(one, data, tok))
+    return out
+
+
 def load_examples(files: Sequence[str], data, tok, max_length: int, key: str = "data.train_files") -> List[SFTExample]:
     """Every row of ``files`` (jsonl, parquet, globs, HF datasets directories) as an example of at
     most ``max_length`` tokens. ``data.truncation``: ``right`` cuts a longer row, ``skip`` drops
     it, ``error`` refuses it; ``data.bad_rows=skip`` drops (and logs) any row that fails, else the
     first stops the command, named by file and row."""
+    return [e for (e,) in _load(files, data, tok, max_length, key, lambda row: [_row_example(row, data, tok)])]
+
+
+def load_pairs(files: Sequence[str], data, tok, max_length: int,
+               key: str = "data.train_files") -> List[Tuple[SFTExample, SFTExample]]:
+    """Every preference row of ``files`` as a (chosen, rejected) pair of examples (``megarl
+    train-rm``): the rows' ``data.prompt_key``, ``data.chosen_key`` and ``data.rejected_key``;
+    lengths, truncation and bad rows as :func:`load_examples`."""
+    return [tuple(pair) for pair in _load(files, data, tok, max_length, key, lambda row: _pair_examples(row, data, tok))]
+
+
+def _load(files, data, tok, max_length: int, key: str, examples_of) -> List[List[SFTExample]]:
     from megarl.config.schema import BadRows, Truncation
     from megarl.data.datasets import DataError, expand_files, rows_of
 
-    out: List[SFTExample] = []
+    out: List[List[SFTExample]] = []
     dropped = 0
     for path in expand_files(files, key):
         for number, row in rows_of(path):
@@ -198,11 +232,11 @@ def load_examples(files: Sequence[str], data, tok, max_length: int, key: str = "
             try:
                 if isinstance(row, DataError):
                     raise ExampleError(str(row))
-                example = _row_example(row, data, tok)
-                if len(example.ids) > max_length and data.truncation == Truncation.skip:
+                examples = examples_of(row)
+                if any(len(e.ids) > max_length for e in examples) and data.truncation == Truncation.skip:
                     dropped += 1
                     continue
-                example = fit(example, max_length, data.truncation == Truncation.right)
+                examples = [fit(e, max_length, data.truncation == Truncation.right) for e in examples]
             except (ExampleError, ValueError, TypeError, KeyError) as err:
                 if data.bad_rows == BadRows.fail:
                     hint = ("data.truncation=right or skip, or a larger data.max_length"
@@ -211,8 +245,9 @@ def load_examples(files: Sequence[str], data, tok, max_length: int, key: str = "
                 log.warning("skipping %s: %s", where, err)
                 dropped += 1
                 continue
-            example.source = where
-            out.append(example)
+            for e in examples:
+                e.source = where
+            out.append(examples)
     if dropped:
         log.warning("%s: %d row(s) dropped", key, dropped)
     if not out:
@@ -235,6 +270,22 @@ def collate(examples: Sequence[SFTExample], pad_id: int, rows: Optional[int] = N
         labels[i, :n] = torch.tensor(e.ids[1:])
         mask[i, :n] = torch.tensor(e.mask[1:], dtype=torch.float)
     return {"tokens": tokens, "labels": labels, "loss_mask": mask,
+            "position_ids": torch.arange(seq).expand(rows, -1).contiguous()}
+
+
+def collate_scored(examples: Sequence[SFTExample], pad_id: int, rows: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Whole sequences for a value head (``megarl train-rm``), right-padded: ``tokens`` (every id),
+    ``position_ids``, and ``loss_mask`` 1 at each row's last token alone, where the row is scored
+    (transformers' ``*ForSequenceClassification`` scores its last non-pad token); ``labels`` unused.
+    ``rows``: empty rows (scored nowhere) up to that many."""
+    rows = rows or len(examples)
+    seq = max(len(e.ids) for e in examples)
+    tokens = torch.full((rows, seq), pad_id, dtype=torch.long)
+    mask = torch.zeros(rows, seq)
+    for i, e in enumerate(examples):
+        tokens[i, :len(e.ids)] = torch.tensor(e.ids)
+        mask[i, len(e.ids) - 1] = 1.0
+    return {"tokens": tokens, "labels": torch.zeros_like(tokens), "loss_mask": mask,
             "position_ids": torch.arange(seq).expand(rows, -1).contiguous()}
 
 

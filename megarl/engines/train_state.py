@@ -29,13 +29,15 @@ class TrainState:
 
 def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps: int,
                       use_distributed_optimizer: Optional[bool] = None,
-                      init_checkpoint: Optional[str] = None, value_head: bool = False) -> TrainState:
+                      init_checkpoint: Optional[str] = None, value_head: bool = False,
+                      reward_head: bool = False) -> TrainState:
     """Model chunks wrapped in Megatron DDP, Megatron's optimizer and LR/WD scheduler.
 
     ``init_checkpoint``: pretrained weights, anything ``model.path`` accepts (an HF directory or
     a Megatron dist checkpoint, any layout), loaded before DDP copies the parameters into its
     buffers and before the optimizer makes its fp32 main copies. ``value_head``: a scalar head
-    instead of the vocabulary (critic), never tied to the embedding.
+    instead of the vocabulary (critic), never tied to the embedding; ``reward_head``: that head a
+    reward model's (see :func:`_build_chunks`).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -43,7 +45,7 @@ def build_train_state(model_cfg, optim_cfg, groups: ParallelGroups, total_steps:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     distributed = optim_cfg.use_distributed_optimizer if use_distributed_optimizer is None else use_distributed_optimizer
-    chunks = _build_chunks(model_cfg, groups, init_checkpoint, value_head, lora_adapters=True)
+    chunks = _build_chunks(model_cfg, groups, init_checkpoint, value_head, lora_adapters=True, reward_head=reward_head)
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed)
@@ -98,9 +100,11 @@ def build_frozen_state(model_cfg, groups: ParallelGroups, init_checkpoint: Optio
 
 
 def _build_chunks(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[str], value_head: bool,
-                  lora_adapters: bool = False):
+                  lora_adapters: bool = False, reward_head: bool = False):
     """This rank's chunks, randomly initialised or filled from ``init_checkpoint`` (then Megatron's
-    random init is skipped: every parameter is loaded). ``lora_adapters`` with ``model.lora.rank``:
+    random init is skipped: every parameter is loaded). ``reward_head`` (with ``value_head``): a
+    reward model's head, new on a causal LM's backbone (load_pretrained's ``new_head``) and
+    without a trained bias, as HF's ``score``. ``lora_adapters`` with ``model.lora.rank``:
     adapters on a frozen base (a value head stays trainable), filled from ``model.lora.path``."""
     model_cfg = resolve_model_config(model_cfg)
     args = megatron_args_from_hf(model_cfg.hf_config)
@@ -110,7 +114,7 @@ def _build_chunks(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[s
     if value_head:
         attach_value_head(chunks)
     if init_checkpoint:
-        load_pretrained(chunks, init_checkpoint, args, model_cfg.make_vocab_size_divisible_by, value_head)
+        load_pretrained(chunks, init_checkpoint, args, model_cfg.make_vocab_size_divisible_by, value_head, reward_head)
     lora_cfg = lora.resolve(model_cfg.lora)
     if lora_adapters and lora_cfg.rank:
         lora.apply_lora(chunks, lora_cfg, groups.pg.tp)
@@ -120,6 +124,10 @@ def _build_chunks(model_cfg, groups: ParallelGroups, init_checkpoint: Optional[s
             for chunk in chunks:
                 if getattr(chunk, "post_process", False):
                     chunk.output_layer.requires_grad_(True)
+    if reward_head:  # HF's score has no bias (and a Bradley-Terry loss gives it only rounding, which Adam would scale up)
+        for chunk in chunks:
+            if getattr(chunk, "post_process", False):
+                chunk.output_layer.bias.requires_grad_(False)
     return chunks
 
 

@@ -16,29 +16,66 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megarl.config import ConfigError, MegarlConfig, load_config, to_yaml, validate
 from megarl.config.schema import Truncation
+from megarl.registry import Registry
 
-__all__ = ["main", "prepare_sft", "run"]
-CONSOLE = ("train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "time/step_s")
+__all__ = ["main", "prepare_sft", "run", "STAGES"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A supervised stage on the RL trainer's machinery: what its rows are and how it trains."""
+
+    command: str
+    worker: str  # the worker class, ``module:Class``
+    items: str  # what a dataset row becomes, and what data.global_batch_size counts
+    console: Tuple[str, ...]  # the metrics of the console line
+    curve: Tuple[str, str]  # (the metric, the PNG) drawn at the end
+
+    def load(self, files, data, tok, max_length: int, key: str = "data.train_files") -> List:
+        from megarl.data import sft
+
+        return (sft.load_pairs if self.items == "pairs" else sft.load_examples)(files, data, tok, max_length, key)
+
+    def collate(self, items, pad_id: int, rows: Optional[int] = None):
+        from megarl.data import sft
+
+        if self.items == "pairs":  # rows alternate chosen, rejected
+            return sft.collate_scored([e for pair in items for e in pair], pad_id, 2 * rows if rows else None)
+        return sft.collate(items, pad_id, rows)
+
+    @staticmethod
+    def tokens(items) -> int:
+        """Every input token of ``items``."""
+        return sum(len(e.ids) for item in items for e in (item if isinstance(item, tuple) else (item,)))
+
+
+STAGES: Registry = Registry("supervised stage")
+STAGES.register("sft")(Stage("sft", "megarl.controller.sft_worker:SFTWorker", "examples",
+                             ("train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "time/step_s"),
+                             ("train/loss", "loss_curve.png")))
+STAGES.register("train-rm")(Stage("train-rm", "megarl.controller.sft_worker:RMWorker", "pairs",
+                                  ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "time/step_s"),
+                                  ("train/accuracy", "accuracy_curve.png")))
 
 
 @dataclass
 class PreparedSFT:
     cfg: MegarlConfig
     tokenizer: object  # megarl.data.tokenizer.HFTokenizer
-    train: List  # SFTExample
+    train: List  # SFTExample, or (chosen, rejected) pairs of them
     val: Optional[List]
+    stage: Stage
 
 
-def prepare_sft(cfg: MegarlConfig) -> PreparedSFT:
+def prepare_sft(cfg: MegarlConfig, stage: str = "sft") -> PreparedSFT:
     """Check the configuration and read every row, before any process starts."""
     from megarl.checkpoint.load import check_pretrained_sources
     from megarl.controller.cluster import check_cluster
     from megarl.controller.prepare import check_lora, resolve_paths, world_size
-    from megarl.data.sft import load_examples
     from megarl.data.tokenizer import HFTokenizer, check_vocab, load_tokenizer
     from megarl.models.builder import check_layout
     from megarl.models.hf_config import megatron_args_from_hf, read_hf_config
@@ -47,11 +84,14 @@ def prepare_sft(cfg: MegarlConfig) -> PreparedSFT:
     from megarl.trainer.resume import check_resume
 
     validate(cfg)
+    chosen = STAGES.get(stage)
     cfg = resolve_paths(cfg)
     data = cfg.data
     if not data.train_files:
-        raise ConfigError("megarl sft needs data.train_files (jsonl, parquet, globs or HF datasets directories of "
-                          f"'{data.messages_key}' conversations or '{data.prompt_key}'/'{data.response_key}' pairs)")
+        rows = (f"'{data.prompt_key}', '{data.chosen_key}' and '{data.rejected_key}' rows" if chosen.items == "pairs"
+                else f"'{data.messages_key}' conversations or '{data.prompt_key}'/'{data.response_key}' pairs")
+        raise ConfigError(f"megarl {stage} needs data.train_files (jsonl, parquet, globs or HF datasets directories "
+                          f"of {rows})")
     check_cluster(cfg.trainer)
     layout = Layout.from_config(cfg.parallel.actor, world_size(cfg))
     args = megatron_args_from_hf(cfg.model.hf_config)
@@ -80,18 +120,19 @@ def prepare_sft(cfg: MegarlConfig) -> PreparedSFT:
     elif positions and data.max_length > positions:
         raise ConfigError(f"data.max_length={data.max_length} is more than the model's max_position_embeddings "
                           f"{positions}")
-    train = load_examples(data.train_files, data, tok, data.max_length)
-    val = load_examples(data.val_files, data, tok, data.max_length, key="data.val_files") if data.val_files else None
+    train = chosen.load(data.train_files, data, tok, data.max_length)
+    val = chosen.load(data.val_files, data, tok, data.max_length, key="data.val_files") if data.val_files else None
     if cfg.trainer.total_epochs:
         cfg.trainer.train_steps = math.ceil(cfg.trainer.total_epochs * len(train) / data.global_batch_size)
         print(f"megarl: trainer.total_epochs={cfg.trainer.total_epochs} over {len(train)} examples, "
               f"data.global_batch_size={data.global_batch_size}: trainer.train_steps={cfg.trainer.train_steps}",
               file=sys.stderr, flush=True)
-    trained = sum(e.trained for e in train)
-    print(f"megarl sft: {len(train)} training examples ({trained} trained tokens of "
-          f"{sum(len(e.ids) for e in train)})" + (f", {len(val)} validation examples" if val else ""),
+    what = "training examples" if chosen.items == "examples" else "training pairs"
+    trained = f" ({sum(e.trained for e in train)} trained tokens of {Stage.tokens(train)})" \
+        if chosen.items == "examples" else f" ({Stage.tokens(train)} tokens)"
+    print(f"megarl {stage}: {len(train)} {what}{trained}" + (f", {len(val)} validation {chosen.items}" if val else ""),
           file=sys.stderr, flush=True)
-    return PreparedSFT(cfg, tok, train, val)
+    return PreparedSFT(cfg, tok, train, val, chosen)
 
 
 def run(prepared: PreparedSFT) -> List[dict]:
@@ -111,8 +152,8 @@ def _run_locked(prepared: PreparedSFT) -> List[dict]:
     from megarl.controller.cluster import RaySession
     from megarl.controller.group import WorkerGroup, gpu_assignment
     from megarl.controller.prepare import world_size
-    from megarl.controller.sft_worker import SFTWorker
     from megarl.data.sft import ExampleStream
+    from megarl.registry import load_object
     from megarl.runtime.signals import Preemption
     from megarl.trainer.checkpoint import CheckpointSchedule, Checkpoints, resume
     from megarl.trainer.logger import RunLogger
@@ -132,23 +173,25 @@ def _run_locked(prepared: PreparedSFT) -> List[dict]:
 
         gpus, why = gpu_assignment(ray.cluster_resources().get("GPU", 0), world_size(cfg))
         print(f"megarl: {why}", file=sys.stderr, flush=True)
-        group = WorkerGroup(SFTWorker, world_size(cfg), cfg, gpus_per_worker=gpus, env=session.worker_env,
-                            nnodes=cfg.trainer.nnodes, liveness=session.liveness)
+        group = WorkerGroup(load_object(prepared.stage.worker), world_size(cfg), cfg, gpus_per_worker=gpus,
+                            env=session.worker_env, nnodes=cfg.trainer.nnodes, liveness=session.liveness)
         learner = group.roles()["actor"]
         checkpoints = Checkpoints(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
         done, run_ids = resume(checkpoints, group, stream) if cfg.trainer.resume else (0, {})
-        log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, run_ids=run_ids, desc="sft")
+        log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, run_ids=run_ids, desc=prepared.stage.command)
         schedule = CheckpointSchedule(checkpoints, cfg.trainer, group, lambda step: {
             "step": step, "stream": stream.state(), "tracker_run_ids": log.run_ids}, to_yaml(cfg), preemption)
         preemption.armed = True
-        train(cfg, learner, stream, prepared.val, tok.pad_token_id, log, done + 1, schedule.after_step)
+        train(cfg, prepared.stage, learner, stream, prepared.val, tok.pad_token_id, log, done + 1, schedule.after_step)
         preemption.armed = False
         schedule.finish(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
         (log.run_dir / "final.json").write_text(json.dumps(final))
-        log.close("train/loss", "loss_curve.png")
-        print(f"run directory {log.run_dir}: metrics.jsonl, checkpoints/, loss_curve.png, final.json "
-              f"(megarl export-hf {log.run_dir} OUT; megarl train model.path={log.run_dir})", flush=True)
+        png = log.close(*prepared.stage.curve)
+        use = (f"megarl train model.path={log.run_dir}" if prepared.stage.items == "examples" else
+               "reward_model.path=OUT")
+        print(f"run directory {log.run_dir}: metrics.jsonl, checkpoints/, {png.name}, final.json "
+              f"(megarl export-hf {log.run_dir} OUT; {use})", flush=True)
         return log.history
     finally:
         preemption.close()
@@ -157,41 +200,50 @@ def _run_locked(prepared: PreparedSFT) -> List[dict]:
         session.close()
 
 
-def train(cfg, learner, stream, val, pad_id: int, log, start_step: int, after_step) -> None:
-    """The SFT loop: a global batch per step, validation loss every trainer.val_interval steps."""
-    from megarl.data.sft import collate
-
+def train(cfg, stage: Stage, learner, stream, val, pad_id: int, log, start_step: int, after_step) -> None:
+    """The loop: a global batch per step, validation every trainer.val_interval steps."""
     t, data = cfg.trainer, cfg.data
     if start_step == 1 and val and t.val_before_train:
-        val_loss(learner, val, data, pad_id, log, 0)
+        held_out(stage, learner, val, data, pad_id, log, 0)
     for step in range(start_step, t.train_steps + 1):
+        items = stream.take(data.global_batch_size)
         start = time.perf_counter()
-        metrics = learner.train_step(collate(stream.take(data.global_batch_size), pad_id))
+        metrics = learner.train_step(stage.collate(items, pad_id))
         seconds = time.perf_counter() - start
         log.scalars(step, {f"train/{k}": v for k, v in metrics.items()} | {
-            "train/tokens_per_s": metrics["tokens"] / seconds, "train/epoch": stream.epoch}, CONSOLE)
+            "train/tokens_per_s": Stage.tokens(items) / seconds, "train/epoch": stream.epoch}, stage.console)
         if val and t.val_interval and (step % t.val_interval == 0 or step == t.train_steps):
-            val_loss(learner, val, data, pad_id, log, step)
+            held_out(stage, learner, val, data, pad_id, log, step)
         after_step(step)
 
 
-def val_loss(learner, val, data, pad_id: int, log, step: int) -> float:
-    """The token-mean cross entropy of every held-out example (``val/loss``), logged at ``step``."""
-    from megarl.data.sft import collate
-
-    total = count = 0.0
+def held_out(stage: Stage, learner, val, data, pad_id: int, log, step: int) -> dict:
+    """Every held-out row, logged at ``step``: ``val/loss``, the token-mean cross entropy (SFT), or
+    the reward model's mean Bradley–Terry ``val/loss``, ``val/accuracy`` and ``val/margin`` over the pairs."""
     n = data.global_batch_size
-    for i in range(0, len(val), n):
-        loss, tokens = learner.eval_loss(collate(val[i:i + n], pad_id, rows=n))
-        total, count = total + loss, count + tokens
-    log.validation(step, {"val/loss": total / count, "val/tokens": count}, [])
-    return total / count
+    if stage.items == "examples":
+        total = count = 0.0
+        for i in range(0, len(val), n):
+            loss, tokens = learner.eval_loss(stage.collate(val[i:i + n], pad_id, rows=n))
+            total, count = total + loss, count + tokens
+        metrics = {"val/loss": total / count, "val/tokens": count}
+    else:
+        import torch
+
+        scores = torch.cat([learner.scores(stage.collate(val[i:i + n], pad_id, rows=n))[:2 * len(val[i:i + n])]
+                            for i in range(0, len(val), n)]).double()
+        margin = scores[0::2] - scores[1::2]
+        metrics = {"val/loss": -torch.nn.functional.logsigmoid(margin).mean().item(),
+                   "val/accuracy": (margin > 0).double().mean().item(), "val/margin": margin.mean().item(),
+                   "val/pairs": float(len(val))}
+    log.validation(step, metrics, [])
+    return metrics
 
 
-def main(argv=None) -> int:
+def main(argv=None, stage: str = "sft") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     files = [a for a in argv if a.endswith((".yaml", ".yml"))]
-    history = run(prepare_sft(load_config(files, [a for a in argv if a not in files])))
+    history = run(prepare_sft(load_config(files, [a for a in argv if a not in files]), stage))
     if history:
         print(json.dumps({"steps": len(history), "loss_first": round(history[0]["train/loss"], 4),
                           "loss_last": round(history[-1]["train/loss"], 4)}), flush=True)

@@ -206,7 +206,7 @@ class RunLogger:
         self._track(metrics, step)
         from megarl.trainer.validation import HEADLINE
 
-        shown = [k for k in metrics if HEADLINE.match(k) or k == "val/loss"] + [
+        shown = [k for k in metrics if HEADLINE.match(k) or k in ("val/loss", "val/accuracy")] + [
             k for k in ("val/response/length_mean",) if k in metrics]
         self._print(f"validation at step {step} | " + " | ".join(f"{k} {metrics[k]:.4g}" for k in shown))
         self.step_start = time.perf_counter()

@@ -13,11 +13,12 @@ PANELS = {  # file -> [(metric, label)]
                    ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"), ("actor/grad_norm", "grad norm")],
     "throughput.png": [("throughput/tokens_per_s", "tokens/s"), ("perf/model_tflops_per_s", "model TFLOP/s per rank"),
                        ("perf/mfu", "MFU")],
+    "sft.png": [("train/loss", "loss"), ("train/grad_norm", "grad norm"), ("train/tokens_per_s", "tokens/s")],
     "memory.png": [("memory/driver_peak_rss_gb", "driver peak RSS (GB)"),
                    ("memory/worker_peak_rss_gb", "worker peak RSS (GB, max over ranks)"),
                    ("memory/worker_peak_gpu_gb", "worker peak GPU memory (GB, max over ranks)")],
 }
-STACKED = ("policy.png", "throughput.png")  # one axis per series: their scales differ
+STACKED = ("policy.png", "throughput.png", "sft.png")  # one axis per series: their scales differ
 
 
 def load_metrics(run_dir: Path) -> List[Dict[str, float]]:
@@ -68,7 +69,7 @@ def report(run_dir) -> List[Path]:
     vals = [json.loads(line) for line in validation.read_text().splitlines() if line.strip()] if validation.is_file() else []
     from megarl.trainer.validation import HEADLINE
 
-    keys = sorted({k for r in vals for k in r if HEADLINE.match(k)})
+    keys = sorted({k for r in vals for k in r if HEADLINE.match(k) or k == "val/loss"})  # RL's scores, SFT's loss
     if keys:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         for key in keys:

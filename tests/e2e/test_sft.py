@@ -8,7 +8,11 @@ command with ``trainer.train_steps=14``, which resumes after step 10; then LoRA 
 3 steps at dp=2 from that run's directory (``model.path=RUN_DIR``). The validation loss falls;
 ``megarl export-hf`` of either run (the LoRA one merged) loads in transformers, whose token-mean
 cross entropy of the held-out assistant tokens equals the run's last ``val/loss`` (fp32, 1e-5). Bad rows and settings
-exit 2 before Ray starts, named. (GRPO from an SFT export: ``make demo``, tests/e2e/test_demo.py.)"""
+exit 2 before Ray starts, named. Then the reward model: ``megarl train-rm`` from the SFT export at
+tp=2 on pairs with a learnable rule (held-out accuracy >= 0.9), exported as an HF
+``LlamaForSequenceClassification`` whose transformers scores give the run's held-out margin and
+accuracy, and PPO scored by it (``reward_model.path``). (GRPO from an SFT export: ``make demo``,
+tests/e2e/test_demo.py.)"""
 
 from __future__ import annotations
 
@@ -46,7 +50,19 @@ def user(tmp_path_factory):
     with (work / "val.jsonl").open("w") as f:
         for chat in chats[160:]:
             f.write(json.dumps({"prompt": chat[0]["content"], "response": chat[1]["content"]}) + "\n")
+    for name, part in (("prefs.jsonl", chats[:120]), ("prefs_val.jsonl", chats[160:])):
+        with (work / name).open("w") as f:
+            for chat in part:
+                f.write(json.dumps(preference(chat)) + "\n")
     return work, model
+
+
+def preference(chat) -> dict:
+    """A preference row with a learnable rule: the answer is preferred to the answer with a stray
+    letter somewhere in it."""
+    answer = chat[1]["content"]
+    at = sum(map(ord, chat[0]["content"])) % (len(answer) + 1)
+    return {"prompt": chat[0]["content"], "chosen": answer, "rejected": answer[:at] + "x" + answer[at:]}
 
 
 SFT = ("data.global_batch_size=16", "data.micro_batch_size=4", "data.pack_sequences=true", "parallel.actor.tp=2",
@@ -76,6 +92,23 @@ def runs(user):
     return first, resumed
 
 
+@pytest.fixture(scope="module")
+def reward_model(user, runs):
+    """megarl train-rm from the SFT export (a new value head on its backbone) at tp=2, then its
+    export (an HF *ForSequenceClassification directory)."""
+    work, _ = user
+    rm = megarl_here("train-rm", f"model.path={work / 'export'}", f"data.train_files=[{work / 'prefs.jsonl'}]",
+                     f"data.val_files=[{work / 'prefs_val.jsonl'}]", f"trainer.run_dir={work / 'rm'}",
+                     "parallel.actor.tp=2", "data.global_batch_size=8", "data.micro_batch_size=2",
+                     "optimizer.lr=1.0e-3", "optimizer.lr_warmup_steps=0", "trainer.train_steps=30",
+                     "trainer.val_interval=30", "trainer.save_interval=30", "trainer.log_interval=10",
+                     "logging.progress_bar=false", cwd=work)
+    assert rm.returncode == 0, rm.stderr[-3000:]
+    export = megarl_here("export-hf", str(work / "rm"), str(work / "rm_export"), cwd=work)
+    assert export.returncode == 0, export.stderr[-3000:]
+    return rm
+
+
 def test_sft_trains_resumes_and_validates(user, runs):
     work, _ = user
     first, resumed = runs
@@ -88,6 +121,8 @@ def test_sft_trains_resumes_and_validates(user, runs):
     vals = {r["step"]: r["val/loss"] for r in map(json.loads, (work / "run" / "validation.jsonl").read_text().splitlines())}
     assert sorted(vals) == [0, 5, 10, 14]
     assert vals[0] > 5.0 and vals[14] < 0.6 * vals[0], vals  # ln(260) = 5.56 at random weights
+    assert main(["report", str(work / "run")]) == 0  # the loss and validation curves
+    assert {"sft.png", "validation.png", "memory.png"} <= {p.name for p in (work / "run" / "report").iterdir()}
     # the LoRA run: adapters only in its checkpoint, and they moved the loss
     lora = [json.loads(line) for line in (work / "lora" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lora] == [1, 2, 3] and all(r["train/update_ok"] == 1.0 for r in lora)
@@ -145,3 +180,48 @@ def test_a_bad_row_is_named_by_file_and_row(user, tmp_path, capsys):
     code = main(["sft", f"model.path={model}", f"data.train_files=[{bad}]", f"trainer.run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert code == 2 and f"{bad}:2" in err and "data.messages_key" in err and "data.bad_rows=skip" in err, err
+
+
+def test_reward_model_learns_the_preference_and_exports_as_a_sequence_classifier(user, reward_model):
+    """The held-out pairs: accuracy >= 0.9 after training (from 0.5-ish at the new head). The export
+    loads in transformers as a *ForSequenceClassification, and its scores of the held-out pairs
+    (each at its last non-pad token, batched with right padding) give the run's val/margin and
+    val/accuracy (fp32, 1e-5)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from megarl.config import load_config
+    from megarl.data.sft import collate_scored, load_pairs
+    from megarl.data.tokenizer import HFTokenizer
+
+    work, _ = user
+    vals = [json.loads(line) for line in (work / "rm" / "validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in vals] == [0, 30] and vals[-1]["val/accuracy"] >= 0.9, vals
+    config = json.loads((work / "rm_export" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
+    model = AutoModelForSequenceClassification.from_pretrained(work / "rm_export", dtype=torch.float32).eval()
+    cfg = load_config([work / "rm" / "checkpoints" / "step_000030" / "config.yaml"])
+    pairs = load_pairs([str(work / "prefs_val.jsonl")], cfg.data, HFTokenizer(str(work / "rm_export")),
+                       cfg.data.max_length)
+    batch = collate_scored([e for pair in pairs for e in pair], PAD_ID)
+    with torch.no_grad():
+        scores = model(input_ids=batch["tokens"], attention_mask=batch["tokens"].ne(PAD_ID).long()).logits[:, 0]
+    margin = (scores[0::2] - scores[1::2]).double()
+    assert margin.mean().item() == pytest.approx(vals[-1]["val/margin"], rel=1e-5, abs=1e-6)
+    assert (margin > 0).double().mean().item() == vals[-1]["val/accuracy"]
+
+
+def test_ppo_with_the_trained_reward_model(user, reward_model):
+    """PPO (GAE, a critic) from the SFT export, scored by the exported reward model (reward_model.path)."""
+    work, _ = user
+    with (work / "prompts.jsonl").open("w") as f:
+        for chat in chat_examples(8, seed=5):
+            f.write(json.dumps({"prompt": chat[:1], "answer": chat[1]["content"]}) + "\n")
+    proc = megarl_here("train", f"model.path={work / 'export'}", f"data.train_files=[{work / 'prompts.jsonl'}]",
+                       "algorithm.name=ppo", "algorithm.reward_fn=model", f"reward_model.path={work / 'rm_export'}",
+                       "data.prompts_per_step=4", "algorithm.samples_per_prompt=2", "algorithm.max_new_tokens=6",
+                       "trainer.train_steps=2", "trainer.save_interval=0", f"trainer.run_dir={work / 'ppo'}",
+                       "logging.backends=[console]", "logging.progress_bar=false", cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (work / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("critic/loss" in r for r in rows)
+    assert len({r["reward/mean"] for r in rows}) == 2  # the model's scores, not a constant
