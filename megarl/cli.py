@@ -6,6 +6,7 @@ Subcommands:
              its run directory is what export-hf and train's model.path take
   train-rm   reward-model training (Bradley-Terry) on prompt/chosen/rejected rows; export-hf writes an HF
              *ForSequenceClassification directory that reward_model.path takes
+  dpo        DPO (or IPO) of a model on prompt/chosen/rejected rows against its frozen starting weights
   eval       the held-out evaluation of a model (HF, Megatron, a run) on data.val_files, without training
   export-hf  the actor of a run's newest checkpoint as an HF checkpoint: RUN_DIR OUT [--dtype D]; a LoRA
              run's merged, or with --adapter its PEFT adapter directory
@@ -80,6 +81,12 @@ def _train_rm(args: List[str]) -> int:
     return main(args, stage="train-rm")
 
 
+def _dpo(args: List[str]) -> int:
+    from megarl.entrypoints.sft import main
+
+    return main(args, stage="dpo")
+
+
 def _eval(args: List[str]) -> int:
     from megarl.entrypoints.eval import main
 
@@ -139,7 +146,7 @@ def _convert(args: List[str]) -> int:
         return done.code if isinstance(done.code, int) else 2
 
 
-COMMANDS = {"train": _train, "sft": _sft, "train-rm": _train_rm, "eval": _eval, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
+COMMANDS = {"train": _train, "sft": _sft, "train-rm": _train_rm, "dpo": _dpo, "eval": _eval, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
 
 
 def _message(exc: BaseException) -> str:
@@ -172,6 +179,13 @@ trained with the Bradley-Terry loss on rows with a prompt (data.prompt_key) and 
 dispreferred response (data.chosen_key, data.rejected_key; strings, or whole conversations). The
 batch sizes count pairs. data.val_files gives val/accuracy and val/margin. megarl export-hf RUN_DIR OUT
 writes a *ForSequenceClassification directory that transformers loads and reward_model.path takes.""",
+    "dpo": """usage: megarl dpo CONFIG.yaml [key=value ...] model.path=DIR data.train_files=[FILE, ...]
+
+Direct preference optimisation on the rows megarl train-rm reads (a prompt, a chosen and a rejected
+response): algorithm.dpo_loss (sigmoid: DPO; ipo), algorithm.dpo_beta, algorithm.dpo_label_smoothing.
+The reference is the starting weights, frozen (with model.lora.rank, the model with its adapters off).
+The batch sizes count pairs. Metrics: the implicit rewards' accuracy and margin, chosen and rejected
+log-probs. The run directory is megarl sft's: export-hf, model.path=RUN_DIR.""",
     "eval": """usage: megarl eval CONFIG.yaml [key=value ...] model.path=DIR data.val_files=[FILE, ...]
 
 The held-out evaluation of megarl train's validation (data.val_files; algorithm.val_samples_per_prompt,

@@ -1,7 +1,7 @@
 """Preference losses on (chosen, rejected) pairs: the Bradley–Terry loss of a reward model's
 scalar scores (``megarl train-rm``, megarl/roles/reward_trainer.py), and DPO's loss of a policy's
-sequence log-probs against a frozen reference's, with its label-smoothed and IPO variants (not yet
-wired to a command).
+sequence log-probs against a frozen reference's, with its label-smoothed and IPO variants
+(``megarl dpo``, megarl/roles/dpo.py).
 
 Every function takes per-pair tensors ``[pairs]`` and returns per-pair losses, so the caller
 chooses the reduction (a mean over the pairs of the global batch) and the engine's micro-batching

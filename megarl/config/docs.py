@@ -23,7 +23,7 @@ from megarl.config.schema import MegarlConfig
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
-TRAIN, EVAL, LM, SFT, RM = "train", "eval", "train-lm", "sft", "train-rm"
+TRAIN, EVAL, LM, SFT, RM, DPO = "train", "eval", "train-lm", "sft", "train-rm", "dpo"
 # Which commands read a key (the page's "read by" column): the entry of the longest prefix of the
 # key decides. tests/unit/test_config_reads.py checks that each command's code reads each key it
 # is listed for.
@@ -39,10 +39,10 @@ _SFT_TRAINER = ("train_steps", "total_epochs", "seed", "nproc_per_node", "log_in
                 "val_before_train", "keep_checkpoints", "resume", "checkpoint_format", "async_save")
 READ_BY: Dict[str, Tuple[str, ...]] = {
     "": (TRAIN,),
-    "model": (TRAIN, EVAL, LM, SFT, RM), "model.path": (TRAIN, EVAL, SFT, RM),
-    "model.check_finite": (TRAIN, EVAL, SFT, RM), "model.lora": (TRAIN, EVAL, SFT, RM),
-    "parallel.actor": (TRAIN, EVAL, LM, SFT, RM), "parallel.rollout": (TRAIN, EVAL),
-    "optimizer": (TRAIN, LM, SFT, RM),
+    "model": (TRAIN, EVAL, LM, SFT, RM, DPO), "model.path": (TRAIN, EVAL, SFT, RM, DPO),
+    "model.check_finite": (TRAIN, EVAL, SFT, RM, DPO), "model.lora": (TRAIN, EVAL, SFT, RM, DPO),
+    "parallel.actor": (TRAIN, EVAL, LM, SFT, RM, DPO), "parallel.rollout": (TRAIN, EVAL),
+    "optimizer": (TRAIN, LM, SFT, RM, DPO),
     **{f"data.{k}": (TRAIN, EVAL) for k in _EVAL_DATA},
     "data.task": (TRAIN, LM), "data.num_digits": (TRAIN, LM), "data.pack_sequences": (TRAIN, LM),
     "data.tool_call_rate": (LM,), "data.label_noise": (LM,), "data.global_batch_size": (LM,),
@@ -52,7 +52,8 @@ READ_BY: Dict[str, Tuple[str, ...]] = {
     "trainer.log_interval": (TRAIN, LM), "trainer.max_bad_steps": (TRAIN, LM), "trainer.save_dir": (LM,),
     **{f"trainer.{k}": (TRAIN, EVAL) for k in ("run_dir", "nnodes", "ray_address", "node_ip_address", "hang_timeout_s")},
     "reward_model": (TRAIN, EVAL),
-    "logging": (TRAIN, SFT, RM),
+    "logging": (TRAIN, SFT, RM, DPO),
+    **{f"algorithm.dpo_{k}": (DPO,) for k in ("beta", "loss", "label_smoothing")},
 }
 
 
@@ -62,12 +63,12 @@ def read_by(key: str) -> Tuple[str, ...]:
     return next(READ_BY[".".join(parts[:n])] for n in range(len(parts), -1, -1) if ".".join(parts[:n]) in READ_BY)
 
 
-# megarl sft's and train-rm's keys: added to each key's other commands (megarl train's train_files,
+# megarl sft's, train-rm's and dpo's keys: added to each key's other commands (megarl train's train_files,
 # shuffle...); the keys they alone read
 _SFT_ONLY = ("data.response_key", "data.messages_key", "data.max_length")
-READ_BY.update({k: (SFT, RM) for k in _SFT_ONLY})
-READ_BY.update({k: (RM,) for k in ("data.chosen_key", "data.rejected_key")})
-READ_BY.update({k: tuple(c for c in read_by(k) if c not in (SFT, RM)) + (SFT, RM)
+READ_BY.update({k: (SFT, RM, DPO) for k in _SFT_ONLY})
+READ_BY.update({k: (RM, DPO) for k in ("data.chosen_key", "data.rejected_key")})
+READ_BY.update({k: tuple(c for c in read_by(k) if c not in (SFT, RM, DPO)) + (SFT, RM, DPO)
                 for k in [f"data.{k}" for k in _SFT_DATA] + [f"trainer.{k}" for k in _SFT_TRAINER] if k not in _SFT_ONLY})
 
 _OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}

@@ -547,6 +547,13 @@ class AlgorithmConfig:
     """Penalty at max_new_tokens (linear from 0 at the buffer's start)."""
     critic_lr: Optional[float] = bounded(None, ge=0)
     """Critic learning rate (PPO); null = optimizer.lr."""
+    dpo_beta: float = bounded(0.1, gt=0)
+    """``megarl dpo``: β, the scale of the implicit reward β (log π - log π_ref)."""
+    dpo_loss: str = "sigmoid"
+    """``megarl dpo``: the loss, a name in megarl/algorithms/preference.py's DPO_VARIANTS: ``sigmoid``
+    (DPO's -log σ(β h)) or ``ipo`` ((h - 1/(2β))²)."""
+    dpo_label_smoothing: float = bounded(0.0, ge=0, lt=0.5)
+    """``megarl dpo`` with ``sigmoid``: the share of pairs taken as mislabelled (conservative DPO)."""
     prm_beta: float = bounded(0.05, gt=0)
     """PRIME: the implicit PRM's beta; its token reward is beta x (log pi_prm - log pi_ref)."""
     process_reward_coef: float = bounded(5.0, ge=0)

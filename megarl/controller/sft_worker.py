@@ -1,4 +1,4 @@
-"""The SPMD workers of ``megarl sft`` and ``megarl train-rm``: on each rank the model trained
+"""The SPMD workers of ``megarl sft``, ``megarl train-rm`` and ``megarl dpo``: on each rank the model trained
 (``model.path``'s weights, in the actor's layout, with LoRA adapters when ``model.lora.rank`` is
 set) as the ``actor`` of a run checkpoint, so ``megarl export-hf``, ``model.path=RUN_DIR`` and a
 resume read it as an RL run's. Checkpoints and calls are
@@ -60,3 +60,23 @@ class RMWorker(SFTWorker):
         cfg = self.cfg  # data.micro_batch_size counts pairs: two rows each
         return RewardLearner(engine, self.groups, MicroBatching(micro_batch_size=2 * cfg.data.micro_batch_size,
                                                                 packed=cfg.data.pack_sequences))
+
+
+class DPOWorker(SFTWorker):
+    """``megarl dpo``: the policy (a causal LM, ``model.path``) and its frozen reference, the same
+    starting weights: a copy in the same layout, or with LoRA the policy with its adapters off."""
+
+    def learner(self, engine: MegatronEngine):
+        from megarl.engines.train_state import build_frozen_state, copy_weights
+        from megarl.roles.dpo import DPOLearner
+
+        cfg, algo = self.cfg, self.cfg.algorithm
+        if cfg.model.lora.rank:
+            reference = engine
+        else:
+            frozen = build_frozen_state(cfg.model, self.groups)
+            copy_weights(engine.state, frozen)
+            reference = MegatronEngine(frozen, engine.vocab_size)
+            progress.tick()
+        how = MicroBatching(micro_batch_size=2 * cfg.data.micro_batch_size, packed=cfg.data.pack_sequences)
+        return DPOLearner(engine, reference, self.groups, how, algo.dpo_beta, algo.dpo_loss, algo.dpo_label_smoothing)

@@ -1,5 +1,6 @@
-"""``megarl sft``: supervised fine-tuning of the user's model on their chat data, on the RL
-trainer's engine and run machinery (Ray workers in the actor's layout, run checkpoints, resume,
+"""``megarl sft``, ``megarl train-rm`` and ``megarl dpo``: supervised fine-tuning of the user's
+model on their chat data, reward-model training and DPO on preference pairs, on the RL trainer's
+engine and run machinery (Ray workers in the actor's layout, run checkpoints, resume,
 the trackers): the run directory it writes is one ``megarl export-hf`` exports and
 ``megarl train model.path=RUN_DIR`` starts from.
 
@@ -16,7 +17,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from megarl.config import ConfigError, MegarlConfig, load_config, to_yaml, validate
 from megarl.config.schema import Truncation
@@ -25,27 +26,35 @@ from megarl.registry import Registry
 __all__ = ["main", "prepare_sft", "run", "STAGES"]
 
 
-@dataclass(frozen=True)
 class Stage:
-    """A supervised stage on the RL trainer's machinery: what its rows are and how it trains."""
+    """A supervised stage on the RL trainer's machinery: what a dataset row becomes (and what
+    data.global_batch_size counts), how a batch is made, the worker that trains on it, and what a
+    held-out evaluation reports."""
 
-    command: str
-    worker: str  # the worker class, ``module:Class``
-    items: str  # what a dataset row becomes, and what data.global_batch_size counts
-    console: Tuple[str, ...]  # the metrics of the console line
-    curve: Tuple[str, str]  # (the metric, the PNG) drawn at the end
+    command = "sft"
+    worker = "megarl.controller.sft_worker:SFTWorker"  # ``module:Class``
+    rows = "examples"
+    console = ("train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "time/step_s")
+    curve = ("train/loss", "loss_curve.png")  # the metric drawn at the end, and its PNG
+    uses = "megarl train model.path={run_dir}"  # what takes the run's export
 
     def load(self, files, data, tok, max_length: int, key: str = "data.train_files") -> List:
-        from megarl.data import sft
+        from megarl.data.sft import load_examples
 
-        return (sft.load_pairs if self.items == "pairs" else sft.load_examples)(files, data, tok, max_length, key)
+        return load_examples(files, data, tok, max_length, key)
 
     def collate(self, items, pad_id: int, rows: Optional[int] = None):
-        from megarl.data import sft
+        from megarl.data.sft import collate
 
-        if self.items == "pairs":  # rows alternate chosen, rejected
-            return sft.collate_scored([e for pair in items for e in pair], pad_id, 2 * rows if rows else None)
-        return sft.collate(items, pad_id, rows)
+        return collate(items, pad_id, rows)
+
+    def held_out(self, learner, items, pad_id: int, n: int) -> dict:
+        """``val/loss``: the token-mean cross entropy of every held-out example."""
+        total = count = 0.0
+        for i in range(0, len(items), n):
+            loss, tokens = learner.eval_loss(self.collate(items[i:i + n], pad_id, rows=n))
+            total, count = total + loss, count + tokens
+        return {"val/loss": total / count, "val/tokens": count}
 
     @staticmethod
     def tokens(items) -> int:
@@ -53,13 +62,67 @@ class Stage:
         return sum(len(e.ids) for item in items for e in (item if isinstance(item, tuple) else (item,)))
 
 
+class PairStage(Stage):
+    """Rows of a prompt with a chosen and a rejected response; a batch's rows are the pairs
+    interleaved, chosen then rejected."""
+
+    rows = "pairs"
+
+    def load(self, files, data, tok, max_length: int, key: str = "data.train_files") -> List:
+        from megarl.data.sft import load_pairs
+
+        return load_pairs(files, data, tok, max_length, key)
+
+    def collate(self, items, pad_id: int, rows: Optional[int] = None):
+        from megarl.data.sft import collate
+
+        return collate([e for pair in items for e in pair], pad_id, 2 * rows if rows else None)
+
+
+class RewardModelStage(PairStage):
+    command = "train-rm"
+    worker = "megarl.controller.sft_worker:RMWorker"
+    console = ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "time/step_s")
+    curve = ("train/accuracy", "accuracy_curve.png")
+    uses = "reward_model.path=OUT"
+
+    def collate(self, items, pad_id: int, rows: Optional[int] = None):
+        from megarl.data.sft import collate_scored
+
+        return collate_scored([e for pair in items for e in pair], pad_id, 2 * rows if rows else None)
+
+    def held_out(self, learner, items, pad_id: int, n: int) -> dict:
+        """The mean Bradley–Terry ``val/loss``, ``val/accuracy`` and ``val/margin`` over the pairs."""
+        import torch
+
+        scores = torch.cat([learner.scores(self.collate(items[i:i + n], pad_id, rows=n))[:2 * len(items[i:i + n])]
+                            for i in range(0, len(items), n)]).double()
+        margin = scores[0::2] - scores[1::2]
+        return {"val/loss": -torch.nn.functional.logsigmoid(margin).mean().item(),
+                "val/accuracy": (margin > 0).double().mean().item(), "val/margin": margin.mean().item(),
+                "val/pairs": float(len(items))}
+
+
+class DPOStage(PairStage):
+    command = "dpo"
+    worker = "megarl.controller.sft_worker:DPOWorker"
+    console = ("train/loss", "train/accuracy", "train/margin", "train/chosen_logp", "train/rejected_logp",
+               "time/step_s")
+    curve = ("train/accuracy", "accuracy_curve.png")
+
+    def held_out(self, learner, items, pad_id: int, n: int) -> dict:
+        """The means over the pairs of the DPO ``val/loss`` and metrics (accuracy, margin, rewards, log-probs)."""
+        sums: dict = {}
+        for i in range(0, len(items), n):
+            for key, value in learner.eval_pairs(self.collate(items[i:i + n], pad_id, rows=n)).items():
+                sums[key] = sums.get(key, 0.0) + value
+        pairs = sums.pop("pairs")
+        return {f"val/{k}": v / pairs for k, v in sums.items()} | {"val/pairs": pairs}
+
+
 STAGES: Registry = Registry("supervised stage")
-STAGES.register("sft")(Stage("sft", "megarl.controller.sft_worker:SFTWorker", "examples",
-                             ("train/loss", "train/grad_norm", "train/lr", "train/tokens_per_s", "time/step_s"),
-                             ("train/loss", "loss_curve.png")))
-STAGES.register("train-rm")(Stage("train-rm", "megarl.controller.sft_worker:RMWorker", "pairs",
-                                  ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "time/step_s"),
-                                  ("train/accuracy", "accuracy_curve.png")))
+for _stage in (Stage(), RewardModelStage(), DPOStage()):
+    STAGES.register(_stage.command)(_stage)
 
 
 @dataclass
@@ -88,7 +151,7 @@ def prepare_sft(cfg: MegarlConfig, stage: str = "sft") -> PreparedSFT:
     cfg = resolve_paths(cfg)
     data = cfg.data
     if not data.train_files:
-        rows = (f"'{data.prompt_key}', '{data.chosen_key}' and '{data.rejected_key}' rows" if chosen.items == "pairs"
+        rows = (f"'{data.prompt_key}', '{data.chosen_key}' and '{data.rejected_key}' rows" if chosen.rows == "pairs"
                 else f"'{data.messages_key}' conversations or '{data.prompt_key}'/'{data.response_key}' pairs")
         raise ConfigError(f"megarl {stage} needs data.train_files (jsonl, parquet, globs or HF datasets directories "
                           f"of {rows})")
@@ -100,6 +163,11 @@ def prepare_sft(cfg: MegarlConfig, stage: str = "sft") -> PreparedSFT:
     if data.global_batch_size % (layout.dp * data.micro_batch_size):
         raise ConfigError(f"data.global_batch_size={data.global_batch_size} must divide by dp={layout.dp} x "
                           f"data.micro_batch_size={data.micro_batch_size}")
+    if stage == "dpo":
+        from megarl.algorithms.preference import DPO_VARIANTS
+
+        if cfg.algorithm.dpo_loss not in DPO_VARIANTS.names():
+            raise ConfigError(f"algorithm.dpo_loss='{cfg.algorithm.dpo_loss}' must be one of {DPO_VARIANTS.names()}")
     if data.truncation == Truncation.left:
         raise ConfigError("data.truncation=left: megarl sft keeps a conversation's start (its system prompt and "
                           "first turns); use right, skip or error")
@@ -127,11 +195,9 @@ def prepare_sft(cfg: MegarlConfig, stage: str = "sft") -> PreparedSFT:
         print(f"megarl: trainer.total_epochs={cfg.trainer.total_epochs} over {len(train)} examples, "
               f"data.global_batch_size={data.global_batch_size}: trainer.train_steps={cfg.trainer.train_steps}",
               file=sys.stderr, flush=True)
-    what = "training examples" if chosen.items == "examples" else "training pairs"
-    trained = f" ({sum(e.trained for e in train)} trained tokens of {Stage.tokens(train)})" \
-        if chosen.items == "examples" else f" ({Stage.tokens(train)} tokens)"
-    print(f"megarl {stage}: {len(train)} {what}{trained}" + (f", {len(val)} validation {chosen.items}" if val else ""),
-          file=sys.stderr, flush=True)
+    trained = sum(e.trained for item in train for e in (item if isinstance(item, tuple) else (item,)))
+    print(f"megarl {stage}: {len(train)} training {chosen.rows} ({trained} trained tokens of {Stage.tokens(train)})"
+          + (f", {len(val)} validation {chosen.rows}" if val else ""), file=sys.stderr, flush=True)
     return PreparedSFT(cfg, tok, train, val, chosen)
 
 
@@ -188,10 +254,8 @@ def _run_locked(prepared: PreparedSFT) -> List[dict]:
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
         (log.run_dir / "final.json").write_text(json.dumps(final))
         png = log.close(*prepared.stage.curve)
-        use = (f"megarl train model.path={log.run_dir}" if prepared.stage.items == "examples" else
-               "reward_model.path=OUT")
         print(f"run directory {log.run_dir}: metrics.jsonl, checkpoints/, {png.name}, final.json "
-              f"(megarl export-hf {log.run_dir} OUT; {use})", flush=True)
+              f"(megarl export-hf {log.run_dir} OUT; {prepared.stage.uses.format(run_dir=log.run_dir)})", flush=True)
         return log.history
     finally:
         preemption.close()
@@ -218,24 +282,8 @@ def train(cfg, stage: Stage, learner, stream, val, pad_id: int, log, start_step:
 
 
 def held_out(stage: Stage, learner, val, data, pad_id: int, log, step: int) -> dict:
-    """Every held-out row, logged at ``step``: ``val/loss``, the token-mean cross entropy (SFT), or
-    the reward model's mean Bradley–Terry ``val/loss``, ``val/accuracy`` and ``val/margin`` over the pairs."""
-    n = data.global_batch_size
-    if stage.items == "examples":
-        total = count = 0.0
-        for i in range(0, len(val), n):
-            loss, tokens = learner.eval_loss(stage.collate(val[i:i + n], pad_id, rows=n))
-            total, count = total + loss, count + tokens
-        metrics = {"val/loss": total / count, "val/tokens": count}
-    else:
-        import torch
-
-        scores = torch.cat([learner.scores(stage.collate(val[i:i + n], pad_id, rows=n))[:2 * len(val[i:i + n])]
-                            for i in range(0, len(val), n)]).double()
-        margin = scores[0::2] - scores[1::2]
-        metrics = {"val/loss": -torch.nn.functional.logsigmoid(margin).mean().item(),
-                   "val/accuracy": (margin > 0).double().mean().item(), "val/margin": margin.mean().item(),
-                   "val/pairs": float(len(val))}
+    """Every held-out row, in batches of data.global_batch_size, logged at ``step``."""
+    metrics = stage.held_out(learner, val, pad_id, data.global_batch_size)
     log.validation(step, metrics, [])
     return metrics
 

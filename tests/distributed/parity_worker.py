@@ -210,6 +210,28 @@ def sft_phase(model_cfg, optim_cfg, groups, init, run_dir) -> dict:
     return losses
 
 
+DPO_BETA = 0.5  # the one-process DPO check (dense model): sft_batch's rows as 4 (chosen, rejected) pairs
+
+
+def dpo_phase(model_cfg, optim_cfg, groups, init, run_dir) -> float:
+    """megarl dpo's loss (megarl.roles.dpo) of the initial weights against a reference that is
+    this run's weights after its 3 steps: its gradients saved whole, and the loss."""
+    from megarl.engines.train_state import build_frozen_state
+    from megarl.roles.dpo import DPOLearner
+
+    vocab = megatron_args_from_hf(model_cfg.hf_config).vocab_size
+    state = build_train_state(model_cfg, optim_cfg, groups, 1, use_distributed_optimizer=False,
+                              init_checkpoint=str(init))
+    reference = MegatronEngine(build_frozen_state(model_cfg, groups, str(run_dir / "weights")), vocab)
+    learner = DPOLearner(MegatronEngine(state, vocab), reference, groups, MicroBatching(MICRO), DPO_BETA)
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    loss = learner.forward_backward(sft_batch(vocab))["loss"]
+    with grads_as_weights(state.model):
+        save_model(state.model, run_dir / "dpo_grads")
+    return loss
+
+
 def run(args) -> None:
     init_distributed()
     out = Path(args.workdir)
@@ -259,6 +281,8 @@ def run(args) -> None:
             save_model(state.model, run_dir / "weights")
             engine = engine_phase(model_cfg, optim_cfg, groups, init, run_dir, model_name)
             sft = sft_phase(model_cfg, optim_cfg, groups, init, run_dir) if model_name in SFT_MODELS else {}
+            if model_name == "dense" and name == "t1p1d1e1":
+                sft["dpo"] = dpo_phase(model_cfg, optim_cfg, groups, init, run_dir)
             if torch.distributed.get_rank() == 0:
                 (run_dir / "losses.json").write_text(json.dumps({
                     "loss": loss, "attention_calls": calls[0], "step_losses": [m["loss"] for m in steps],
@@ -325,6 +349,42 @@ def transformers_sft(model_dir: Path, model_cfg, ref_losses) -> dict:
             "tensors": len(theirs), "tensors_compared": len(set(ours) & set(theirs))}
 
 
+def float64_dpo(model_dir: Path, ref_losses) -> dict:
+    """The one-process DPO loss and gradients against a direct float64 computation of DPO's
+    formula with transformers on the same weights (the policy's initial ones, the reference's after
+    the 3 steps, through megarl's converter) and batch: -mean log σ(β ((log π_c - log π_ref,c) -
+    (log π_r - log π_ref,r))), each log π the sum over the row's masked tokens."""
+    import transformers
+
+    from megarl.checkpoint.convert import mcore_to_hf
+
+    for source, dest in (("t1p1d1e1/weights", "hf_reference"), ("t1p1d1e1/dpo_grads", "hf_dpo_grads")):
+        mcore_to_hf(model_dir / source, model_dir / dest, hf_config_dir=model_dir / "hf_config", hashes=False)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    policy = load(model_dir / "hf_init", dtype=torch.float64).eval()
+    reference = load(model_dir / "hf_reference", dtype=torch.float64).eval()
+    batch = sft_batch(policy.config.vocab_size)
+
+    def sequence_log_probs(model) -> torch.Tensor:
+        logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
+        token = torch.log_softmax(logits, -1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+        return (token * batch["loss_mask"].double()).sum(-1)
+
+    with torch.no_grad():
+        ref = sequence_log_probs(reference)
+    pol = sequence_log_probs(policy)
+    h = (pol[0::2] - ref[0::2]) - (pol[1::2] - ref[1::2])
+    loss = -torch.nn.functional.logsigmoid(DPO_BETA * h).mean()
+    loss.backward()
+    grads = load(model_dir / "hf_dpo_grads", dtype=torch.float64)
+    ours = dict(grads.named_parameters())
+    theirs = {name: p.grad for name, p in policy.named_parameters()}
+    worst = max(theirs, key=lambda k: _rel(ours[k], theirs[k]))
+    return {"loss": abs(ref_losses["sft"]["dpo"] - loss.item()) / loss.item(), "grads": _rel(ours[worst], theirs[worst]),
+            "grads_worst_tensor": worst, "tensors": len(theirs), "tensors_compared": len(set(ours) & set(theirs)),
+            "h_abs_mean": h.abs().mean().item()}
+
+
 def compare(args) -> None:
     init_distributed()
     out = Path(args.workdir)
@@ -381,6 +441,8 @@ def compare(args) -> None:
             report[f"{model_name}/{run_dir.name}"] = entry
         if model_name in SFT_MODELS:
             report[f"sft_transformers/{model_name}"] = transformers_sft(out / model_name, model_cfg, ref_losses)
+        if model_name == "dense":
+            report["dpo_float64/dense"] = float64_dpo(out / model_name, ref_losses)
         groups.destroy()
         _readers.clear()
     Path(args.report).write_text(json.dumps(report, indent=2))

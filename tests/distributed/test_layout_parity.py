@@ -29,6 +29,8 @@ two assistant spans trained each) on the dense and the MoE model: its loss and r
 at every layout, padded and packed, equal the single process's padded run to 1e-5; and the single
 process's equal transformers' on the same weights and batch (fp32, <= 1e-5: the loss, and every
 tensor's gradient read back through megarl's Megatron -> HF converter; measured 8.6e-8 and 8.6e-7).
+``megarl dpo``'s loss and gradients at one process (the dense model against the weights after its
+3 steps as the reference) equal DPO's formula computed directly in float64 with transformers, 1e-5.
 
 Every layout loads the initial weights the single-process run wrote (a Megatron dist
 checkpoint), and saves its reduced gradients and final weights the same way, so they are read
@@ -129,6 +131,14 @@ def test_sft_loss_and_gradients_match_single_process(report, model, metric):
 def test_sft_step_equals_transformers(report, model):
     r = report[f"sft_transformers/{model}"]
     assert r["tensors"] == r["tensors_compared"] > 20, r  # every parameter's gradient, under its HF name
+    assert r["loss"] <= TOL and r["grads"] <= TOL, r
+
+
+def test_dpo_step_equals_the_formula_in_float64(report):
+    """megarl dpo's loss and gradients (one process, fp32; the reference the weights after 3 steps,
+    so the log-ratios are not zero) against DPO's formula computed directly in float64."""
+    r = report["dpo_float64/dense"]
+    assert r["tensors"] == r["tensors_compared"] > 20 and r["h_abs_mean"] > 1e-3, r
     assert r["loss"] <= TOL and r["grads"] <= TOL, r
 
 

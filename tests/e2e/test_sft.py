@@ -11,8 +11,9 @@ cross entropy of the held-out assistant tokens equals the run's last ``val/loss`
 exit 2 before Ray starts, named. Then the reward model: ``megarl train-rm`` from the SFT export at
 tp=2 on pairs with a learnable rule (held-out accuracy >= 0.9), exported as an HF
 ``LlamaForSequenceClassification`` whose transformers scores give the run's held-out margin and
-accuracy, and PPO scored by it (``reward_model.path``). (GRPO from an SFT export: ``make demo``,
-tests/e2e/test_demo.py.)"""
+accuracy, and PPO scored by it (``reward_model.path``); and ``megarl dpo`` on the same pairs, at tp=2
+against a frozen reference and with LoRA against the adapters-off model. (GRPO from an SFT
+export: ``make demo``, tests/e2e/test_demo.py.)"""
 
 from __future__ import annotations
 
@@ -225,3 +226,25 @@ def test_ppo_with_the_trained_reward_model(user, reward_model):
     rows = [json.loads(line) for line in (work / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("critic/loss" in r for r in rows)
     assert len({r["reward/mean"] for r in rows}) == 2  # the model's scores, not a constant
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_dpo_prefers_the_chosen_responses(user, runs, lora):
+    """megarl dpo from the SFT export on the same pairs: the held-out implicit-reward accuracy
+    starts at 0 (the policy is its reference: no margin) and ends >= 0.9, the margin positive and
+    the rejected responses' log-probs lowered. Without LoRA at tp=2 against a frozen copy; with
+    LoRA at dp=2 against the same model with its adapters off."""
+    work, _ = user
+    run = work / ("dpo_lora" if lora else "dpo")
+    layout = ("model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=1.0e-2") if lora else (
+        "parallel.actor.tp=2", "optimizer.lr=1.0e-3")
+    proc = megarl_here("dpo", f"model.path={work / 'export'}", f"data.train_files=[{work / 'prefs.jsonl'}]",
+                       f"data.val_files=[{work / 'prefs_val.jsonl'}]", f"trainer.run_dir={run}", *layout,
+                       "data.global_batch_size=8", "data.micro_batch_size=2", "optimizer.lr_warmup_steps=0",
+                       "trainer.train_steps=12", "trainer.val_interval=12", "trainer.save_interval=0",
+                       "logging.backends=[console]", "logging.progress_bar=false", cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last = [json.loads(line) for line in (run / "validation.jsonl").read_text().splitlines()]
+    assert first["val/accuracy"] == 0 and first["val/margin"] == 0 and first["val/loss"] == pytest.approx(0.6931, abs=1e-4)
+    assert last["val/accuracy"] >= 0.9 and last["val/margin"] > 0, last
+    assert last["val/rejected_logp"] < first["val/rejected_logp"], (first, last)

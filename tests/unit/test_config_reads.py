@@ -18,12 +18,12 @@ from typing import FrozenSet, Iterable, Set
 
 import pytest
 
-from megarl.config.docs import EVAL, LM, RM, SFT, TRAIN, keys, read_by
+from megarl.config.docs import DPO, EVAL, LM, RM, SFT, TRAIN, keys, read_by
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = {TRAIN: ("megarl.entrypoints.train_rl", "_train"), EVAL: ("megarl.entrypoints.eval", "_eval"),
          LM: ("megarl.entrypoints.train_lm", "_train_lm"), SFT: ("megarl.entrypoints.sft", "_sft"),
-         RM: ("megarl.entrypoints.sft", "_train_rm")}
+         RM: ("megarl.entrypoints.sft", "_train_rm"), DPO: ("megarl.entrypoints.sft", "_dpo")}
 _REGISTERED = re.compile(r"megarl(\.\w+)+(:\w+)?")
 
 
@@ -86,7 +86,7 @@ def test_the_closure_follows_lazy_imports_and_registry_strings():
     assert "megarl.entrypoints.train_rl" not in closure([ENTRY[LM][0]])
 
 
-@pytest.mark.parametrize("command", [TRAIN, EVAL, LM, SFT, RM])
+@pytest.mark.parametrize("command", [TRAIN, EVAL, LM, SFT, RM, DPO])
 def test_each_key_is_read_by_the_commands_the_page_names(command):
     unread = [k for k in keys() if command in read_by(k) and k.split(".")[-1] not in read_names(command)]
     assert unread == [], f"docs/configuration.md says megarl {command} reads these keys; its code does not: {unread}"

@@ -155,6 +155,7 @@ RUNNERS = [
     Runner(r"^megarl train configs/[\w/]+\.yaml( [\w.]+=\S+)*( --dry-run)?$", "dry"),
     Runner(r"^megarl train-lm ", "test", "tests/e2e/test_train_lm.py::test_train_lm_loss_falls"),
     Runner(r"^megarl sft ", "test", "tests/e2e/test_sft.py::test_sft_trains_resumes_and_validates"),
+    Runner(r"^megarl dpo ", "test", "tests/e2e/test_sft.py::test_dpo_prefers_the_chosen_responses"),
     Runner(r"^megarl train-rm ", "test",
            "tests/e2e/test_sft.py::test_reward_model_learns_the_preference_and_exports_as_a_sequence_classifier"),
     Runner(r"^megarl export-hf ", "test", "tests/e2e/test_export.py::test_export_hf_from_another_directory_never_copies_source_weights"),
