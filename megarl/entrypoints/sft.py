@@ -17,7 +17,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megarl.config import ConfigError, MegarlConfig, load_config, to_yaml, validate
 from megarl.config.schema import Truncation
@@ -48,13 +48,13 @@ class Stage:
 
         return collate(items, pad_id, rows)
 
-    def held_out(self, learner, items, pad_id: int, n: int) -> dict:
-        """``val/loss``: the token-mean cross entropy of every held-out example."""
+    def held_out(self, learner, items, pad_id: int, n: int) -> Tuple[dict, List[dict]]:
+        """(``val/loss``: the token-mean cross entropy of every held-out example; no rows)."""
         total = count = 0.0
         for i in range(0, len(items), n):
             loss, tokens = learner.eval_loss(self.collate(items[i:i + n], pad_id, rows=n))
             total, count = total + loss, count + tokens
-        return {"val/loss": total / count, "val/tokens": count}
+        return {"val/loss": total / count, "val/tokens": count}, []
 
     @staticmethod
     def tokens(items) -> int:
@@ -91,16 +91,19 @@ class RewardModelStage(PairStage):
 
         return collate_scored([e for pair in items for e in pair], pad_id, 2 * rows if rows else None)
 
-    def held_out(self, learner, items, pad_id: int, n: int) -> dict:
-        """The mean Bradley–Terry ``val/loss``, ``val/accuracy`` and ``val/margin`` over the pairs."""
+    def held_out(self, learner, items, pad_id: int, n: int) -> Tuple[dict, List[dict]]:
+        """(the mean Bradley–Terry ``val/loss``, ``val/accuracy`` and ``val/margin`` over the pairs;
+        each pair's row, its source and both scores)."""
         import torch
 
         scores = torch.cat([learner.scores(self.collate(items[i:i + n], pad_id, rows=n))[:2 * len(items[i:i + n])]
                             for i in range(0, len(items), n)]).double()
         margin = scores[0::2] - scores[1::2]
+        rows = [{"source": chosen.source, "chosen_score": c, "rejected_score": r}
+                for (chosen, _), c, r in zip(items, scores[0::2].tolist(), scores[1::2].tolist())]
         return {"val/loss": -torch.nn.functional.logsigmoid(margin).mean().item(),
                 "val/accuracy": (margin > 0).double().mean().item(), "val/margin": margin.mean().item(),
-                "val/pairs": float(len(items))}
+                "val/pairs": float(len(items))}, rows
 
 
 class DPOStage(PairStage):
@@ -110,14 +113,15 @@ class DPOStage(PairStage):
                "time/step_s")
     curve = ("train/accuracy", "accuracy_curve.png")
 
-    def held_out(self, learner, items, pad_id: int, n: int) -> dict:
-        """The means over the pairs of the DPO ``val/loss`` and metrics (accuracy, margin, rewards, log-probs)."""
+    def held_out(self, learner, items, pad_id: int, n: int) -> Tuple[dict, List[dict]]:
+        """(the means over the pairs of the DPO ``val/loss`` and metrics: accuracy, margin, rewards,
+        log-probs; no rows)."""
         sums: dict = {}
         for i in range(0, len(items), n):
             for key, value in learner.eval_pairs(self.collate(items[i:i + n], pad_id, rows=n)).items():
                 sums[key] = sums.get(key, 0.0) + value
         pairs = sums.pop("pairs")
-        return {f"val/{k}": v / pairs for k, v in sums.items()} | {"val/pairs": pairs}
+        return {f"val/{k}": v / pairs for k, v in sums.items()} | {"val/pairs": pairs}, []
 
 
 STAGES: Registry = Registry("supervised stage")
@@ -282,9 +286,10 @@ def train(cfg, stage: Stage, learner, stream, val, pad_id: int, log, start_step:
 
 
 def held_out(stage: Stage, learner, val, data, pad_id: int, log, step: int) -> dict:
-    """Every held-out row, in batches of data.global_batch_size, logged at ``step``."""
-    metrics = stage.held_out(learner, val, pad_id, data.global_batch_size)
-    log.validation(step, metrics, [])
+    """Every held-out row, in batches of data.global_batch_size, logged at ``step`` (the reward
+    model's scores of each pair in <run_dir>/validation/step_<N>.jsonl)."""
+    metrics, rows = stage.held_out(learner, val, pad_id, data.global_batch_size)
+    log.validation(step, metrics, rows)
     return metrics
 
 

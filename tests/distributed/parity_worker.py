@@ -200,13 +200,25 @@ def sft_phase(model_cfg, optim_cfg, groups, init, run_dir) -> dict:
     state = build_train_state(model_cfg, optim_cfg, groups, 1, use_distributed_optimizer=False,
                               init_checkpoint=str(init))
     engine = MegatronEngine(state, vocab)  # megarl sft's learner: the real vocabulary
-    losses = {}
+    losses, kept = {}, {}
+    params = [(n, p) for chunk in state.model for n, p in chunk.named_parameters() if p.requires_grad]
     for mode, how in ENGINE_MODES.items():
         for chunk in state.model:
             chunk.zero_grad_buffer()
         losses[mode] = supervised.forward_backward(engine, batch, how)
+        kept[mode] = [p.main_grad.clone() for _, p in params]
         with grads_as_weights(state.model):
             save_model(state.model, run_dir / f"sft_grads_{mode}")
+    # the untrained positions' targets (prompt, tool output, padding) changed: nothing may move
+    labels, untrained = batch["labels"].clone(), batch["loss_mask"] == 0
+    labels[untrained] = 3 + (labels[untrained] + 7) % (vocab - 3)
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    loss = supervised.forward_backward(engine, batch | {"labels": labels}, ENGINE_MODES["padded"])
+    losses["changed_targets_loss_diff"] = abs(loss - losses["padded"])
+    losses["changed_targets_grad_diff"] = max((p.main_grad - g).abs().max().item()
+                                              for (_, p), g in zip(params, kept["padded"]))
+    losses["changed_targets"] = int(untrained.sum())
     return losses
 
 
@@ -433,6 +445,8 @@ def compare(args) -> None:
                 entry[kind + "_worst_tensor"] = worst
                 entry[kind + "_nonzero"] = sum(int(v.abs().sum() > 0) for v in got.values())
             if model_name in SFT_MODELS:  # each mode against the single process's padded run
+                for key in ("changed_targets_loss_diff", "changed_targets_grad_diff", "changed_targets"):
+                    entry[f"sft_{key}"] = losses["sft"][key]
                 want = ref_losses["sft"]["padded"]
                 for mode in ENGINE_MODES:
                     entry[f"sft_loss_{mode}"] = abs(losses["sft"][mode] - want) / abs(want)

@@ -128,6 +128,17 @@ def test_sft_loss_and_gradients_match_single_process(report, model, metric):
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
+def test_untrained_targets_change_neither_loss_nor_gradient(report, model):
+    """The labels of every untrained position (prompt, the turn between the spans, padding) set to
+    other tokens: the SFT loss and every gradient are bit for bit the same, at every layout."""
+    entries = {key: e for key, e in report.items() if key.startswith(model + "/")}
+    assert entries and all(e["sft_changed_targets"] > 20 for e in entries.values())
+    moved = {key: (e["sft_changed_targets_loss_diff"], e["sft_changed_targets_grad_diff"]) for key, e in entries.items()
+             if e["sft_changed_targets_loss_diff"] or e["sft_changed_targets_grad_diff"]}
+    assert not moved, moved
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
 def test_sft_step_equals_transformers(report, model):
     r = report[f"sft_transformers/{model}"]
     assert r["tensors"] == r["tensors_compared"] > 20, r  # every parameter's gradient, under its HF name
