@@ -206,16 +206,10 @@ def prepare_sft(cfg: MegarlConfig, stage: str = "sft") -> PreparedSFT:
 
 
 def run(prepared: PreparedSFT) -> List[dict]:
-    """Train under ``trainer.run_dir``'s lock; a run that fails or is interrupted is marked so in its trackers."""
-    from megarl.trainer.logger import end_unfinished_runs
-    from megarl.trainer.run_dir import lock_run_dir
+    """Train under ``trainer.run_dir``'s lock (megarl.trainer.run_dir.run_locked)."""
+    from megarl.trainer.run_dir import run_locked
 
-    with lock_run_dir(prepared.cfg.trainer.run_dir):
-        try:
-            return _run_locked(prepared)
-        except BaseException as err:
-            end_unfinished_runs(err)
-            raise
+    return run_locked(prepared.cfg.trainer.run_dir, lambda: _run_locked(prepared))
 
 
 def _run_locked(prepared: PreparedSFT) -> List[dict]:

@@ -19,19 +19,11 @@ __all__ = ["main", "prepare", "run", "Prepared"]
 
 
 def run(prepared: Prepared) -> List[dict]:
-    """Train, holding ``trainer.run_dir``'s lock from before Ray starts to the end: a second run on
-    the directory refuses (RunDirInUse) having written nothing. A run that raises, or is
-    interrupted, is marked FAILED, or KILLED, in its trackers (MLflow, wandb, SwanLab)."""
-    from megarl.trainer.logger import end_unfinished_runs
-    from megarl.trainer.run_dir import lock_run_dir
+    """Train under ``trainer.run_dir``'s lock (megarl.trainer.run_dir.run_locked)."""
+    from megarl.trainer.run_dir import run_locked
 
     rollout_backend(prepared.cfg.parallel.rollout.engine).check_available(prepared.cfg)
-    with lock_run_dir(prepared.cfg.trainer.run_dir):
-        try:
-            return _run_locked(prepared)
-        except BaseException as err:
-            end_unfinished_runs(err)
-            raise
+    return run_locked(prepared.cfg.trainer.run_dir, lambda: _run_locked(prepared))
 
 
 def _run_locked(prepared: Prepared) -> List[dict]:

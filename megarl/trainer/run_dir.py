@@ -7,9 +7,12 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from megarl.config import ConfigError
+
+
+T = TypeVar("T")
 
 
 class RunDirInUse(ConfigError):
@@ -35,3 +38,17 @@ def lock_run_dir(run_dir: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def run_locked(run_dir: str, train: Callable[[], T]) -> T:
+    """``train()`` holding ``run_dir``'s lock from before Ray starts to the end (a second run on the
+    directory refuses, RunDirInUse, having written nothing); a run that raises, or is interrupted,
+    is marked FAILED, or KILLED, in its trackers (MLflow, wandb, SwanLab)."""
+    from megarl.trainer.logger import end_unfinished_runs
+
+    with lock_run_dir(run_dir):
+        try:
+            return train()
+        except BaseException as err:
+            end_unfinished_runs(err)
+            raise
