@@ -1,6 +1,6 @@
-"""``megarl sft`` through the command line, on a random tiny Llama (hidden 64, 4 layers, the ChatML
-test tokenizer) and generated conversations (the user gives digits, the assistant reverses them):
-``messages`` rows in jsonl (some multi-turn, with a tool turn) and prompt/response pairs in
+"""``megarl sft`` through the command line, on a random Llama of real width with tied embeddings
+(hidden 512, 4 layers, the ChatML test tokenizer) and generated conversations (the user gives
+digits, the assistant reverses them): ``messages`` rows in jsonl (some multi-turn, with a tool turn) and prompt/response pairs in
 parquet, validation on held-out pairs.
 
 One run of 10 steps at tp=2 with packed sequences (checkpoints at 5 and 10), then the same
@@ -27,6 +27,10 @@ from megarl.cli import main
 from tests.cli import megarl_here
 from tests.fixtures.hf_models import PAD_ID, chat_examples, make_hf_model, make_tokenizer
 
+# the shape of the models users start from where it matters here: hidden 512 and tied embeddings
+# (the SFT export, the reward model's new head on a tied backbone, DPO's reference copy)
+REAL_WIDTH = {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "head_dim": 64, "tie_word_embeddings": True}
 TOOL_TURN = [{"role": "system", "content": "Reverse digits."}, {"role": "user", "content": "reverse 123"},
              {"role": "assistant", "content": "look up 123"}, {"role": "tool", "content": "321"},
              {"role": "assistant", "content": "321"}]
@@ -39,7 +43,7 @@ def user(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("sft")
     tokenizer = make_tokenizer(work / "tokenizer")
-    model = make_hf_model("llama", work / "model", tokenizer, train_steps=0)  # random weights
+    model = make_hf_model("llama", work / "model", tokenizer, train_steps=0, overrides=REAL_WIDTH)  # random weights
     chats = chat_examples(184, seed=11)
     with (work / "chat.jsonl").open("w") as f:
         for chat in chats[:100]:
