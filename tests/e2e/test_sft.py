@@ -1,7 +1,7 @@
 """``megarl sft`` through the command line, on a random Llama of real width with tied embeddings
 (hidden 512, 4 layers, the ChatML test tokenizer) and generated conversations (the user gives
-digits, the assistant reverses them): ``messages`` rows in jsonl (some multi-turn, with a tool turn) and prompt/response pairs in
-parquet, validation on held-out pairs.
+digits, the assistant reverses them): ``messages`` rows in jsonl (some multi-turn, with a tool
+turn) and prompt/response pairs in parquet, validation on held-out pairs.
 
 One run of 10 steps at tp=2 with packed sequences (checkpoints at 5 and 10), then the same
 command with ``trainer.train_steps=14``, which resumes after step 10; then LoRA adapters trained
