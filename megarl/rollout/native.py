@@ -72,7 +72,8 @@ class NativeRollout(RolloutEngine):
     """Generation with the actor's architecture in layout ``regrouping.gen``."""
 
     def __init__(self, model_cfg, args: MegatronModelArgs, weights: WeightReceiver, max_batch_rows: int = 256,
-                 kv_cache: bool = True, dtype: Optional[str] = None, record_routing: bool = False):
+                 kv_cache: bool = True, dtype: Optional[str] = None, record_routing: bool = False,
+                 recompute_kv_after_sync: bool = False):
         """``weights`` (megarl.transports) places the generation layout ``weights.gen`` and fills its
         weights: colocated, a :class:`~megarl.transports.micro_dp.MicroDPReceiver` on the training
         ranks, in process (see :meth:`colocated`); split placement, a
@@ -80,7 +81,9 @@ class NativeRollout(RolloutEngine):
         first). ``dtype``: the generation model's ``params_dtype`` (``float32``, ``bfloat16``);
         None = the training model's (``model_cfg.params_dtype``). ``record_routing``: an MoE
         model's responses carry the top-k experts of every token fed through it
-        (``Response.routing``, for routing replay)."""
+        (``Response.routing``, for routing replay). ``recompute_kv_after_sync``: a partial rollout's
+        rows (:meth:`advance`) recompute their KV cache under new weights after a sync, instead of
+        keeping the one the old weights filled."""
         if dtype is not None:
             model_cfg = dataclasses.replace(model_cfg, params_dtype=dtype)
         gen = dataclasses.replace(weights.gen, sequence_parallel=False)  # decode steps are one token long
@@ -120,6 +123,8 @@ class NativeRollout(RolloutEngine):
         self.released = False
         self.parked = None  # the weights on the host while released (delta sync)
         self.stale = True  # no weights yet
+        self.recompute_kv_after_sync = recompute_kv_after_sync
+        self.session: Optional[_Session] = None  # the rows being decoded (begin/advance)
         self.calls = 0
         self.last = RolloutStats()
 
@@ -174,6 +179,11 @@ class NativeRollout(RolloutEngine):
     # ---------------------------------------------------------------- generation
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
+        self.begin(prompts, sampling)
+        return self.advance()
+
+    def begin(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> None:
+        """Start decoding ``prompts`` (``n`` samples each), to be driven by :meth:`advance`."""
         if self.released or self.stale:
             raise RuntimeError("the rollout has no current weights: call update_weights() "
                                "(after resume_memory() if memory was released)")
@@ -183,24 +193,53 @@ class NativeRollout(RolloutEngine):
             if len(prompt) + sampling.max_new_tokens > self.args.max_position_embeddings:
                 raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_new_tokens={sampling.max_new_tokens} "
                                  f"exceed the model's {self.args.max_position_embeddings} positions")
-        begin = time.perf_counter()
         seed = sampling.seed if sampling.seed is not None else self.calls
         self.calls += 1
-        dp = self.groups.layout.dp
-        mine, share = dp_rows(len(prompts), sampling.n, dp, self.groups.pg.dp.rank())
-        out: List[Response] = []
+        mine, share = dp_rows(len(prompts), sampling.n, self.groups.layout.dp, self.groups.pg.dp.rank())
         # in lock-step, every replica decodes as many micro-batches (some empty)
         span = max(share, 1) if self.lockstep else len(mine)
+        batches = [self._start(prompts, mine[start:start + self.max_batch_rows], sampling, seed)
+                   for start in range(0, span, self.max_batch_rows)]
+        self.session = _Session(len(prompts), batches, time.perf_counter())
+
+    def advance(self, max_tokens: Optional[int] = None) -> List[Response]:
+        """Decode up to ``max_tokens`` more tokens of every unfinished row of the session (None:
+        to the end); the responses that ended in this call, prompt-major, the same on every rank.
+        Between two calls the weights may change (:meth:`update_weights`): the tokens sampled
+        after it carry the new policy version (``Response.versions``), and the KV cache of the
+        tokens before is kept, or recomputed under the new weights when
+        ``recompute_kv_after_sync``."""
+        session = self.session
+        if session is None:
+            raise RuntimeError("no rollout in flight: call begin() first")
+        if self.released:
+            raise RuntimeError("rollout memory is released; call resume_memory() and update_weights() first")
+        out: List[Response] = []
         with cpu_mode.suspended():  # the decode names no CUDA device, and the hook taxes every op
-            for start in range(0, span, self.max_batch_rows):
-                out += self._decode(prompts, mine[start:start + self.max_batch_rows], sampling, seed)
+            for b in session.batches:
+                self._advance(b, max_tokens)
+                out += self._finished(b)
+        dp = self.groups.layout.dp
         if dp > 1:
             parts = [None] * dp
             dist.all_gather_object(parts, out, group=self.groups.pg.dp)
             out = [r for part in parts for r in part]
-        self.last = RolloutStats(prompts=len(prompts), tokens=sum(r.length for r in out),
-                                 seconds=time.perf_counter() - begin)
+        out.sort(key=lambda r: (r.prompt_index, r.sample_index))
+        session.tokens += sum(r.length for r in out)
+        if self.in_flight() == 0:
+            self.session = None
+            self.last = RolloutStats(prompts=session.prompts, tokens=session.tokens,
+                                     seconds=time.perf_counter() - session.began)
         return out
+
+    def in_flight(self) -> int:
+        """Rows of the session still decoding, over every replica (0: none, or no session)."""
+        mine = sum(len(b.active) for b in self.session.batches) if self.session is not None else 0
+        if self.groups.layout.dp > 1:
+            count = torch.tensor([mine], device=self.weights[0].device)
+            dist.all_reduce(count, group=self.groups.pg.dp)
+            mine = int(count.item())
+        return mine
 
     def _logits(self, tokens: torch.Tensor, blocked: Optional[torch.Tensor], context) -> Optional[torch.Tensor]:
         """Next-token logits [rows, vocab] (real vocabulary) after ``tokens`` [rows, s]; at p_g > 1
@@ -254,88 +293,168 @@ class NativeRollout(RolloutEngine):
         return recorded.view(-1, rows, *recorded.shape[1:]).transpose(0, 1)
 
     @torch.no_grad()
-    def _decode(self, prompts, rows, sampling: SamplingParams, seed: int) -> List[Response]:
-        if not rows:
-            if self.lockstep:  # a pad step stands in for the prefill too
-                self._pad_step()
-                self._idle()
-            return []
+    def _start(self, prompts, rows, sampling: SamplingParams, seed: int) -> "_Rows":
+        """One micro-batch's decode state, before its prefill (which its first step runs)."""
         device = self.weights[0].device
         lengths = [len(prompts[p]) for p, _ in rows]
-        width = max(lengths)
+        width = max(lengths, default=1)
         total = width + sampling.max_new_tokens
         tokens = torch.zeros(len(rows), width, dtype=torch.long, device=device)
         valid = torch.zeros(len(rows), total, dtype=torch.bool, device=device)  # real tokens, as keys
         for i, ((p, _), n) in enumerate(zip(rows, lengths)):
             tokens[i, width - n:] = torch.tensor(prompts[p], device=device)
             valid[i, width - n:width] = True
-        # Megatron masks are True where attention is blocked; a pad query may see itself so that
-        # no softmax row is empty (its output is never used).
-        eye = torch.eye(width, dtype=torch.bool, device=device)
-        blocked = ~(valid[:, None, None, :width] | eye)
-        context = _DecodeContext(len(rows), total) if self.kv_cache else None
-        active = list(range(len(rows)))
         keys = row_keys((row_key(*sampling.stream_key(seed, p), s) for p, s in rows), device)  # [rows]
-        produced: List[List[int]] = [[] for _ in rows]
-        log_probs: List[List[float]] = [[] for _ in rows]
-        finish = [""] * len(rows)
-        logits = self._logits(tokens, blocked, context)
-        routing = None  # per row, the routing of each position fed: prompt, then each generated token but the last
-        if self.routers:  # at p_g > 1 a stage may hold no MoE layer
-            prefill = self._routing(len(rows))
-            routing = [[prefill[i, width - n:]] for i, n in enumerate(lengths)]
-        position = width  # where the next token goes
-        if context is not None:
-            context.sequence_len_offset += width
-            context.enable_decode_mode()
-        stop = set(sampling.stop_token_ids)
-        for step in range(sampling.max_new_tokens):
-            progress.tick()  # a decode step: what the driver's hang check sees advance
-            chosen, chosen_logp = self._sampled(logits, sampling, keys, step)
-            keep = []
-            for j, (i, token, logp) in enumerate(zip(active, chosen.tolist(), chosen_logp.tolist())):
-                produced[i].append(token)
-                log_probs[i].append(logp)
-                if token in stop:
-                    finish[i] = "stop"
-                elif step + 1 == sampling.max_new_tokens:
-                    finish[i] = "length"
-                else:
-                    keep.append(j)
-            if self.lockstep:
-                if not keep:
-                    self._idle()
-                    break
-                self._pace(True)
-            if not keep:
-                break
-            tokens = torch.cat([tokens, chosen.view(-1, 1).to(device)], dim=1)
-            if len(keep) < len(active):  # drop finished rows from the batch and the KV cache
-                index = torch.tensor(keep, device=device)
-                if context is not None:
-                    context.keep_rows(index, position)
-                valid, tokens = valid.index_select(0, index), tokens.index_select(0, index)
-                keys = keys.index_select(0, index)
-                active = [active[j] for j in keep]
-            valid[:, position] = True
-            if context is not None:  # only the new token; keys come from the cache
-                logits = self._logits(tokens[:, -1:], ~valid[:, None, None, :position + 1], context)
-                context.sequence_len_offset += 1
+        b = _Rows(rows, [width - n for n in lengths], tokens, valid, keys, sampling, total)
+        b.routing = [[] for _ in rows] if self.routers else None  # at p_g > 1 a stage may hold no MoE layer
+        return b
+
+    def _forward(self, b: "_Rows") -> None:
+        """The next-token logits of ``b``'s live rows: its prefill; the token sampled last, fed
+        through the KV cache; or, when the weights changed since its cache was filled and
+        ``recompute_kv_after_sync`` is set (or with no KV cache at all), every token again."""
+        device = self.weights[0].device
+        length = b.tokens.shape[1]
+        fresh = not b.started or (self.recompute_kv_after_sync and b.version != self.policy_version)
+        if not fresh and b.context is not None:  # only the new token; keys come from the cache
+            b.logits = self._logits(b.tokens[:, -1:], ~b.valid[:, None, None, :length], b.context)
+            b.context.sequence_len_offset += 1
+        else:
+            # Megatron masks are True where attention is blocked; a pad query may see itself so that
+            # no softmax row is empty (its output is never used).
+            eye = torch.eye(length, dtype=torch.bool, device=device)
+            b.context = _DecodeContext(len(b.active), b.total) if self.kv_cache else None
+            b.logits = self._logits(b.tokens, ~(b.valid[:, None, None, :length] | eye), b.context)
+            if b.context is not None:
+                b.context.sequence_len_offset += length
+                b.context.enable_decode_mode()
+        b.version, b.started, b.fed = self.policy_version, True, True
+        if self.routers:  # per row, the routing of each position fed: prompt, then each generated token but the last
+            fed = self._routing(len(b.active))
+            if fresh:
+                for j, i in enumerate(b.active):
+                    b.routing[i] = [fed[j, b.offsets[i]:]]
             else:
-                eye = torch.eye(position + 1, dtype=torch.bool, device=device)
-                logits = self._logits(tokens, ~(valid[:, None, None, :position + 1] | eye), None)
-            if routing is not None:
-                fed = self._routing(len(active))[:, -1:]  # the new token's position
-                for j, i in enumerate(active):
-                    routing[i].append(fed[j])
-            position += 1
-        routes = [torch.cat(r) for r in routing] if routing is not None else [None] * len(rows)
+                for j, i in enumerate(b.active):
+                    b.routing[i].append(fed[j, -1:])
+
+    def _step(self, b: "_Rows") -> bool:
+        """Sample one token for each live row of ``b`` from its logits; finished rows leave the
+        batch (and the KV cache); whether any row is left. The new tokens wait to be fed."""
+        device = self.weights[0].device
+        progress.tick()  # a decode step: what the driver's hang check sees advance
+        sampling = b.sampling
+        chosen, chosen_logp = self._sampled(b.logits, sampling, b.keys, b.step)
+        b.logits, b.fed, stop, keep = None, False, set(sampling.stop_token_ids), []
+        for j, (i, token, logp) in enumerate(zip(b.active, chosen.tolist(), chosen_logp.tolist())):
+            b.produced[i].append(token)
+            b.log_probs[i].append(logp)
+            b.versions[i].append(b.version)
+            if token in stop:
+                b.finish[i] = "stop"
+            elif b.step + 1 == sampling.max_new_tokens:
+                b.finish[i] = "length"
+            else:
+                keep.append(j)
+        b.step += 1
+        if not keep:
+            b.active = []
+            return False
+        position = b.tokens.shape[1]  # where the new token goes
+        b.tokens = torch.cat([b.tokens, chosen.view(-1, 1).to(device)], dim=1)
+        if len(keep) < len(b.active):  # drop finished rows from the batch and the KV cache
+            index = torch.tensor(keep, device=device)
+            if b.context is not None:
+                b.context.keep_rows(index, position)
+            b.valid, b.tokens, b.keys = (x.index_select(0, index) for x in (b.valid, b.tokens, b.keys))
+            b.active = [b.active[j] for j in keep]
+        b.valid[:, position] = True
+        return True
+
+    @torch.no_grad()
+    def _advance(self, b: "_Rows", budget: Optional[int]) -> None:
+        """Up to ``budget`` tokens (None: to the end) for each live row of ``b``. The last tokens
+        sampled are fed by the next call, under the weights it finds (a partial rollout's pause
+        point: every token after it is sampled from the new policy). In lock-step (e_g > 1) the
+        replicas agree before each forward whether any of them still has live rows; one that has
+        none feeds a pad row, and all stop together, at the budget at the latest."""
+        steps = 0
+        while budget is None or steps < budget:
+            live = bool(b.active)
+            if self.lockstep:
+                if not self._pace(live):
+                    return
+                if not live:
+                    self._pad_step()
+                    steps += 1
+                    continue
+            elif not live:
+                return
+            if not b.fed:
+                self._forward(b)
+            self._step(b)
+            steps += 1
+
+    def _finished(self, b: "_Rows") -> List[Response]:
+        """``b``'s rows that ended since the last call (each reported once)."""
+        live = set(b.active)
+        done = [i for i in range(len(b.rows)) if i not in live and i not in b.reported and b.finish[i]]
+        b.reported.update(done)
+        routes = [torch.cat(b.routing[i]) if b.routing is not None else None for i in done]
         if self.record_routing and self.stages is not None:  # each stage recorded its own MoE layers
             parts = [None] * len(self.stages)
-            dist.all_gather_object(parts, routes if routing is not None else None, group=self.groups.pg.pp)
-            routes = [torch.cat([part[i] for part in parts if part is not None], dim=1) for i in range(len(rows))]
-        return [Response(p, s, produced[i], log_probs[i], finish[i], self.policy_version, routes[i])
-                for i, (p, s) in enumerate(rows)]
+            dist.all_gather_object(parts, routes if b.routing is not None else None, group=self.groups.pg.pp)
+            routes = [torch.cat([part[k] for part in parts if part is not None], dim=1) for k in range(len(done))]
+        out = []
+        for k, i in enumerate(done):
+            p, s = b.rows[i]
+            out.append(Response(p, s, b.produced[i], b.log_probs[i], b.finish[i], min(b.versions[i]), routes[k],
+                                versions=b.versions[i]))
+        return out
+
+
+@dataclasses.dataclass(eq=False)
+class _Rows:
+    """One micro-batch of a replica's rows while it decodes: what it has produced, its live rows'
+    tokens (left-padded prompts, then the tokens sampled so far), their KV cache and next-token
+    logits, and the policy version of the weights that computed them."""
+
+    rows: List  # (prompt, sample) of each row
+    offsets: List[int]  # each row's left padding
+    tokens: torch.Tensor  # [live rows, length]
+    valid: torch.Tensor  # [live rows, total]: real tokens, as keys
+    keys: torch.Tensor  # [live rows]: their sampling streams
+    sampling: SamplingParams
+    total: int  # the longest prompt + max_new_tokens: the KV cache's length
+    context: Optional["_DecodeContext"] = None
+    logits: Optional[torch.Tensor] = None  # [live rows, vocab] on the last pipeline stage
+    started: bool = False  # the prefill ran
+    fed: bool = False  # the last tokens sampled have been fed (the logits are theirs)
+    version: int = -1  # the policy version that computed the KV cache and logits
+    step: int = 0  # tokens sampled per live row: the sampling counter
+    active: List[int] = None  # indices of the live rows
+    produced: List[List[int]] = None
+    log_probs: List[List[float]] = None
+    versions: List[List[int]] = None  # each token's policy version
+    finish: List[str] = None
+    routing: Optional[List[list]] = None
+    reported: set = None
+
+    def __post_init__(self):
+        n = len(self.rows)
+        self.active = list(range(n))
+        self.produced, self.log_probs, self.versions = ([[] for _ in range(n)] for _ in range(3))
+        self.finish, self.reported = [""] * n, set()
+
+
+@dataclasses.dataclass(eq=False)
+class _Session:
+    """The rows of one ``begin`` (:meth:`NativeRollout.begin`) being decoded on this rank."""
+
+    prompts: int
+    batches: List[_Rows]
+    began: float
+    tokens: int = 0
 
 
 # ----------------------------------------------------------------------------- the KV cache

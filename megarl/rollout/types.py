@@ -74,10 +74,18 @@ class Response:
     # The episode's own prompt where its environment changed the record's (tools in the chat
     # template, text from ``reset``); None = the record's prompt ids.
     prompt_ids: Optional[List[int]] = None
+    # The policy version that sampled each token, where a partial rollout's weights changed
+    # mid-response; None = every token is ``policy_version``'s.
+    versions: Optional[List[int]] = None
 
     @property
     def length(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def token_versions(self) -> List[int]:
+        """The policy version of each response token."""
+        return list(self.versions) if self.versions is not None else [self.policy_version] * self.length
 
 
 @dataclass
@@ -98,6 +106,25 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
         """Responses for every prompt (``n`` each, prompt-major), the same list on every rank."""
+
+    def begin(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> None:
+        """Start a rollout that :meth:`advance` drives, with weight updates allowed between its
+        calls (a partial rollout). Engines that cannot pause generate it whole at the first
+        :meth:`advance`."""
+        self._pending = (list(prompts), sampling)
+
+    def advance(self, max_tokens: Optional[int] = None) -> List[Response]:
+        """Up to ``max_tokens`` more tokens of each unfinished response (None: to the end); the
+        responses that ended in this call."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is None:
+            raise RuntimeError("no rollout in flight: call begin() first")
+        return self.generate(*pending)
+
+    def in_flight(self) -> int:
+        """Responses begun and not yet returned by :meth:`advance`."""
+        pending = getattr(self, "_pending", None)
+        return 0 if pending is None else len(pending[0]) * pending[1].n
 
     @abc.abstractmethod
     def update_weights(self, policy_version: int) -> None:

@@ -139,6 +139,90 @@ def bf16_rollout(record, model_cfg, args, rg, state, engine, sampling) -> None:
     record["bf16_sampled_logp_diff"] = max_diff(engine, responses, sampling.temperature)
 
 
+SPLIT = 3  # a partial rollout's tokens before its weights change
+
+
+def _perturbed(state):
+    """The training weights moved by noise (the same on every rank holding a tensor of a shape),
+    as a context: restored at exit."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def moved():
+        params = [p for chunk in state.model for p in chunk.parameters()]
+        saved = [p.detach().clone() for p in params]
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, old in zip(params, saved):
+                    p.copy_(old)
+
+    return moved()
+
+
+def _interrupted(rollout, state, sampling, prompts=PROMPTS):
+    """Responses begun under policy version 1, interrupted after SPLIT tokens by a sync of moved
+    weights (version 3), then finished under them; also the moved weights' context (open)."""
+    rollout.update_weights(policy_version=1)  # the training weights as they were
+    rollout.begin(prompts, sampling)
+    done = rollout.advance(SPLIT)
+    moved = _perturbed(state)
+    moved.__enter__()
+    rollout.update_weights(policy_version=3)
+    in_flight = rollout.in_flight()
+    done += rollout.advance()
+    return sorted(done, key=lambda r: (r.prompt_index, r.sample_index)), in_flight, moved
+
+
+def partial_rollout(record, rollout, engine, state, greedy_ref) -> None:
+    """Partial rollouts (NativeRollout.begin/advance): SPLIT tokens under version 1, a weight sync
+    to version 3, the rest under it. Each token carries its version, and its log-prob equals the
+    trainer's under that version's weights; with the KV cache recomputed after the sync, greedy
+    continuations equal a fresh generation from the same prefix under the new weights; with the
+    cache kept, the tokens after the sync differ from a recomputation (the old keys stay)."""
+    sampling = SamplingParams(temperature=0.8, top_k=50, n=2, max_new_tokens=MAX_NEW, seed=99)
+
+    def by_version(responses, temperature, moved):
+        new = trainer_log_probs(engine, responses, temperature)
+        moved.__exit__(None, None, None)
+        old = trainer_log_probs(engine, responses, temperature)
+        worst = {1: 0.0, 3: 0.0}
+        for i, r in enumerate(responses):
+            for k, (v, logp) in enumerate(zip(r.token_versions, r.log_probs)):
+                ref = (old if v == 1 else new)[i, k].item()
+                worst[v] = max(worst[v], abs(logp - ref))
+        return worst
+
+    rollout.recompute_kv_after_sync = True
+    responses, in_flight, moved = _interrupted(rollout, state, sampling)
+    record["partial_in_flight"] = in_flight
+    record["partial_versions"] = sorted({tuple(r.token_versions) for r in responses})
+    record["partial_policy_versions"] = sorted({r.policy_version for r in responses})
+    record["partial_logp_diff"] = by_version(responses, 0.8, moved)
+
+    stop = sorted({g[1] for g in greedy_ref[:2]})  # some rows end before the sync, others after
+    greedy = SamplingParams(temperature=0, max_new_tokens=MAX_NEW, stop_token_ids=stop)
+    continued, _, moved = _interrupted(rollout, state, greedy)
+    cut = [r for r in continued if r.length > SPLIT]
+    prefixes = [PROMPTS[r.prompt_index] + r.token_ids[:SPLIT] for r in cut]
+    fresh = rollout.generate(prefixes, SamplingParams(temperature=0, max_new_tokens=MAX_NEW - SPLIT, stop_token_ids=stop))
+    record["partial_early_rows"] = sum(r.length <= SPLIT for r in continued)
+    record["partial_fresh_equal"] = [r.token_ids[SPLIT:] == f.token_ids for r, f in zip(cut, fresh)]
+    record["partial_fresh_logp_diff"] = max(abs(a - b) for r, f in zip(cut, fresh)
+                                            for a, b in zip(r.log_probs[SPLIT:], f.log_probs))
+    moved.__exit__(None, None, None)
+
+    rollout.recompute_kv_after_sync = False
+    kept, _, moved = _interrupted(rollout, state, sampling)
+    record["kept_logp_diff"] = by_version(kept, 0.8, moved)
+    rollout.update_weights(policy_version=1)  # the training weights are restored: so are the rollout's
+
+
 def run(work: Path, case: str) -> None:
     case, _, flag = case.partition("+")
     name, rest = case.split("@")
@@ -225,6 +309,8 @@ def run(work: Path, case: str) -> None:
         if gen_pp == 1:
             sglang_worker.contract(record, model_cfg, RolloutLayoutConfig(tp=gen_tp, ep=gen_ep, bucket_mb=1), args,
                                    rg, state, full, PROMPTS[:2], lambda responses, t: max_diff(engine, responses, t))
+
+    partial_rollout(record, rollout, engine, state, greedy_ref)
 
     rollout.release_memory()
     try:

@@ -146,6 +146,26 @@ def test_samples_do_not_depend_on_the_layout(results):
 
 
 @pytest.mark.parametrize("case", ALL)
+def test_partial_rollout_across_a_weight_sync(results, case):
+    """A partial rollout (begin, advance 3 tokens, a sync of moved weights, advance to the end) at
+    every generation layout: each token carries the policy version that sampled it, and its
+    log-prob equals the trainer's under that version's weights (fp32, <= 1e-5) when the KV cache
+    is recomputed after the sync. Then greedy continuations equal a fresh generation from the same
+    prefixes under the new weights; rows that stopped before the sync are returned by the first
+    call. With the cache kept, the tokens before the sync still match, those after do not (the
+    keys of the old weights stay: the behaviour policy is a mixture, and its log-probs are what
+    the engine sampled with)."""
+    r = results[case]
+    assert r["partial_in_flight"] == 10  # 5 prompts x 2 samples, none stopped before the sync
+    assert r["partial_versions"] == [[1, 1, 1, 3, 3, 3, 3, 3]] and r["partial_policy_versions"] == [1]
+    assert max(r["partial_logp_diff"].values()) <= TOL, r["partial_logp_diff"]
+    assert r["partial_early_rows"] >= 1 and r["partial_fresh_equal"] and all(r["partial_fresh_equal"])
+    assert r["partial_fresh_logp_diff"] <= TOL
+    kept = r["kept_logp_diff"]
+    assert kept["1"] <= TOL < 1e-3 < kept["3"], kept
+
+
+@pytest.mark.parametrize("case", ALL)
 def test_release_and_resume(results, case):
     r = results[case]
     assert r["released_refuses"] and r["resumed_same"]
