@@ -55,6 +55,7 @@ class _Worker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
         self.fd = self.proc.stdout.fileno()
         self.ready = False
+        self.start_s: Optional[float] = None  # seconds from spawn to loaded function
         self.index: Optional[int] = None
         self.started = time.monotonic()
         self.deadline = self.started + start_timeout_s
@@ -151,7 +152,7 @@ class RewardPool:
             why = message[1] if message else f"it exited with code {w.proc.poll()} (its stderr says why)"
             self.close()
             raise ValueError(f"reward function '{self.fn_path}' cannot be loaded in a worker process: {why}")
-        w.ready = True
+        w.ready, w.start_s = True, time.monotonic() - w.started
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
