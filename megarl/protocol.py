@@ -58,6 +58,9 @@ class Batch:
     old_values: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
     kl_penalty: Optional[torch.Tensor] = _column(Column.ROW, optional=True)  # kl_coef * sum_t KL_t
     nll_weights: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)  # VAPO's positive LM loss
+    token_versions: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)
+    """Partial rollouts: the policy version that sampled each response token, [rows, seq] (at the
+    positions predicting it; -1 elsewhere)."""
     prm_labels: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)  # PRIME: the PRM's outcome label
     process_rewards: Optional[torch.Tensor] = _column(Column.TOKEN, optional=True)  # PRIME: the PRM's token rewards
     routing_metrics: Dict[str, float] = field(default_factory=dict)

@@ -42,6 +42,7 @@ READ_BY: Dict[str, Tuple[str, ...]] = {
     "model": (TRAIN, EVAL, LM, SFT, RM, DPO), "model.path": (TRAIN, EVAL, SFT, RM, DPO),
     "model.check_finite": (TRAIN, EVAL, SFT, RM, DPO), "model.lora": (TRAIN, EVAL, SFT, RM, DPO),
     "parallel.actor": (TRAIN, EVAL, LM, SFT, RM, DPO), "parallel.rollout": (TRAIN, EVAL),
+    "parallel.rollout.partial_chunk_tokens": (TRAIN,),
     "optimizer": (TRAIN, LM, SFT, RM, DPO),
     **{f"data.{k}": (TRAIN, EVAL) for k in _EVAL_DATA},
     "data.task": (TRAIN, LM), "data.num_digits": (TRAIN, LM), "data.pack_sequences": (TRAIN, LM),

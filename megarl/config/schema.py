@@ -309,6 +309,17 @@ class RolloutLayoutConfig:
     model.params_dtype: fp32 on CPU, bf16 with CUDA). Training keeps its own; the weight sync casts
     (fp32 -> bf16 rounds). A bf16 rollout of an fp32 actor is the train-inference mismatch that
     algorithm.rollout_correction corrects (rollout/logp_max_abs_diff, rollout_correction/kl)."""
+    partial_rollout: bool = False
+    """Split placement, trainer.loop=one_step_off, native engine: partial (interruptible) rollouts. The
+    drawing thread decodes ``partial_chunk_tokens`` at a time; a weight sync waits at most one chunk, runs
+    between two, and the unfinished responses continue under the new weights. Every token records the
+    policy version that sampled it and its log-prob under that version (the behaviour policy)."""
+    partial_chunk_tokens: int = bounded(8, ge=1)
+    """With partial_rollout: tokens per row decoded between two points where a weight sync may come in."""
+    recompute_kv_after_sync: bool = False
+    """With partial_rollout: after a sync, unfinished responses recompute their KV cache under the new
+    weights (each later token is then exactly the new policy's, given its prefix), instead of keeping
+    the one the old weights filled (cheaper; the tokens after the sync attend to the old keys)."""
 
 
 @dataclass

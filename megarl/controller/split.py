@@ -33,6 +33,12 @@ class SplitRollout:
     def generate(self, prompts, sampling):
         return self.proxy.generate(prompts, sampling)
 
+    def begin(self, prompts, sampling):
+        return self.proxy.begin(prompts, sampling)
+
+    def advance(self, max_tokens=None):
+        return self.proxy.advance(max_tokens)
+
     def release_memory(self) -> None:
         """Nothing to give back: training runs on other ranks."""
 
@@ -62,9 +68,29 @@ class SplitRollout:
         return metrics
 
 
+def check_partial_rollout(cfg) -> None:
+    """parallel.rollout.partial_rollout and recompute_kv_after_sync against the loop and engine."""
+    from megarl.rollout.backends import rollout_backend
+
+    t, r = cfg.trainer, cfg.parallel.rollout
+    if r.recompute_kv_after_sync and not r.partial_rollout:
+        raise ConfigError("parallel.rollout.recompute_kv_after_sync=true applies to partial rollouts: set "
+                          "parallel.rollout.partial_rollout=true, or leave it false")
+    if not r.partial_rollout:
+        return
+    if t.placement != Placement.split or t.loop != Loop.one_step_off:
+        raise ConfigError(f"parallel.rollout.partial_rollout=true interrupts generation for weight syncs that "
+                          f"run beside it: set trainer.placement=split and trainer.loop=one_step_off (got "
+                          f"{t.placement.value}, {t.loop.value})")
+    if not rollout_backend(r.engine).partial_rollout:
+        raise ConfigError(f"parallel.rollout.partial_rollout=true: engine={r.engine.value} does not pause for a "
+                          f"weight sync here yet; use parallel.rollout.engine=native")
+
+
 def check_placement(cfg, args) -> None:
     """trainer.placement, parallel.rollout.nproc, trainer.loop and trainer.max_staleness together."""
     t, r, algo = cfg.trainer, cfg.parallel.rollout, cfg.algorithm
+    check_partial_rollout(cfg)
     if t.placement == Placement.colocated:
         if t.max_staleness:
             raise ConfigError(f"trainer.max_staleness={t.max_staleness} streams batches from the rollout's own ranks: "

@@ -3,7 +3,7 @@ SGLang), with the weight sync's cost as metrics."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,18 @@ class Rollout:
     @verb(Dispatch.ALL)
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
         return self.engine.generate(prompts, sampling)
+
+    @verb(Dispatch.ALL)
+    def begin(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> None:
+        """A partial rollout's start (``parallel.rollout.partial_rollout``): see :meth:`advance`."""
+        self.engine.begin(prompts, sampling)
+
+    @verb(Dispatch.ALL)
+    def advance(self, max_tokens: Optional[int] = None) -> Tuple[List[Response], int]:
+        """Up to ``max_tokens`` more tokens of each unfinished response: (the responses that ended,
+        how many are still in flight). Weight syncs may come between two calls."""
+        done = self.engine.advance(max_tokens)
+        return done, self.engine.in_flight()
 
     @verb(Dispatch.ALL)
     def update_weights(self, policy_version: int) -> Dict[str, float]:

@@ -408,8 +408,9 @@ class NativeRollout(RolloutEngine):
         out = []
         for k, i in enumerate(done):
             p, s = b.rows[i]
-            out.append(Response(p, s, b.produced[i], b.log_probs[i], b.finish[i], min(b.versions[i]), routes[k],
-                                versions=b.versions[i]))
+            versions = b.versions[i]  # kept only where a sync came mid-response
+            out.append(Response(p, s, b.produced[i], b.log_probs[i], b.finish[i], min(versions), routes[k],
+                                versions=versions if len(set(versions)) > 1 else None))
         return out
 
 

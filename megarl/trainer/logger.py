@@ -30,15 +30,17 @@ _OPEN: List["RunLogger"] = []  # the loggers whose trackers are open: an error e
 
 def rollout_rows(batch: Batch, decode: Optional[Callable[[List[int]], str]] = None) -> List[Dict]:
     """One record per sample of a step's batch: prompt and response token ids (and text with
-    ``decode``), rewards, and the rollout's and the trainer's log-probs of each response token."""
+    ``decode``), rewards, and the rollout's and the trainer's log-probs of each response token (and,
+    from partial rollouts, the policy version that sampled it)."""
     rows = []
     mask = batch.loss_mask.bool()
     for i in range(len(batch)):
         positions = mask[i].nonzero().flatten()  # positions predicting response tokens
-        row = {"prompt_index": int(batch.index[i]), "prompt_ids": batch.prompt_ids[i],
+        row = {"prompt_index": int(batch.index[i]), "policy_version": int(batch.policy_versions[i]),
+               "prompt_ids": batch.prompt_ids[i],
                "response_ids": batch.response_ids[i], "reward": float(batch.raw_scores[i]),
                "shaped_reward": float(batch.scores[i]), "rollout_log_probs": batch.rollout_log_probs[i, positions].tolist()}
-        for key in ("old_log_probs", "ref_log_probs", "values", "advantages"):
+        for key in ("old_log_probs", "ref_log_probs", "values", "advantages", "token_versions"):
             if getattr(batch, key) is not None:
                 row[key] = getattr(batch, key)[i, positions].tolist()
         if decode is not None:

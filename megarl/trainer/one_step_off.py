@@ -17,7 +17,7 @@ from typing import Sequence
 from megarl.config.schema import Placement
 from megarl.trainer.loop import validate
 from megarl.trainer.producer import LockedRollout, Producer
-from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, train_on
+from megarl.trainer.steps import make_batch, sample_step, sampling_metrics, staleness_metrics, train_on
 
 
 def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_token_id: int, start_step: int = 1,
@@ -34,8 +34,9 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
     roles.rollout.update_weights(start_step - 1)
     if start_step == 1:
         validate(cfg, roles, validator, log, 0)
+    r = cfg.parallel.rollout
     producer = Producer(draw, roles.rollout, start_step, t.train_steps, bound=t.max_staleness or 1,
-                        threaded=t.placement == Placement.split)
+                        threaded=t.placement == Placement.split, chunk=r.partial_chunk_tokens if r.partial_rollout else None)
     try:
         for step in range(start_step, t.train_steps + 1):
             with log.phase("wait_rollout"):  # what generation and scoring did not hide
@@ -43,8 +44,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
             roles.rollout.release_memory()  # colocated: the training roles get the device
             batch = make_batch(sampled, pad_token_id)
             batch, metrics = train_on(batch, roles, algo, log, step, kl, critic_only=step <= t.critic_warmup_steps)
-            staleness = (step - 1) - batch.policy_versions  # actor version - each row's
-            metrics = {"sampling/staleness": staleness.max().item(), "sampling/staleness_mean": staleness.float().mean().item(),
+            metrics = {**staleness_metrics(sampled, step - 1, t.max_staleness or 1),
                        **{f"time/{k}_s": v for k, v in seconds.items()}, **sampling_metrics(sampled), **metrics}
             with log.phase("weight_sync"):
                 roles.rollout.resume_memory()

@@ -57,15 +57,47 @@ class LockedRollout:
                 raise
 
 
+class PartialRollout:
+    """The rollout role for partial rollouts (``parallel.rollout.partial_rollout``): a ``generate``
+    call begins its responses and advances them ``chunk`` tokens at a time, each call under the
+    producer's lock. Between two calls a weight sync that is waiting goes first (the lock alone
+    is not fair: this thread would take it back at once); the responses then continue under the
+    new weights, their tokens carrying the version that sampled each."""
+
+    def __init__(self, producer: "Producer", chunk: int):
+        self.producer, self.chunk = producer, chunk
+
+    def generate(self, prompts, sampling):
+        p = self.producer
+        self._call(p.rollout.begin, prompts, sampling)
+        out, left = [], 1
+        while left:
+            p.yield_to_sync()
+            done, left = self._call(p.rollout.advance, self.chunk)
+            out += done
+        return sorted(out, key=lambda r: (r.prompt_index, r.sample_index))
+
+    def _call(self, fn, *args):
+        with self.producer.lock:
+            try:
+                return fn(*args)
+            except BaseException as err:
+                self.producer.failed = err
+                raise
+
+
 class Producer:
     """Batches for steps ``start`` .. ``last``; :meth:`take` hands them out in order.
 
     ``draw(step, rollout, phase)`` draws one batch (``sample_step``). ``threaded``: a driver
     thread draws ahead (split placement); else each :meth:`take` draws the next batch in line.
+    ``chunk``: partial rollouts (:class:`PartialRollout`), a sync coming in between chunks.
     """
 
-    def __init__(self, draw: Callable, rollout, start: int, last: int, bound: int, threaded: bool):
+    def __init__(self, draw: Callable, rollout, start: int, last: int, bound: int, threaded: bool,
+                 chunk: Optional[int] = None):
         self.draw, self.rollout, self.last, self.bound = draw, rollout, last, bound
+        self.chunk = chunk  # partial rollouts: tokens per call between two points where a sync may come in
         self.lock = threading.Lock()
         self.version = start - 1  # the rollout's policy version
         self.changed = threading.Condition()
@@ -73,6 +105,7 @@ class Producer:
         self.stopped = False
         self.failed: Optional[BaseException] = None  # the drawing thread's error: no sync after it
         self.next_step = start
+        self.syncs_waiting = 0  # weight syncs waiting for the lock (PartialRollout lets them in)
         if threaded:
             self.thread = threading.Thread(target=self._run, name="megarl-rollout-producer", daemon=True)
             self.thread.start()
@@ -83,7 +116,8 @@ class Producer:
     def _draw_one(self) -> None:
         step, timer = self.next_step, Timer()
         try:
-            self.ready.put((step, self.draw(step, LockedRollout(self), timer.phase), timer.seconds))
+            rollout = LockedRollout(self) if self.chunk is None else PartialRollout(self, self.chunk)
+            self.ready.put((step, self.draw(step, rollout, timer.phase), timer.seconds))
         except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
             self.failed = self.failed or err
             self.ready.put((step, err, {}))
@@ -126,18 +160,32 @@ class Producer:
                                        f"step {step}") from self.failed
 
     def sync(self, update: Callable[[], Dict[str, float]], version: int) -> Dict[str, float]:
-        """Run a weight sync (``update()``) between generate calls; the rollout then holds
-        ``version``. After a failed draw (a rollout rank named dead or hung while generating) no
-        sync starts: the draw's error is raised here, at once, instead of a collective with the
-        broken ranks that would wait out the hang deadline a second time."""
-        with self.lock:
-            if self.failed is not None:
-                raise self.failed
-            metrics = update()
+        """Run a weight sync (``update()``) between generate calls (between two chunks of a partial
+        rollout's); the rollout then holds ``version``. After a failed draw (a rollout rank named
+        dead or hung while generating) no sync starts: the draw's error is raised here, at once,
+        instead of a collective with the broken ranks that would wait out the hang deadline a
+        second time."""
+        with self.changed:
+            self.syncs_waiting += 1
+        try:
+            with self.lock:
+                if self.failed is not None:
+                    raise self.failed
+                metrics = update()
+        finally:
+            with self.changed:
+                self.syncs_waiting -= 1
+                self.changed.notify_all()
         with self.changed:
             self.version = version
             self.changed.notify_all()
         return metrics
+
+    def yield_to_sync(self) -> None:
+        """Wait while a weight sync waits for the lock or runs: it is bounded by the run's hang
+        deadline on the ranks and always ends (``sync``'s ``finally``), so this wait ends too."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.stopped or not self.syncs_waiting)
 
     def stop(self) -> None:
         with self.changed:

@@ -347,7 +347,7 @@ def make_batch(sampled: Sampled, pad_id: int, policy_version: Optional[int] = No
     (``policy_versions``: the rollout weights' version that generated each row; the batch's
     ``policy_version`` is ``policy_version``, default their oldest), the prompt and response ids
     as generated; with recorded MoE routing, ``routing`` [rows, seq, moe_layers, topk] (-1 past
-    each row's tokens)."""
+    each row's tokens); from partial rollouts, ``token_versions``."""
     rows = sampled.responses
     prompts = [sampled.prompt_ids[r.prompt_index] if r.prompt_ids is None else r.prompt_ids for r in rows]
     seqs = [prompt + r.token_ids for prompt, r in zip(prompts, rows)]
@@ -355,12 +355,15 @@ def make_batch(sampled: Sampled, pad_id: int, policy_version: Optional[int] = No
     full = torch.full((len(rows), width + 1), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(len(rows), width)
     rollout_logp = torch.zeros(len(rows), width)
+    versions = torch.full((len(rows), width), -1, dtype=torch.long) if any(r.versions for r in rows) else None
     for i, (r, seq, prompt) in enumerate(zip(rows, seqs, prompts)):
         full[i, : len(seq)] = torch.tensor(seq)
         start = len(prompt) - 1
         # multi-turn: only the policy's tokens are trained, never an observation's
         loss_mask[i, start:start + r.length] = 1 if r.policy_mask is None else torch.tensor(r.policy_mask, dtype=torch.float)
         rollout_logp[i, start:start + r.length] = torch.tensor(r.log_probs)
+        if versions is not None:
+            versions[i, start:start + r.length] = torch.tensor(r.token_versions)
     routing = None
     if rows and all(r.routing is not None for r in rows):
         routing = torch.full((len(rows), width, *rows[0].routing.shape[1:]), -1, dtype=torch.int32)
@@ -377,7 +380,7 @@ def make_batch(sampled: Sampled, pad_id: int, policy_version: Optional[int] = No
         index=torch.tensor([r.prompt_index for r in rows]),
         policy_versions=torch.tensor([r.policy_version for r in rows]),
         prompt_ids=[list(map(int, p)) for p in prompts], response_ids=[list(map(int, r.token_ids)) for r in rows],
-        policy_version=policy_version, baseline_scores=sampled.baseline, routing=routing)
+        policy_version=policy_version, baseline_scores=sampled.baseline, routing=routing, token_versions=versions)
 
 
 def last_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -460,6 +463,20 @@ def positive_nll_weights(raw_scores: torch.Tensor, mask: torch.Tensor, agg_mode:
     count = mask.sum() if agg_mode == AggMode.token_mean else (mask.sum(-1) > 0).sum()
     scale = count.to(torch.float64) / positive.sum().clamp(min=1)
     return torch.where(positive, scale, 0.0).to(mask.dtype)
+
+
+def staleness_metrics(sampled: Sampled, actor_version: int, bound: int) -> Dict[str, float]:
+    """How many versions the samples lag the actor that trains on them: ``sampling/staleness``
+    (the largest, a row's oldest token), ``sampling/staleness_mean`` (over rows, by their oldest
+    token), ``sampling/token_staleness_mean`` (over tokens: a partial rollout's tokens after a sync
+    are newer) and ``sampling/token_lag_{k}`` for k = 0..bound (the share of tokens k versions old)."""
+    rows = torch.tensor([actor_version - r.policy_version for r in sampled.responses])
+    tokens = torch.tensor([actor_version - v for r in sampled.responses for v in r.token_versions], dtype=torch.long)
+    out = {"sampling/staleness": rows.max().item(), "sampling/staleness_mean": rows.float().mean().item()}
+    if len(tokens):
+        out["sampling/token_staleness_mean"] = tokens.float().mean().item()
+        out |= {f"sampling/token_lag_{k}": (tokens == k).float().mean().item() for k in range(bound + 1)}
+    return out
 
 
 def sampling_metrics(sampled: Sampled) -> Dict[str, float]:

@@ -77,9 +77,14 @@ class Log:
         self.rows.append({"step": step, "policy_version": batch.policy_version, **metrics})
 
 
-def run(train, name, steps=3, roles=None, agent=None, **trainer):
+def rollout_layout(chunk=None):
+    """parallel.rollout as the loops read it: partial rollouts of ``chunk`` tokens, or none."""
+    return SimpleNamespace(rollout=SimpleNamespace(partial_rollout=chunk is not None, partial_chunk_tokens=chunk or 8))
+
+
+def run(train, name, steps=3, roles=None, agent=None, chunk=None, **trainer):
     a = algo(name=name)
-    cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2),
+    cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2), parallel=rollout_layout(chunk),
                           trainer=SimpleNamespace(**{"seed": 0, "train_steps": steps, "placement": "colocated",
                                                      "max_staleness": 0, "critic_warmup_steps": 0, **trainer}))
     roles, log = roles or Roles(critic=name == "ppo", prm=name == "prime"), Log()
@@ -188,6 +193,52 @@ def test_split_one_step_off_overlaps_within_the_staleness_bound(bound):
         assert [r["policy_version"] for r in inline] == [r["policy_version"] for r in rows]
 
 
+class PartialRoles(SplitRoles):
+    """Split placement with partial rollouts: ``begin`` takes the scripted responses, each
+    ``advance(k)`` call (``gen_s`` seconds, a generate call as the lock sees it) reveals k more
+    tokens of each, stamped with the version the rollout holds then."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.rollout.begin, self.rollout.advance = self.begin, self.advance
+        self.advances = []  # (the version each advance call ran under)
+
+    def begin(self, prompts, sampling):
+        self.pending = [(r, []) for r in self.scripted.generate(prompts, sampling)]
+
+    def advance(self, k):
+        self._run("generate", self.gen_s)
+        self.advances.append(self.scripted.version)
+        done, left = [], []
+        for r, versions in self.pending:
+            versions = versions + [self.scripted.version] * min(k, r.length - len(versions))
+            if len(versions) < r.length:
+                left.append((r, versions))
+            else:
+                done.append(dataclasses.replace(r, policy_version=min(versions),
+                                                versions=versions if len(set(versions)) > 1 else None))
+        self.pending = left
+        return done, len(left)
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_partial_rollouts_let_syncs_in_between_chunks(bound):
+    """parallel.rollout.partial_rollout: the drawing thread advances its responses one token at a
+    time; the actor's syncs come in between (never during a call: SplitRoles asserts it), so
+    responses carry tokens of two versions, the later ones newer. Every token, the oldest
+    included, is within the bound, and the token-lag shares add up to 1."""
+    roles = PartialRoles(gen_s=0.04, train_s=0.05)  # a draw (3 tokens) spans a step: syncs land inside
+    events, rows = run(one_step_off.train, "grpo", steps=6, roles=roles, chunk=1, max_staleness=bound,
+                       placement="split")
+    staleness = [r["sampling/staleness"] for r in rows]
+    assert all(0 <= s <= bound for s in staleness) and max(staleness) >= 1
+    assert all(r["sampling/token_staleness_mean"] <= r["sampling/staleness"] for r in rows)
+    assert any(r["sampling/token_staleness_mean"] < r["sampling/staleness_mean"] for r in rows)  # newer later tokens
+    for r in rows:
+        assert sum(r[f"sampling/token_lag_{k}"] for k in range(bound + 1)) == pytest.approx(1.0)
+    assert len(set(roles.advances)) > 1 and [e for e in events if e.startswith("sync")] == [f"sync {v}" for v in range(7)]
+
+
 def test_producer_error_reaches_the_trainer():
     roles = SplitRoles()
 
@@ -242,7 +293,7 @@ def test_split_one_step_off_validates_each_step_on_its_weights_beside_the_drawin
             self.rows.append({"validation": step, **metrics})
 
     a = algo(name="grpo")
-    cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2),
+    cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2), parallel=rollout_layout(),
                           trainer=SimpleNamespace(seed=0, train_steps=5, placement="split", max_staleness=0,
                                                   val_interval=2, val_before_train=True, critic_warmup_steps=0))
     log, scorer = ValLog(), Scorer(a, TOK)

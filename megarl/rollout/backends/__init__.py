@@ -41,6 +41,9 @@ class RolloutBackend(abc.ABC):
     which a model whose checkpoint stacks its experts (gpt_oss) cannot take."""
     gated_delta_net = False
     """Whether its engine is checked to run gated delta nets (Qwen3-Next, Qwen3.5) exactly."""
+    partial_rollout = False
+    """Whether its engine pauses between tokens for a weight sync and continues its responses under the
+    new weights (``parallel.rollout.partial_rollout``)."""
 
     def check(self, cfg) -> None:
         """Refuse (ConfigError) settings of ``parallel.rollout`` this backend cannot take."""

@@ -14,6 +14,7 @@ class NativeBackend(RolloutBackend):
     sliding_window = True  # the Megatron model itself, SDPA core attention (decode reads the window)
     hf_weight_names = False  # the Megatron model's own tensors
     gated_delta_net = True  # megarl's layer keeps each row's convolution and recurrent state
+    partial_rollout = True  # NativeRollout.begin/advance
 
     def colocated(self, cfg, args, regrouping, train_chunks):
         from megarl.rollout.native import NativeRollout
@@ -21,14 +22,16 @@ class NativeBackend(RolloutBackend):
         r = cfg.parallel.rollout
         return NativeRollout.colocated(cfg.model, args, regrouping, train_chunks, bucket_bytes=r.bucket_mb << 20,
                                        delta=r.weight_sync == WeightSync.delta, dtype=rollout_dtype(r),
-                                       record_routing=bool(args.num_experts))
+                                       record_routing=bool(args.num_experts),
+                                       recompute_kv_after_sync=r.recompute_kv_after_sync)
 
     def split(self, cfg, args, plan):
         from megarl.rollout.native import NativeRollout
         from megarl.transports.p2p import P2PReceiver
 
-        return NativeRollout(cfg.model, args, P2PReceiver(plan, seed=cfg.trainer.seed),
-                             dtype=rollout_dtype(cfg.parallel.rollout), record_routing=bool(args.num_experts))
+        r = cfg.parallel.rollout
+        return NativeRollout(cfg.model, args, P2PReceiver(plan, seed=cfg.trainer.seed), dtype=rollout_dtype(r),
+                             record_routing=bool(args.num_experts), recompute_kv_after_sync=r.recompute_kv_after_sync)
 
     def sender(self, cfg, args, layout, train_chunks):
         from megarl.transports.p2p import P2PSender
