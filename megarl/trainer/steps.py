@@ -469,10 +469,12 @@ def staleness_metrics(sampled: Sampled, actor_version: int, bound: int) -> Dict[
     """How many versions the samples lag the actor that trains on them: ``sampling/staleness``
     (the largest, a row's oldest token), ``sampling/staleness_mean`` (over rows, by their oldest
     token), ``sampling/token_staleness_mean`` (over tokens: a partial rollout's tokens after a sync
-    are newer) and ``sampling/token_lag_{k}`` for k = 0..bound (the share of tokens k versions old)."""
+    are newer), ``sampling/mixed_rows`` (the share of rows whose tokens span a weight sync) and
+    ``sampling/token_lag_{k}`` for k = 0..bound (the share of tokens k versions old)."""
     rows = torch.tensor([actor_version - r.policy_version for r in sampled.responses])
     tokens = torch.tensor([actor_version - v for r in sampled.responses for v in r.token_versions], dtype=torch.long)
-    out = {"sampling/staleness": rows.max().item(), "sampling/staleness_mean": rows.float().mean().item()}
+    out = {"sampling/staleness": rows.max().item(), "sampling/staleness_mean": rows.float().mean().item(),
+           "sampling/mixed_rows": sum(len(set(r.token_versions)) > 1 for r in sampled.responses) / len(rows)}
     if len(tokens):
         out["sampling/token_staleness_mean"] = tokens.float().mean().item()
         out |= {f"sampling/token_lag_{k}": (tokens == k).float().mean().item() for k in range(bound + 1)}
