@@ -1,6 +1,7 @@
 """The ``megarl`` command of the end-to-end tests, two ways:
 
 * :func:`megarl`: as a user types it, a new interpreter (``python -m megarl.cli``), from ``cwd``;
+* :class:`Started`: :func:`megarl`'s new interpreter in the background, waited for later;
 * :func:`megarl_here`: the same CLI ``main`` with the test process as the driver, from ``cwd``:
   the command line, its exit codes and the teardown of whatever it started are the CLI's own,
   without a new interpreter's start-up and imports (3-4 s a command here, 8-12 s of a short
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +32,32 @@ def megarl(*args: str, cwd: Path, timeout: int = 900, **env: str) -> subprocess.
     environ = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
     return subprocess.run([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=timeout)
+
+
+class Started:
+    """A ``megarl`` command started in the background as a new interpreter (as :func:`megarl`
+    runs it), its output in files under ``cwd``: a test starts a run, runs others beside it (two
+    runs' ranks keep 2 cores busier than one's, whose wall time is largely start-up and
+    collectives' latency), then :meth:`wait` s for it. :meth:`stop` (Ctrl-C, the CLI's own
+    teardown) ends it if no test waited: use it in a fixture's ``finally``."""
+
+    def __init__(self, *args: str, cwd: Path, **env: str):
+        environ = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
+        self.args, self.cwd = args, Path(cwd)
+        self.out, self.err = self.cwd / "megarl.stdout", self.cwd / "megarl.stderr"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd,
+                                         env=environ, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+
+    def wait(self, timeout: int = 900) -> subprocess.CompletedProcess:
+        code = self.proc.wait(timeout=timeout)
+        return subprocess.CompletedProcess(["megarl", *self.args], code, self.out.read_text(), self.err.read_text())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=300)
 
 
 class _Tee(io.StringIO):
@@ -48,7 +76,6 @@ def megarl_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     ``train-lm`` saw a world of 1 and Ctrl-C tests hung), its signal handlers and its garbage
     collector."""
     import gc
-    import signal
 
     from megarl.cli import main
 

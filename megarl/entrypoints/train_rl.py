@@ -60,7 +60,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
         log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, run_ids=run_ids, decode=tok.decode)
         schedule = CheckpointSchedule(
             checkpoints, cfg.trainer, group, lambda step: {
-                "step": step, "stream": stream.state(), "reward_failures": scorer.failures,
+                "step": step, "stream": stream.state_after(step), "reward_failures": scorer.failures,
                 "tracker_run_ids": log.run_ids, **({"kl_coef": kl.value} if kl else {})}, to_yaml(cfg), preemption)
         train = one_step_off.train if cfg.trainer.loop == Loop.one_step_off else loop.train
         validator = _validator(prepared, roles, closing)

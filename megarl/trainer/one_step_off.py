@@ -28,8 +28,10 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
     algo, data, t = cfg.algorithm, cfg.data, cfg.trainer
 
     def draw(step, rollout, phase):
-        return sample_step(rollout, stream, scorer, algo, data.prompts_per_step, seed=t.seed + step,
-                           eos_token_ids=eos_token_ids, phase=phase, agent=agent)
+        sampled = sample_step(rollout, stream, scorer, algo, data.prompts_per_step, seed=t.seed + step,
+                              eos_token_ids=eos_token_ids, phase=phase, agent=agent)
+        stream.mark(step)  # the checkpoint of this step resumes here, before the batches drawn ahead
+        return sampled
 
     roles.rollout.update_weights(start_step - 1)
     if start_step == 1:
@@ -52,6 +54,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
             log.step(step, batch, metrics)
             validate(cfg, roles, validator, log, step, rollout=LockedRollout(producer))
             if after_step:
-                after_step(step)  # checkpoint
+                after_step(step)  # checkpoint: the stream as it was once this step's batch was drawn
+            stream.forget(step)
     finally:
         producer.stop()

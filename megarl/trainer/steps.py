@@ -49,11 +49,34 @@ class PromptStream:
         self.limit = limit or f"the model's room of {max_prompt_tokens} (max positions - algorithm.max_new_tokens)"
         self.position = 0  # records handed out so far (a resumable data position)
         self.lock = threading.Lock()
+        self.marks: Dict[int, Dict] = {}  # step -> the state once its batch was drawn (draws ahead)
 
     def state(self) -> Dict:
-        """Where the stream is (for checkpoints; a draw ahead may be taking records meanwhile)."""
+        """Where the stream is now (for checkpoints of a loop that does not draw ahead)."""
         with self.lock:
-            return {"rng": self.rng.getstate(), "order": list(self.order), "position": self.position}
+            return self._state()
+
+    def _state(self) -> Dict:
+        return {"rng": self.rng.getstate(), "order": list(self.order), "position": self.position}
+
+    def mark(self, step: int) -> None:
+        """Note where the stream is once step ``step``'s batch is drawn. A loop that draws ahead
+        (one step off, streaming) has taken the records of later batches by the time step
+        ``step`` is checkpointed: the checkpoint takes :meth:`state_after` ``(step)``, and a run
+        resumed from it draws those batches again, from the same records (none lost, none twice)."""
+        with self.lock:
+            self.marks[step] = self._state()
+
+    def state_after(self, step: int) -> Dict:
+        """The state once step ``step``'s batch was drawn (:meth:`mark`), else the state now."""
+        with self.lock:
+            return self.marks.get(step) or self._state()
+
+    def forget(self, step: int) -> None:
+        """Drop the marks of steps up to ``step`` (trained, and checkpointed if at all)."""
+        with self.lock:
+            for done in [k for k in self.marks if k <= step]:
+                del self.marks[done]
 
     def load_state(self, state: Dict) -> None:
         version, internal, gauss = state["rng"]

@@ -12,7 +12,8 @@ directory's).
   filled template.
 - vLLM engine for the judge (the policy's rollout native), 1 rank, the judge alone
   (``algorithm.reward_fn=model``), given the bare response, to which it answers digits for some
-  and words for others: the same equality with transformers, and the garbage counted.
+  and words for others: the same equality with transformers, and the garbage counted. This run
+  starts first, as a new interpreter, and runs beside the native one.
 
 Every row's judgement of both steps is compared (after step 1 the judge sleeps, and is woken and
 refilled for step 2: on vLLM's CPU build a reload with its oneDNN prepacking), and the
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli import megarl_here
+from tests.cli import Started, megarl_here
 from tests.fixtures.hf_models import chat_examples, make_hf_model, make_tokenizer
 
 REVERSE = "reverse {response}"  # the judge reverses the response: mostly digits
@@ -68,17 +69,33 @@ logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
     return work / f"{name}.yaml"
 
 
-def run(models, name: str, nproc: int, layout: str, algorithm: str, judge: str, template: str):
-    work, run_dir = models[0], models[0] / name
-    config = write_config(models, name, layout, algorithm, judge, template, nproc)
-    proc = megarl_here("train", str(config), cwd=work)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+def collect(models, name: str, done):
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    run_dir = models[0] / name
     rows = [json.loads(line) for step in range(1, STEPS + 1)
             for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == STEPS
     return rows, {k: sum(m[k] for m in metrics) for k in ("reward/judge_unparseable", "reward/judge_timeouts",
                                                          "reward/judge_too_long")} | {"steps": metrics}
+
+
+def run(models, name: str, nproc: int, layout: str, algorithm: str, judge: str, template: str):
+    config = write_config(models, name, layout, algorithm, judge, template, nproc)
+    return collect(models, name, megarl_here("train", str(config), cwd=models[0]))
+
+
+@pytest.fixture(scope="module")
+def vllm_judge_started(models):
+    """The vLLM judge's run (1 rank), started first, as a new interpreter, beside the native run
+    (2 ranks); its test waits for it."""
+    config = write_config(models, "vllm", "{tp: 1}", "reward_fn: model", "engine: vllm", BARE, nproc=1)
+    (models[0] / "vllm-cli").mkdir()
+    started = Started("train", str(config), cwd=models[0] / "vllm-cli")
+    try:
+        yield started
+    finally:
+        started.stop()
 
 
 def transformers_judgements(judge_dir: Path, template: str, responses):
@@ -108,7 +125,7 @@ def answers_of(rows):
     return [next(a for q, a in chats.items() if f"user\n{q}" in row["prompt"]) for row in rows]
 
 
-def test_native_judge_plus_rule_equals_transformers(models):
+def test_native_judge_plus_rule_equals_transformers(models, vllm_judge_started):
     rows, metrics = run(models, "native", 2, "{tp: 2}", "reward_fn: exact_match",
                         "rule_weight: 0.5, judge_weight: 1.0", REVERSE)
     texts = transformers_judgements(models[2], REVERSE, [r["response"] for r in rows])
@@ -127,8 +144,8 @@ def test_native_judge_plus_rule_equals_transformers(models):
         assert m["reward/judge_score_mean"] == pytest.approx(sum(parsed) / len(parsed))
 
 
-def test_vllm_judge_alone_equals_transformers(models):
-    rows, metrics = run(models, "vllm", 1, "{tp: 1}", "reward_fn: model", "engine: vllm", BARE)
+def test_vllm_judge_alone_equals_transformers(models, vllm_judge_started):
+    rows, metrics = collect(models, "vllm", vllm_judge_started.wait())
     texts = transformers_judgements(models[2], BARE, [r["response"] for r in rows])
     scores, garbage = judge_scores(texts)
     assert [r["reward"] for r in rows] == pytest.approx(scores, abs=1e-6), list(zip([r["response"] for r in rows], texts))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -317,11 +318,12 @@ def test_one_step_off_staleness(tmp_path):
     # within the bound of the actor that trains on it. (Whether a sync lands mid-batch depends on
     # timing here; the interruption itself is forced in tests/distributed/test_rollout.py.)
     steps = 6
-    stream = history(tmp_path / "stream", *SPLIT, "trainer.loop=one_step_off", "trainer.max_staleness=2",
-                     "algorithm.rollout_correction=token_tis", f"trainer.train_steps={steps}",
-                     "parallel.rollout.partial_rollout=true", "parallel.rollout.partial_chunk_tokens=1",
-                     "logging.rollout_dump_interval=1", "algorithm.max_new_tokens=24", "data.prompts_per_step=4",
-                     "algorithm.samples_per_prompt=4")
+    streaming = (*SPLIT, "trainer.loop=one_step_off", "trainer.max_staleness=2", "algorithm.rollout_correction=token_tis",
+                 f"trainer.train_steps={steps}", "parallel.rollout.partial_rollout=true",
+                 "parallel.rollout.partial_chunk_tokens=1", "logging.rollout_dump_interval=1",
+                 "algorithm.max_new_tokens=24", "data.prompts_per_step=4", "algorithm.samples_per_prompt=4",
+                 "trainer.save_interval=3")
+    stream = history(tmp_path / "stream", *streaming)
     staleness = [r["sampling/staleness"] for r in stream]
     assert staleness[0] == 0 and all(0 <= s <= 2 for s in staleness) and max(staleness) >= 1
     assert all(r["sampling/staleness_mean"] <= r["sampling/staleness"] for r in stream)
@@ -337,6 +339,19 @@ def test_one_step_off_staleness(tmp_path):
             mixed += len(set(versions)) > 1
         assert metrics["sampling/mixed_rows"] == pytest.approx(mixed / len(rows))
     print("mixed rows per step:", [r["sampling/mixed_rows"] for r in stream])
+    # Resumed from step 3's checkpoint, taken while batches 4 and 5 were drawn ahead (in flight):
+    # steps 4-6 train on the same prompts as the uninterrupted run, none lost or twice.
+    def prompts(step):
+        dump = tmp_path / "stream" / "rollouts" / f"step_{step}.jsonl"
+        return sorted(tuple(json.loads(line)["prompt_ids"]) for line in dump.read_text().splitlines())
+
+    uninterrupted = [prompts(step) for step in range(4, steps + 1)]
+    checkpoints = tmp_path / "stream" / "checkpoints"
+    shutil.rmtree(checkpoints / f"step_{steps:06d}")
+    (checkpoints / "latest").write_text("step_000003")
+    resumed = history(tmp_path / "stream", *streaming)
+    assert [r["step"] for r in resumed] == list(range(1, steps + 1))
+    assert [prompts(step) for step in range(4, steps + 1)] == uninterrupted
 
 
 JUDGE_AT_CONFIGS = ("reward_model.path=configs", "reward_model.hf_config=configs/models/tiny-digits.json")  # no weights

@@ -22,19 +22,12 @@ native failed on AMD EPYC hosts and passed on Intel ones).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.cli import Started
 from tests.e2e.test_rl import history, mean
-from tests.ray_cluster import joined
-
-ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = "model.hf_config=configs/models/tiny-digits-hd32.json"
 VLLM = ("parallel.rollout.engine=vllm", MODEL)
@@ -159,24 +152,19 @@ algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: exact_match, max_new_
 trainer: {{train_steps: {TIED_STEPS}, save_interval: 0, nproc_per_node: 1, run_dir: {work / 'run'}}}
 logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
 """)
-    args = ("train", str(work / "run.yaml"), f"model.path={model_dir}", "parallel.rollout.engine=vllm")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    with open(work / "stdout", "w") as out, open(work / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=work, env=env,
-                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+    started = Started("train", str(work / "run.yaml"), f"model.path={model_dir}", "parallel.rollout.engine=vllm",
+                      cwd=work)
     try:
-        yield proc, model_dir, work
+        yield started, model_dir, work
     finally:
-        if proc.poll() is None:  # no test asked for it: Ctrl-C, the CLI's own teardown
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=300)
+        started.stop()  # no test asked for it: Ctrl-C, the CLI's own teardown
 
 
 @pytest.fixture(scope="module")
 def tied(tied_started):
-    proc, model_dir, work = tied_started
-    code = proc.wait(timeout=900)
-    assert code == 0, (work / "stdout").read_text()[-3000:] + (work / "stderr").read_text()[-6000:]
+    started, model_dir, work = tied_started
+    done = started.wait()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     return model_dir, work / "run", rows
 
