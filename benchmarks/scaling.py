@@ -8,9 +8,10 @@ Checked on this machine: the same model with this machine's constants, measured 
 trip; benchmarks/cpu_cost.py), predicts each phase of the GRPO demo's step, printed beside
 ``megarl train``'s measurement (mean of steps 2-6) at world 2 and 4 on one Ray node and at world 4
 on a two-node Ray cluster started on this machine (its "inter-node" traffic is loopback, with
-the same constants). For GPU clusters: a cost model that takes the weight-sync bytes
-from the real 3D-HybridEngine planner (per rank, same-node vs other-node) and the compute from
-FLOPs, for 7B and 70B dense models, Qwen3-30B-A3B and DeepSeek-V3 (671B) on 8 to 1024 GPUs.
+the same constants). For GPU clusters: the cost model of megarl/sizing/cost.py (``megarl plan``
+ranks layouts by it), which takes the weight-sync bytes from the real 3D-HybridEngine planner (per
+rank, same-node vs other-node) and the compute from FLOPs, for 7B and 70B dense models,
+Qwen3-30B-A3B and DeepSeek-V3 (671B) on 8 to 1024 GPUs.
 Every assumption is printed with the table.
 """
 
@@ -23,33 +24,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-@dataclass(frozen=True)
-class Hardware:
-    name: str = "H100 SXM"
-    peak_tflops: float = 989.0  # dense bf16
-    hbm_tbps: float = 3.35
-    nvlink_gbps: float = 450.0  # per GPU, one direction
-    ib_gbps: float = 50.0  # per GPU (400 Gb/s)
-    gpus_per_node: int = 8
-    train_mfu: float = 0.40  # forward+backward
-    prefill_mfu: float = 0.50
-    decode_hbm_efficiency: float = 0.60  # of HBM bandwidth while streaming weights and KV
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: int = 512
-    samples: int = 8
-    prompt_tokens: int = 512
-    response_tokens: int = 2048
-    bytes_per_param: int = 2
+from megarl.sizing import cost  # noqa: E402 (the repository root first)
 
 
 # (model, GPUs, training t,p,d,e, generation t_g,p_g,e_g): typical layouts
@@ -66,48 +46,22 @@ SETUPS = [
 ]
 
 
-def predict(name: str, gpus: int, train, gen, hw: Hardware, wl: Workload):
-    from megarl.hybrid import ModelSpec, rank_traffic, regroup
+def predict(name: str, gpus: int, train, gen, hw: cost.Hardware, wl: cost.Workload):
+    from megarl.hybrid import ModelSpec
     from megarl.models.hf_config import megatron_args_from_hf
     from megarl.parallel import Layout
 
     args = megatron_args_from_hf(ROOT / "configs/models/reference" / f"{name}.json")
-    model = ModelSpec.from_args(args)
-    topk = args.config_kwargs.get("moe_router_topk", 1)
-    n_total = model.numel()
-    dense = sum(t.numel for t in model.tensors if t.expert is None)
-    experts = n_total - dense
-    n_active = dense + (experts * topk / model.num_experts if model.num_experts else 0)
     t, p, d, e = train
     layout = Layout(tp=t, pp=p, dp=d, ep=e, etp=1 if e > 1 else None)
     assert layout.world_size == gpus, (name, gpus)
-    rg = regroup(layout, *gen, model.num_experts)
-    flops = hw.peak_tflops * 1e12
-    rows = wl.prompts * wl.samples
-    tokens = rows * (wl.prompt_tokens + wl.response_tokens)
-    # Generation: each replica decodes its rows; a decode step streams the replica's weights
-    # or is compute-bound (KV-cache reads and attention FLOPs are left out: a lower bound).
-    replicas = rg.gen.dp
-    rows_per_replica = rows / replicas
-    gen_ranks = rg.gen.tp * rg.gen.pp
-    prefill = 2 * n_active * rows_per_replica * wl.prompt_tokens / (gen_ranks * flops * hw.prefill_mfu)
-    weight_bytes = (dense + experts / max(rg.gen.ep, 1)) * wl.bytes_per_param / gen_ranks
-    decode_compute = 2 * n_active * rows_per_replica / (gen_ranks * flops * hw.prefill_mfu)
-    decode_memory = weight_bytes / (hw.hbm_tbps * 1e12 * hw.decode_hbm_efficiency)
-    generate = prefill + wl.response_tokens * max(decode_compute, decode_memory)
-    # Training: old log-probs (forward) + update (forward+backward) of the actor; GRPO, no critic.
-    train_s = (2 + 6) * n_active * tokens / (gpus * flops * hw.train_mfu)
-    traffic = rank_traffic(model, rg, 0, "micro_dp", hw.gpus_per_node)
-    recv = traffic["received"] * wl.bytes_per_param
-    other = traffic["received_other_nodes"] * wl.bytes_per_param
-    sync = (recv - other) / (hw.nvlink_gbps * 1e9) + other / (hw.ib_gbps * 1e9)
-    return {"model": name, "gpus": gpus, "train": train, "gen": gen, "generate_s": generate, "train_s": train_s,
-            "sync_s": sync, "step_s": generate + train_s + sync, "total_b": n_total / 1e9, "active_b": n_active / 1e9,
-            "sync_gb": recv / 1e9, "decode_bound": "memory" if decode_memory > decode_compute else "compute"}
+    topk = args.config_kwargs.get("moe_router_topk", 1)
+    return {"model": name, "gpus": gpus, "train": train, "gen": gen,
+            **cost.predict(ModelSpec.from_args(args), topk, layout, gen, hw, wl)}
 
 
 def cost_model(out_dir: Path) -> None:
-    hw, wl = Hardware(), Workload()
+    hw, wl = cost.Hardware(), cost.Workload()
     print(f"\nCost model, assumptions: {hw}\n  workload per step: {wl}\n  generation = prefill at prefill_mfu + "
           f"response_tokens decode steps, each max(compute, weights/(HBM x efficiency)) per replica (KV-cache reads, "
           f"attention FLOPs and MoE dispatch are not modelled: generation is a lower bound); training = "

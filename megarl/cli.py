@@ -16,6 +16,8 @@ Subcommands:
   convert    hf-to-mcore | mcore-to-hf checkpoint conversion (see megarl convert --help)
   layout     print every rank's coordinates in the actor layout (dry run; --world-size=N,
              default trainer.nproc_per_node)
+  plan       the training and generation layouts that fit N GPUs of M GB, ranked by predicted step time,
+             with each one's memory per rank and phase (--gpus=N --gpu-memory-gb=M)
 
 Exit codes: 0 done; 1 the run diverged (a role's non-finite outputs or updates, named) or failed; 2 bad input (the field or file named); 3 a rank died or made no progress
 (trainer.hang_timeout_s); 4 out of disk space; 130 Ctrl-C; 143 SIGTERM (after the step's checkpoint).
@@ -137,6 +139,38 @@ def _layout(args: List[str]) -> int:
     return 0
 
 
+def _plan(args: List[str]) -> int:
+    import argparse
+    from pathlib import Path
+
+    from megarl.checkpoint.load import resolve_model_config
+    from megarl.models.hf_config import megatron_args_from_hf
+    from megarl.sizing.proposals import Cluster, plan_layouts, plan_lines
+
+    parser = argparse.ArgumentParser(prog="megarl plan", add_help=False, allow_abbrev=False)
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu-memory-gb", type=float, required=True)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--top", type=int, default=5)
+    try:
+        flags, rest = parser.parse_known_args(args)
+    except SystemExit as done:  # argparse named the flag on stderr
+        return done.code if isinstance(done.code, int) else 2
+    unknown = [a for a in rest if a.startswith("-")]
+    if unknown:
+        raise ValueError(f"unknown flag(s) {unknown}; {HELP['plan'].splitlines()[0]}")
+    files, overrides = _split(rest)
+    cfg = load_config(files, overrides)
+    model_cfg = resolve_model_config(cfg.model)
+    source = Path(model_cfg.hf_config)  # the model's name in the report: its directory's or its file's
+    name = source.parent.name if source.name == "config.json" else source.name if source.is_dir() else source.stem
+    cluster = Cluster(flags.gpus, flags.gpu_memory_gb, flags.gpus_per_node, flags.seq_len, flags.top)
+    plan = plan_layouts(cfg, megatron_args_from_hf(model_cfg.hf_config), cluster, name)
+    print("\n".join(plan_lines(plan)))
+    return 0
+
+
 def _convert(args: List[str]) -> int:
     from megarl.checkpoint.cli import main as convert_main
 
@@ -146,7 +180,7 @@ def _convert(args: List[str]) -> int:
         return done.code if isinstance(done.code, int) else 2
 
 
-COMMANDS = {"train": _train, "sft": _sft, "train-rm": _train_rm, "dpo": _dpo, "eval": _eval, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "convert": _convert}
+COMMANDS = {"train": _train, "sft": _sft, "train-rm": _train_rm, "dpo": _dpo, "eval": _eval, "report": _report, "export-hf": _export_hf, "train-lm": _train_lm, "config": _config, "layout": _layout, "plan": _plan, "convert": _convert}
 
 
 def _message(exc: BaseException) -> str:
@@ -210,6 +244,17 @@ Print the composed, validated configuration as YAML.""",
 
 Print every rank's coordinates (tp, pp, dp, ep, cp) in the actor's layout (default world size:
 trainer.nproc_per_node).""",
+    "plan": """usage: megarl plan CONFIG.yaml [key=value ...] --gpus=N --gpu-memory-gb=M [--gpus-per-node=8]
+                   [--seq-len=TOKENS] [--top=5]
+
+Size a run before starting it: every training layout (tp, pp, dp, cp, ep) of N GPUs that a run would
+accept, with its generation layout (parallel.rollout.tp, pp, ep), is costed per rank and phase
+(parameters, gradients, optimizer state, activations with and without full recompute; the rollout
+engine's weights and KV cache), and those that fit M GiB per GPU are ranked by the cost model's
+predicted step time; the fastest are printed with their memory and the overrides that select them.
+The model is model.hf_config or model.path's config.json; sequence lengths and micro-batches come from
+data.max_prompt_length, algorithm.max_new_tokens and data.micro_batch_tokens (--seq-len overrides).
+Exits 2 naming what to change when nothing fits. Formulas and what is not verified: docs/scaling.md.""",
 }
 
 

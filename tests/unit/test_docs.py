@@ -140,7 +140,7 @@ class Runner:
 
 RUNNERS = [
     Runner(r"^make (demo|agent-demo|test|test-fast)\b", "make"),
-    Runner(r"^megarl (config|layout) ", "cli"),
+    Runner(r"^megarl (config|layout|plan) ", "cli"),
     Runner(r"^megarl train configs/recipes/", "test", "tests/unit/test_recipes.py::test_the_readmes_example_passes_a_dry_run"),
     Runner(r"^python scripts/data/prepare_(gsm8k|math)\.py ", "test",
            "tests/unit/test_recipes.py::test_the_data_scripts_write_verls_format_with_a_validation_split"),
@@ -215,7 +215,7 @@ def _argv(command: str) -> List[str]:
 
 
 def test_cheap_commands_run(capsys):
-    """`megarl config`, `megarl layout` and every `megarl train configs/...` (as its --dry-run) in
+    """`megarl config`, `megarl layout`, `megarl plan` and every `megarl train configs/...` (as its --dry-run) in
     this process; `make -n` of each make target; the mapped long commands' configs and overrides load."""
     from megarl.cli import main
     from megarl.config import load_config
