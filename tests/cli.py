@@ -7,8 +7,8 @@
   without a new interpreter's start-up and imports (3-4 s a command here, 8-12 s of a short
   ``megarl train`` run's wall time on 2 cores). Its output is captured, and echoed.
 
-A ``train``, ``sft`` or ``eval`` command joins the suite's shared Ray cluster either way
-(:func:`tests.ray_cluster.joined`).
+A ``train``, ``sft``, ``train-rm``, ``dpo`` or ``eval`` command joins the suite's shared Ray
+cluster either way (:func:`tests.ray_cluster.joined`).
 Runs whose subject is the process itself (a signal, a kill, the exit of a new interpreter) use
 :func:`megarl`.
 """
@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from tests.ray_cluster import joined
 
@@ -39,12 +40,13 @@ class Started:
     runs it), its output in files under ``cwd``: a test starts a run, runs others beside it (two
     runs' ranks keep 2 cores busier than one's, whose wall time is largely start-up and
     collectives' latency), then :meth:`wait` s for it. :meth:`stop` (Ctrl-C, the CLI's own
-    teardown) ends it if no test waited: use it in a fixture's ``finally``."""
+    teardown) ends it if no test waited: use it in a fixture's ``finally``. Its output goes to
+    ``out`` (default ``cwd``)."""
 
-    def __init__(self, *args: str, cwd: Path, **env: str):
+    def __init__(self, *args: str, cwd: Path, out: Optional[Path] = None, **env: str):
         environ = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
         self.args, self.cwd = args, Path(cwd)
-        self.out, self.err = self.cwd / "megarl.stdout", self.cwd / "megarl.stderr"
+        self.out, self.err = Path(out or cwd) / "megarl.stdout", Path(out or cwd) / "megarl.stderr"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd,
                                          env=environ, stdout=out, stderr=err, stdin=subprocess.DEVNULL,

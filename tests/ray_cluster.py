@@ -130,8 +130,8 @@ def stop_shared() -> None:
 
 
 def joined(cli_args: Sequence[str]) -> List[str]:
-    """:func:`overrides` for a ``megarl train``, ``sft`` or ``eval`` command line, nothing for other
-    commands and for a dry run (which starts no Ray)."""
+    """:func:`overrides` for a ``megarl train``, ``sft``, ``train-rm``, ``dpo`` or ``eval`` command
+    line, nothing for other commands and for a dry run (which starts no Ray)."""
     if "--dry-run" in cli_args:
         return []
-    return overrides() if cli_args and cli_args[0] in ("train", "sft", "eval") else []
+    return overrides() if cli_args and cli_args[0] in ("train", "sft", "train-rm", "dpo", "eval") else []

@@ -23,20 +23,22 @@ by a verl-style ``compute_score`` file given as ``algorithm.reward_fn=verl_rewar
 each row's reward is what the file computes from its data source, response, ground truth and
 extra info.
 
-The Llama case runs the commands as a user types them (a new interpreter, from another directory);
-the others run the same CLI ``main`` with this process as the driver (the shared session: no
-interpreter start-up and imports per command)."""
+Each case's run is a new interpreter started from the case's own directory, as a user types the
+command, and the next case's run starts beside it (two runs keep 2 cores busier than one). The
+Llama case's export also runs as a user types it; the others' run the same CLI ``main`` with
+this process as the driver (no interpreter start-up and imports per command)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Dict, Tuple
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from tests.cli import megarl, megarl_here
+from tests.cli import Started, megarl, megarl_here
 from tests.fixtures.hf_models import EOS_IDS, IM_START_ID, chat_examples, make_hf_model, make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +87,8 @@ def tensors(directory: Path) -> dict:
     return out
 
 
-SUBPROCESS = {"llama"}  # the cases run as a user types them (a new interpreter); the others in this one
+CASES = sorted(LAYOUTS)
+SUBPROCESS = {"llama"}  # the cases whose export runs as a user types it (a new interpreter); the others in this one
 # the cases whose prompts come as verl prepares them (a parquet of data_source, chat-message prompt,
 # reward_model.ground_truth, extra_info), scored by a verl-style compute_score file, unchanged
 VERL = {"qwen2_moe"}
@@ -113,11 +116,9 @@ def write_verl_parquet(path: Path) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def post_trained(request, tmp_path_factory):
-    case = request.param
+def prepare(case: str, work: Path) -> None:
+    """The user's model (an HF directory, briefly trained by transformers), its prompts and run.yaml."""
     kind = case.partition("+")[0]
-    work = tmp_path_factory.mktemp(case.replace("+", "_"))
     tokenizer = make_tokenizer(work / "tokenizer")
     model_dir = make_hf_model(kind, work / "model", tokenizer, overrides=OVERRIDES.get(case))
     data, reward = work / "prompts.jsonl", "exact_match"
@@ -139,13 +140,42 @@ algorithm: {{name: grpo, samples_per_prompt: 2, reward_fn: {reward}, max_new_tok
 trainer: {{train_steps: 1, save_interval: 1, nproc_per_node: {nproc}, run_dir: {work / 'run'}}}
 logging: {{backends: [console], progress_bar: false, rollout_dump_interval: 1}}
 """)
-    # Started from another directory: nothing relies on the repository's working directory.
-    command = megarl if case in SUBPROCESS else megarl_here
-    proc = command("train", str(work / "run.yaml"), cwd=work)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each case's ``megarl train``, started in a new interpreter from the case's own directory
+    (nothing relies on the repository's working directory), the next case's beside it: while
+    one case's run is waited for, the next one's model is made and its run starts."""
+    started: Dict[str, Tuple[Path, Started]] = {}
+
+    def start(case: str) -> None:
+        if case not in started:
+            work = tmp_path_factory.mktemp(case.replace("+", "_"))
+            prepare(case, work)
+            started[case] = work, Started("train", str(work / "run.yaml"), cwd=work)
+
+    try:
+        yield started, start
+    finally:
+        for _, run in started.values():
+            run.stop()
+
+
+@pytest.fixture(scope="module", params=CASES)
+def post_trained(request, runs, tmp_path_factory):
+    case = request.param
+    started, start = runs
+    start(case)
+    if CASES.index(case) + 1 < len(CASES):
+        start(CASES[CASES.index(case) + 1])
+    work, run = started[case]
+    proc = run.wait()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    command = megarl if case in SUBPROCESS else megarl_here
     export = command("export-hf", str(work / "run"), str(work / "export"), cwd=tmp_path_factory.getbasetemp())
     assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
-    return case, model_dir, work
+    return case, work / "model", work
 
 
 def test_first_step_log_probs_equal_transformers(post_trained):

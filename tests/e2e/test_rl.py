@@ -21,6 +21,7 @@ from megarl.data.datasets import DataError
 from megarl.entrypoints.train_rl import prepare, run
 from megarl.parallel import LayoutError
 from tests import ray_cluster
+from tests.cli import Started
 
 DEMO = "configs/grpo_demo.yaml"
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +37,34 @@ def mean(rows, key="reward/mean"):
     return sum(r[key] for r in rows) / len(rows)
 
 
+def started(tmp_path, *overrides) -> Started:
+    """:func:`history`'s run as a new interpreter in the background, its run directory
+    ``tmp_path / "run"``; :func:`finished` waits for it."""
+    return Started("train", DEMO, f"trainer.run_dir={tmp_path / 'run'}", "logging.progress_bar=false", *overrides,
+                   cwd=ROOT, out=tmp_path)
+
+
+def finished(run: Started):
+    """The run's directory and metrics rows, once it has ended."""
+    done = run.wait()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    run_dir = run.out.parent / "run"
+    return run_dir, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
-def grpo(tmp_path_factory):
+def split_started(tmp_path_factory):
+    """The 60-step split-placement run that test_split_placement_trains_the_same_curve compares
+    with ``grpo``: started first, it runs beside it."""
+    run = started(tmp_path_factory.mktemp("split"), *SPLIT, "trainer.train_steps=60")
+    try:
+        yield run
+    finally:
+        run.stop()
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory, split_started):
     path = tmp_path_factory.mktemp("grpo")
     return path, history(path, "trainer.train_steps=60")
 
@@ -283,14 +310,15 @@ def final_checksum(path):
     return json.loads((path / "final.json").read_text())["actor_weights_checksum"]
 
 
-def test_split_placement_trains_the_same_curve(tmp_path, grpo):
+def test_split_placement_trains_the_same_curve(split_started, grpo):
     """4 ranks (actor t=2 on two, rollout t_g=1 d_g=2 on two others), synchronous: the samples,
     rewards and weights of the colocated run, step for step (the sync moves fp32 exactly), and
-    each rollout rank receives exactly its generation shard."""
-    rows = history(tmp_path, *SPLIT, "trainer.train_steps=60")
+    each rollout rank receives exactly its generation shard. (A new interpreter, run beside
+    ``grpo``'s.)"""
+    run_dir, rows = finished(split_started)
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in grpo[1]]
     assert [r["actor/loss"] for r in rows] == pytest.approx([r["actor/loss"] for r in grpo[1]], rel=1e-6, abs=1e-9)
-    assert final_checksum(tmp_path) == final_checksum(grpo[0])
+    assert final_checksum(run_dir) == final_checksum(grpo[0])
     assert rows[0]["rollout/logp_max_abs_diff"] <= 1e-5
     # tiny-digits at fp32: each rollout rank's shard is the whole model (t_g=1)
     assert all(r["sync/bytes_over_shard_max"] == 0 and r["sync/bytes_received"] == 98624 * 4 for r in rows)
@@ -303,53 +331,59 @@ def test_split_placement_trains_the_same_curve(tmp_path, grpo):
 def test_one_step_off_staleness(tmp_path):
     """Colocated (in line) and split (drawn in a driver thread while the actor trains): the same
     schedule of policy versions, so the same batches and rewards; streaming (max_staleness=2)
-    keeps every batch within its bound."""
-    rows = history(tmp_path / "colocated", "trainer.loop=one_step_off", "trainer.train_steps=4")
-    assert [r["sampling/staleness"] for r in rows] == [0, 1, 1, 1]
-    assert [r["policy_version"] for r in rows] == [0, 0, 1, 2]
-    assert rows[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
-    split = history(tmp_path / "split", *SPLIT, "trainer.loop=one_step_off", "trainer.train_steps=4")
-    assert [r["policy_version"] for r in split] == [0, 0, 1, 2]
-    assert [r["reward/mean"] for r in split] == [r["reward/mean"] for r in rows]
-    assert final_checksum(tmp_path / "split") == final_checksum(tmp_path / "colocated")
-    assert all(r["time/generate_s"] > 0 and r["time/wait_rollout_s"] >= 0 for r in split)
+    with partial rollouts keeps every token within its bound, and resumes with batches in flight."""
     # Streaming with partial rollouts, 16 rows of up to 24 tokens: a weight sync that comes while
-    # a batch is generated goes in between two of its tokens. Every token's version, as dumped, is
-    # within the bound of the actor that trains on it. (Whether a sync lands mid-batch depends on
-    # timing here; the interruption itself is forced in tests/distributed/test_rollout.py.)
+    # a batch is generated goes in between two of its tokens. Started first, beside the other two.
     steps = 6
     streaming = (*SPLIT, "trainer.loop=one_step_off", "trainer.max_staleness=2", "algorithm.rollout_correction=token_tis",
                  f"trainer.train_steps={steps}", "parallel.rollout.partial_rollout=true",
                  "parallel.rollout.partial_chunk_tokens=1", "logging.rollout_dump_interval=1",
                  "algorithm.max_new_tokens=24", "data.prompts_per_step=4", "algorithm.samples_per_prompt=4",
                  "trainer.save_interval=3")
-    stream = history(tmp_path / "stream", *streaming)
+    streamed = started(tmp_path / "stream", *streaming)
+    try:
+        rows = history(tmp_path / "colocated", "trainer.loop=one_step_off", "trainer.train_steps=4")
+        split = history(tmp_path / "split", *SPLIT, "trainer.loop=one_step_off", "trainer.train_steps=4")
+        run_dir, stream = finished(streamed)
+    finally:
+        streamed.stop()  # after a failure above
+    assert [r["sampling/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert [r["policy_version"] for r in rows] == [0, 0, 1, 2]
+    assert rows[0]["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert [r["policy_version"] for r in split] == [0, 0, 1, 2]
+    assert [r["reward/mean"] for r in split] == [r["reward/mean"] for r in rows]
+    assert final_checksum(tmp_path / "split") == final_checksum(tmp_path / "colocated")
+    assert all(r["time/generate_s"] > 0 and r["time/wait_rollout_s"] >= 0 for r in split)
+    # Every token's version, as dumped, is within the bound of the actor that trains on it.
+    # (Whether a sync lands mid-batch depends on timing here; the interruption itself is forced
+    # in tests/distributed/test_rollout.py.)
     staleness = [r["sampling/staleness"] for r in stream]
     assert staleness[0] == 0 and all(0 <= s <= 2 for s in staleness) and max(staleness) >= 1
     assert all(r["sampling/staleness_mean"] <= r["sampling/staleness"] for r in stream)
     assert all(r["sampling/token_staleness_mean"] <= r["sampling/staleness_mean"] for r in stream)
     assert all(sum(r[f"sampling/token_lag_{k}"] for k in range(3)) == pytest.approx(1.0) for r in stream)
     for step, metrics in enumerate(stream, 1):
-        rows = [json.loads(line) for line in (tmp_path / "stream" / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        dumped = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
         mixed = 0
-        for row in rows:
+        for row in dumped:
             versions = row.get("token_versions", [row["policy_version"]] * len(row["response_ids"]))
             assert len(versions) == len(row["response_ids"]) and versions[0] == row["policy_version"]
             assert versions == sorted(versions) and all(0 <= (step - 1) - v <= 2 for v in versions), (step, row)
             mixed += len(set(versions)) > 1
-        assert metrics["sampling/mixed_rows"] == pytest.approx(mixed / len(rows))
+        assert metrics["sampling/mixed_rows"] == pytest.approx(mixed / len(dumped))
     print("mixed rows per step:", [r["sampling/mixed_rows"] for r in stream])
+
     # Resumed from step 3's checkpoint, taken while batches 4 and 5 were drawn ahead (in flight):
     # steps 4-6 train on the same prompts as the uninterrupted run, none lost or twice.
     def prompts(step):
-        dump = tmp_path / "stream" / "rollouts" / f"step_{step}.jsonl"
+        dump = run_dir / "rollouts" / f"step_{step}.jsonl"
         return sorted(tuple(json.loads(line)["prompt_ids"]) for line in dump.read_text().splitlines())
 
     uninterrupted = [prompts(step) for step in range(4, steps + 1)]
-    checkpoints = tmp_path / "stream" / "checkpoints"
+    checkpoints = run_dir / "checkpoints"
     shutil.rmtree(checkpoints / f"step_{steps:06d}")
     (checkpoints / "latest").write_text("step_000003")
-    resumed = history(tmp_path / "stream", *streaming)
+    resumed = history(run_dir, *streaming)
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert [prompts(step) for step in range(4, steps + 1)] == uninterrupted
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megarl.cli import main
-from tests.cli import megarl_here
+from tests.cli import Started, megarl_here
 from tests.fixtures.hf_models import PAD_ID, chat_examples, make_hf_model, make_tokenizer
 
 # the shape of the models users start from where it matters here: hidden 512 and tied embeddings
@@ -86,6 +86,7 @@ def runs(user):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     export = megarl_here("export-hf", str(work / "run"), str(work / "export"), cwd=work)
     assert export.returncode == 0, export.stderr[-3000:]
+    dpo = {lora: start_dpo(work, lora) for lora in (False, True)}  # beside what follows; waited for by their tests
     # LoRA adapters on the SFT run's newest checkpoint (model.path=RUN_DIR) at dp=2, exported merged
     lora = megarl_here("sft", f"model.path={work / 'run'}", *files[1:3], f"trainer.run_dir={work / 'lora'}",
                        "model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=1.0e-2", "trainer.train_steps=3",
@@ -94,7 +95,26 @@ def runs(user):
     assert lora.returncode == 0, lora.stderr[-3000:]
     export = megarl_here("export-hf", str(work / "lora"), str(work / "lora_export"), cwd=work)
     assert export.returncode == 0, export.stderr[-3000:]
-    return first, resumed
+    try:
+        yield first, resumed, dpo
+    finally:
+        for started in dpo.values():
+            started.stop()
+
+
+def start_dpo(work: Path, lora: bool) -> Started:
+    """``megarl dpo`` from the SFT export on the same pairs, in a new interpreter: without LoRA at
+    tp=2 against a frozen copy; with LoRA at dp=2 against the same model with its adapters off."""
+    run = work / ("dpo_lora" if lora else "dpo")
+    cli = work / f"{run.name}_cli"  # its output
+    cli.mkdir()
+    layout = ("model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=1.0e-2") if lora else (
+        "parallel.actor.tp=2", "optimizer.lr=1.0e-3")
+    return Started("dpo", f"model.path={work / 'export'}", f"data.train_files=[{work / 'prefs.jsonl'}]",
+                   f"data.val_files=[{work / 'prefs_val.jsonl'}]", f"trainer.run_dir={run}", *layout,
+                   "data.global_batch_size=8", "data.micro_batch_size=2", "optimizer.lr_warmup_steps=0",
+                   "trainer.train_steps=12", "trainer.val_interval=12", "trainer.save_interval=0",
+                   "logging.backends=[console]", "logging.progress_bar=false", cwd=cli)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +136,7 @@ def reward_model(user, runs):
 
 def test_sft_trains_resumes_and_validates(user, runs):
     work, _ = user
-    first, resumed = runs
+    first, resumed, _ = runs
     assert "168 training examples" in first.stderr  # 108 conversations and 60 pairs
     assert "resuming after step 10" in resumed.stdout
     assert sorted(p.name for p in (work / "run" / "checkpoints").glob("step_*")) == ["step_000010", "step_000014"]
@@ -241,16 +261,11 @@ def test_dpo_prefers_the_chosen_responses(user, runs, lora):
     """megarl dpo from the SFT export on the same pairs: the held-out implicit-reward accuracy
     starts at 0 (the policy is its reference: no margin) and ends >= 0.9, the margin positive and
     the rejected responses' log-probs lowered. Without LoRA at tp=2 against a frozen copy; with
-    LoRA at dp=2 against the same model with its adapters off."""
+    LoRA at dp=2 against the same model with its adapters off. Both runs start once the export
+    exists (``runs``), in new interpreters, beside the LoRA SFT and the reward model's runs."""
     work, _ = user
     run = work / ("dpo_lora" if lora else "dpo")
-    layout = ("model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=1.0e-2") if lora else (
-        "parallel.actor.tp=2", "optimizer.lr=1.0e-3")
-    proc = megarl_here("dpo", f"model.path={work / 'export'}", f"data.train_files=[{work / 'prefs.jsonl'}]",
-                       f"data.val_files=[{work / 'prefs_val.jsonl'}]", f"trainer.run_dir={run}", *layout,
-                       "data.global_batch_size=8", "data.micro_batch_size=2", "optimizer.lr_warmup_steps=0",
-                       "trainer.train_steps=12", "trainer.val_interval=12", "trainer.save_interval=0",
-                       "logging.backends=[console]", "logging.progress_bar=false", cwd=work)
+    proc = runs[2][lora].wait()
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, last = [json.loads(line) for line in (run / "validation.jsonl").read_text().splitlines()]
     assert first["val/accuracy"] == 0 and first["val/margin"] == 0 and first["val/loss"] == pytest.approx(0.6931, abs=1e-4)
