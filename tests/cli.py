@@ -46,6 +46,7 @@ class Started:
     def __init__(self, *args: str, cwd: Path, out: Optional[Path] = None, **env: str):
         environ = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
         self.args, self.cwd = args, Path(cwd)
+        Path(out or cwd).mkdir(parents=True, exist_ok=True)
         self.out, self.err = Path(out or cwd) / "megarl.stdout", Path(out or cwd) / "megarl.stderr"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd,

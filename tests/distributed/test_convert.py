@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from tests.distributed.launch import ROOT, together
+from tests.distributed.launch import ROOT, torchrun
 
 WORKER = "tests/distributed/convert_worker.py"
 TOL = 1e-4
@@ -107,15 +107,15 @@ def work(tmp_path_factory):
     for name in DENSE + MOE + BIASED_MOE + list(DERIVED) + WRAPPED:
         make_hf_model(name, work / "hf" / name)
     converted = []
-    for out in together(*[(world, WORKER, "convert", str(work), *specs) for world, specs in SPECS.items()]):
-        converted += parse(out)
+    for world, specs in SPECS.items():
+        converted += parse(torchrun(world, WORKER, "convert", str(work), *specs))
     assert len(converted) == sum(len(s) for s in SPECS.values())
     return work
 
 
 @pytest.fixture(scope="module")
 def records(work):
-    return dict(zip((1, 2), map(parse, together(*[(tp, WORKER, "logits", str(work)) for tp in (1, 2)]))))
+    return {tp: parse(torchrun(tp, WORKER, "logits", str(work))) for tp in (1, 2)}
 
 
 @pytest.fixture(scope="module")

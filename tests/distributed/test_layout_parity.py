@@ -43,7 +43,7 @@ import json
 
 import pytest
 
-from tests.distributed.launch import together, torchrun
+from tests.distributed.launch import torchrun
 
 TOL = 1e-5
 RECOMPUTE_TOL = 1e-6
@@ -94,8 +94,8 @@ def report(tmp_path_factory):
     work = tmp_path_factory.mktemp("parity")
     worker = "tests/distributed/parity_worker.py"
     torchrun(1, worker, "run", "--workdir", str(work), "--reference", "--layouts", *LAYOUTS_1)
-    together((2, worker, "run", "--workdir", str(work), "--layouts", *LAYOUTS_2),
-             (4, worker, "run", "--workdir", str(work), "--layouts", *LAYOUTS_4))
+    torchrun(2, worker, "run", "--workdir", str(work), "--layouts", *LAYOUTS_2)
+    torchrun(4, worker, "run", "--workdir", str(work), "--layouts", *LAYOUTS_4)
     torchrun(1, worker, "compare", "--workdir", str(work), "--report", str(work / "report.json"))
     return json.loads((work / "report.json").read_text())
 

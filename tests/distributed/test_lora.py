@@ -23,7 +23,7 @@ import json
 
 import pytest
 
-from tests.distributed.launch import together, torchrun
+from tests.distributed.launch import torchrun
 
 WORKER = "tests/distributed/lora_worker.py"
 TOL, UPDATE_TOL = 1e-5, 1e-4
@@ -39,8 +39,8 @@ def results(output: str):
 def report(tmp_path_factory):
     work = tmp_path_factory.mktemp("lora")
     peft = results(torchrun(1, WORKER, "peft", "--workdir", str(work)))
-    together((1, WORKER, "layouts", "--workdir", str(work), "--layouts", "llama@1,1,1,1", "qwen3_moe@1,1,1,1"),
-             (2, WORKER, "layouts", "--workdir", str(work), "--layouts", *LAYOUTS_2))
+    torchrun(1, WORKER, "layouts", "--workdir", str(work), "--layouts", "llama@1,1,1,1", "qwen3_moe@1,1,1,1")
+    torchrun(2, WORKER, "layouts", "--workdir", str(work), "--layouts", *LAYOUTS_2)
     layouts = results(torchrun(1, WORKER, "compare", "--workdir", str(work)))
     return {"peft": {r["model"]: r for r in peft}, "layouts": {f"{r['model']}/{r['layout']}": r for r in layouts}}
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import together, torchrun
+from tests.distributed.launch import torchrun
 
 WORKER = "tests/distributed/rollout_worker.py"
 TOL = 1e-5
@@ -51,8 +51,8 @@ def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("rollout")
     torchrun(1, WORKER, "reference", str(work), "llama", "qwen3-moe", "deepseek", "gpt-oss", "qwen3-next", "smollm")
     out = {}
-    for stdout in together(*[(world, WORKER, "run", str(work), *cases) for world, cases in CASES.items()]):
-        for line in stdout.splitlines():
+    for world, cases in CASES.items():
+        for line in torchrun(world, WORKER, "run", str(work), *cases).splitlines():
             if line.startswith("RESULT "):
                 record = json.loads(line[7:])
                 out[record["case"]] = record

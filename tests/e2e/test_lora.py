@@ -15,7 +15,7 @@ its adapters off):
   that peft loads onto the base, giving the merged export's logits (<= 1e-5).
 PPO on the native engine with split placement, where every sync after the first sends only the
 merged projections: a run killed (SIGKILL) after its step-2 checkpoint resumes to the uninterrupted run's
-final adapters and metrics, bit for bit (the run to kill runs beside the uninterrupted one).
+final adapters and metrics, bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -235,32 +234,18 @@ def test_a_killed_lora_run_resumes_to_the_same_adapters(user):
     whole, killed = work / "whole", work / "killed"
     steps = ["trainer.train_steps=4", "trainer.save_interval=2", "trainer.placement=split", "parallel.rollout.nproc=1",
              "algorithm.name=ppo"]
-    # The run to kill starts first, in a new interpreter, and a thread kills it once its step-2
-    # checkpoint is named; the uninterrupted run runs meanwhile, here.
+    done = megarl_here("train", str(work / "run.yaml"), *steps, f"trainer.run_dir={whole}", cwd=work)
+    assert done.returncode == 0, done.stderr[-3000:]
     proc = subprocess.Popen(train_command(work / "run.yaml", *steps, f"trainer.run_dir={killed}"), cwd=work,
                             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    reached = threading.Event()
-
-    def kill_after_step_2():
-        latest, deadline = killed / "checkpoints" / "latest", time.time() + 600
-        try:
-            while proc.poll() is None and time.time() < deadline:
-                if latest.is_file() and latest.read_text() == "step_000002":
-                    reached.set()
-                    break
-                time.sleep(0.02)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # the driver and what it started in its session
-            proc.wait()
-
-    killer = threading.Thread(target=kill_after_step_2, name="kill-after-step-2", daemon=True)
-    killer.start()
+    latest, deadline = killed / "checkpoints" / "latest", time.time() + 600
     try:
-        done = megarl_here("train", str(work / "run.yaml"), *steps, f"trainer.run_dir={whole}", cwd=work)
+        while not (latest.is_file() and latest.read_text() == "step_000002"):
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its checkpoint of step 2"
+            time.sleep(0.02)
     finally:
-        killer.join(timeout=660)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert reached.is_set(), "the run ended (or hung) before its checkpoint of step 2"
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and what it started in its session
+        proc.wait()
     assert not (killed / "final.json").exists(), "killed too late: the run had finished"
     resumed = megarl_here("train", str(work / "run.yaml"), *steps, f"trainer.run_dir={killed}", cwd=work)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
