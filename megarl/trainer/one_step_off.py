@@ -38,7 +38,8 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids: Sequence[int], pad_tok
         validate(cfg, roles, validator, log, 0)
     r = cfg.parallel.rollout
     producer = Producer(draw, roles.rollout, start_step, t.train_steps, bound=t.max_staleness or 1,
-                        threaded=t.placement == Placement.split, chunk=r.partial_chunk_tokens if r.partial_rollout else None)
+                        threaded=t.placement == Placement.split, chunk=r.partial_chunk_tokens if r.partial_rollout else None,
+                        deadline_s=t.hang_timeout_s)
     try:
         for step in range(start_step, t.train_steps + 1):
             with log.phase("wait_rollout"):  # what generation and scoring did not hide

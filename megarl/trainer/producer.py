@@ -95,8 +95,9 @@ class Producer:
     """
 
     def __init__(self, draw: Callable, rollout, start: int, last: int, bound: int, threaded: bool,
-                 chunk: Optional[int] = None):
+                 chunk: Optional[int] = None, deadline_s: float = 1800.0):
         self.draw, self.rollout, self.last, self.bound = draw, rollout, last, bound
+        self.deadline_s = deadline_s  # trainer.hang_timeout_s: the longest a chunk waits for a weight sync
         self.chunk = chunk  # partial rollouts: tokens per call between two points where a sync may come in
         self.lock = threading.Lock()
         self.version = start - 1  # the rollout's policy version
@@ -182,10 +183,13 @@ class Producer:
         return metrics
 
     def yield_to_sync(self) -> None:
-        """Wait while a weight sync waits for the lock or runs: it is bounded by the run's hang
-        deadline on the ranks and always ends (``sync``'s ``finally``), so this wait ends too."""
+        """Wait while a weight sync waits for the lock or runs. The sync is bounded by the run's hang
+        deadline on the ranks and always ends (``sync``'s ``finally``); this wait has the same
+        deadline of its own, and names what it waited for."""
         with self.changed:
-            self.changed.wait_for(lambda: self.stopped or not self.syncs_waiting)
+            if not self.changed.wait_for(lambda: self.stopped or not self.syncs_waiting, timeout=self.deadline_s):
+                raise TimeoutError(f"partial rollout: a weight sync did not finish within trainer.hang_timeout_s="
+                                   f"{self.deadline_s:g}s; the next chunk of generation waited for it")
 
     def stop(self) -> None:
         with self.changed:

@@ -86,7 +86,8 @@ def run(train, name, steps=3, roles=None, agent=None, chunk=None, **trainer):
     a = algo(name=name)
     cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2), parallel=rollout_layout(chunk),
                           trainer=SimpleNamespace(**{"seed": 0, "train_steps": steps, "placement": "colocated",
-                                                     "max_staleness": 0, "critic_warmup_steps": 0, **trainer}))
+                                                     "max_staleness": 0, "critic_warmup_steps": 0,
+                                                     "hang_timeout_s": 60.0, **trainer}))
     roles, log = roles or Roles(critic=name == "ppo", prm=name == "prime"), Log()
     scorer = Scorer(a, TOK)
     try:
@@ -295,7 +296,7 @@ def test_split_one_step_off_validates_each_step_on_its_weights_beside_the_drawin
     a = algo(name="grpo")
     cfg = SimpleNamespace(algorithm=a, data=SimpleNamespace(prompts_per_step=2), parallel=rollout_layout(),
                           trainer=SimpleNamespace(seed=0, train_steps=5, placement="split", max_staleness=0,
-                                                  val_interval=2, val_before_train=True, critic_warmup_steps=0))
+                                                  hang_timeout_s=60.0, val_interval=2, val_before_train=True, critic_warmup_steps=0))
     log, scorer = ValLog(), Scorer(a, TOK)
     try:
         one_step_off.train(cfg, roles, stream(), scorer, log, eos_token_ids=[TOK.eos_token_id],
@@ -305,3 +306,14 @@ def test_split_one_step_off_validates_each_step_on_its_weights_beside_the_drawin
     assert [r["validation"] for r in log.rows if "validation" in r] == [0, 2, 4]
     assert seen == [0] * 3 + [2] * 3 + [4] * 3  # each validation on the weights of its step
     assert [r["step"] for r in log.rows if "step" in r] == [1, 2, 3, 4, 5]
+
+
+def test_a_chunk_waits_for_a_sync_no_longer_than_the_hang_deadline():
+    from megarl.trainer.producer import Producer
+
+    producer = Producer(lambda *_: None, None, start=1, last=1, bound=1, threaded=False, chunk=1, deadline_s=0.2)
+    producer.syncs_waiting = 1  # a sync that never ends (its ranks hung past their own deadline)
+    with pytest.raises(TimeoutError, match=r"weight sync did not finish within trainer.hang_timeout_s=0.2s"):
+        producer.yield_to_sync()
+    producer.syncs_waiting = 0
+    producer.yield_to_sync()  # none waiting: no wait
