@@ -292,6 +292,70 @@ def _comm_worker(out: Path, repeats: int) -> None:
     dist.barrier()
 
 
+def _link_worker(out: Path, repeats: int) -> None:
+    """Gloo across the link of two nodes (benchmarks/netns.py), 4 ranks, 0-1 on the first node and
+    2-3 on the second, as the demo's world 4 at tp=2 runs there: the data-parallel pairs (0, 2)
+    and (1, 3) all-reduce at once, sharing the link, at 4 B .. 1 MiB; over all 4 ranks, all-reduce
+    and all-gather (latency: the median over 4 B .. 4 KiB; the all-gather's bandwidth too, the
+    responses' gather)."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.runtime import init_distributed
+
+    init_distributed()
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 4, "the link is measured as the demo's world 4 runs on two nodes"
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = pairs[rank % 2]
+    sizes = [2 ** k for k in range(2, 21, 2)]
+    times = {"dp_all_reduce": [], "world_all_reduce": [], "world_all_gather": []}
+    for size in sizes:
+        whole = torch.zeros(max(size // 4, world))
+        mine = torch.zeros(whole.numel() // world)
+        ops = {"dp_all_reduce": lambda: dist.all_reduce(whole, group=group),
+               "world_all_reduce": lambda: dist.all_reduce(whole),
+               "world_all_gather": lambda: dist.all_gather_into_tensor(whole, mine)}
+        calls = 20 if size <= 65536 else 2  # a MiB at a few MB/s is a second a call
+        for name, op in ops.items():
+            dist.barrier()
+            times[name].append(_typical(lambda: [op() for _ in range(calls)], repeats) / calls)
+    if rank == 0:
+        fits = {name: _fit(sizes, t) for name, t in times.items()}
+        fits["world_latency_s"] = {"all_reduce": fits["world_all_reduce"]["latency_s"],
+                                   "all_gather": fits["world_all_gather"]["latency_s"]}
+        out.write_text(json.dumps(fits))
+    dist.barrier()
+
+
+def measure_link(link, repeats: int = 3) -> dict:
+    """The link's constants (:func:`_link_worker`): 4 ranks started in the two namespaces of
+    ``link`` (a benchmarks.netns.TwoNodeLink), the rendezvous on the first node's address."""
+    import socket
+
+    from benchmarks.netns import DEVICE
+
+    with socket.socket() as sock:  # a port free on the first node (a fresh namespace: any is)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as work:
+        out = Path(work) / "link.json"
+        procs = []
+        for rank in range(4):
+            env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+                       RANK=str(rank), LOCAL_RANK=str(rank % 2), WORLD_SIZE="4", LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR=link.ips[0], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=DEVICE)
+            cmd = [*link.prefix(rank // 2), sys.executable, __file__, "link", "--out", str(out),
+                   "--repeats", str(repeats)]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                          text=True))
+        errors = [p.communicate(timeout=900)[1] for p in procs]
+        if any(p.returncode for p in procs) or not out.is_file():
+            sys.exit("the link's microbenchmark failed:\n" + "\n".join(e[-2000:] for e in errors))
+        return json.loads(out.read_text())
+
+
 def _schedstat() -> tuple:
     """(ns on a CPU, ns runnable but waiting for one) of the calling thread, from the kernel."""
     on_cpu, waiting = map(int, Path("/proc/thread-self/schedstat").read_text().split()[:2])
@@ -478,7 +542,7 @@ def _cost(fit: dict, nbytes: float) -> float:
 
 
 def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, response_max: float,
-            sync_bytes: float, core_share: float | None = None) -> dict:
+            sync_bytes: float, core_share: float | None = None, link: dict | None = None) -> dict:
     """Seconds of each phase of one demo step at ``world`` ranks (actor tp=2, dp = world/2,
     sequence parallel; rollout t_g = 1), from the constants ``c``. ``response_mean`` /
     ``response_max``: the run's response lengths (the workload, not a timing); ``sync_bytes``:
@@ -486,7 +550,10 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     (on a shared machine the load drifts between the microbenchmark and the run), by default the
     microbenchmark's. Every phase ends in a collective (or Ray's wait for every rank), so it takes
     as long as the last rank: all ranks' CPU seconds over their cores, the share each gets while
-    all are runnable; a rank that finishes early and blocks does not speed the others up."""
+    all are runnable; a rank that finishes early and blocks does not speed the others up.
+    ``link``: the constants of a link between two nodes (:func:`measure_link`) that the
+    data-parallel groups and the world-wide collectives cross (world 4, a tp=2 group per node);
+    the tensor-parallel collectives and the weight sync's exchange stay within a node."""
     import torch
 
     from megarl.engines import batching
@@ -501,6 +568,11 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     share = comm["cpu_share"] if core_share is None else core_share
     ray = c["ray_call_s"][world]
     rows, prompt = shape["rows"], shape["prompt"]
+    assert link is None or world == 4, "the link is measured at world 4 (a tp=2 group per node)"
+    # what crosses the nodes' link when there is one: world-wide collectives, the DP groups
+    world_latency = (link or comm)["world_latency_s"]
+    gather_rate = (link["world_all_gather"] if link else comm["all_gather"])["bytes_per_s"]
+    dp_reduce = link["dp_all_reduce"] if link else comm["all_reduce"]
 
     # generate: each of the `world` replicas decodes rows/world rows, for as many steps as its
     # longest row (every step after the prompt's is one decode step)
@@ -514,8 +586,7 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     # all-gather bandwidth, (world - 1) shares arriving at each rank)
     share_bytes = len(pickle.dumps([Response(i, 0, list(range(steps)), [-0.5] * steps, "length", 0)
                                     for i in range(rows // world)]))
-    gathered = (2 * comm["world_latency_s"]["all_gather"]
-                + (world - 1) * 2 * share_bytes / comm["all_gather"]["bytes_per_s"])
+    gathered = 2 * world_latency["all_gather"] + (world - 1) * 2 * share_bytes / gather_rate
     row_steps = gen_rows * response_mean  # finished rows leave the batch
     generate = (c["ray_generate_s"][world] + gathered
                 + (c["gen_call_s"] + steps * c["gen_step_s"] + row_steps * c["gen_row_step_s"] + gen_flops / rate)
@@ -545,8 +616,8 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     # the data-parallel group, which has one rank at dp=1, the DP all-reduce of this rank's
     # gradients (one bucket), the token count, the finite check and the two loss reports
     grads = shape["spec"].numel() / tp * 4
-    small = 3 + 4 * (dp > 1)
-    step_comm = (_cost(comm["all_reduce"], grads) if dp > 1 else 0.0) + small * _cost(comm["all_reduce"], 64)
+    step_comm = 3 * _cost(comm["all_reduce"], 64) + ((_cost(dp_reduce, grads) + 4 * _cost(dp_reduce, 64))
+                                                      if dp > 1 else 0.0)
     update = (ray + (c["upd_call_s"] + micro * c["upd_micro_s"] + 3 * local_flops / rate) / share
               + micro * (fwd_comm + bwd_comm) + step_comm)
     # weight sync: two Ray calls that carry no data (resume_memory, update_weights); the two verbs'
@@ -554,18 +625,18 @@ def predict(c: dict, shape: dict, world: int, tp: int, response_mean: float, res
     # two world-wide all-reduces of a few bytes (the Resharder's changed flags, the phase
     # bookkeeping's memory peaks) and one exchange with the micro-DP peer (the planner's bytes)
     sync = (2 * c["ray_bare_s"][world] + comm["sync_cpu_s"] / share
-            + 2 * comm["world_latency_s"]["all_reduce"] + _cost(comm["p2p"], sync_bytes))
+            + 2 * world_latency["all_reduce"] + _cost(comm["p2p"], sync_bytes))
     return {"generate": generate, "old_log_prob": old_log_prob, "actor_update": update, "weight_sync": sync,
             "detail": {"micro_batches": micro, "share": share, "gen_steps": steps,
                        "ray_s": ray, "gather_s": gathered,
-                       "sync_collectives_s": 2 * comm["world_latency_s"]["all_reduce"] + _cost(comm["p2p"], sync_bytes),
+                       "sync_collectives_s": 2 * world_latency["all_reduce"] + _cost(comm["p2p"], sync_bytes),
                        "tp_comm_old_log_prob_s": micro * fwd_comm,
                        "comm_update_s": micro * (fwd_comm + bwd_comm) + step_comm}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", default="all", choices=["all", "compute", "comm", "ray"])
+    parser.add_argument("what", nargs="?", default="all", choices=["all", "compute", "comm", "ray", "link"])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--repeats", type=int, default=5)
@@ -575,6 +646,8 @@ def main() -> None:
         _compute_worker(args.out, args.repeats)
     elif args.what == "comm":
         _comm_worker(args.out, args.repeats)
+    elif args.what == "link":
+        _link_worker(args.out, args.repeats)
     elif args.what == "ray":
         _ray_worker(args.out, worlds, args.repeats)
     else:

@@ -2,6 +2,8 @@
 
     python benchmarks/scaling.py            # the cost model checked on this CPU machine + the GPU table
     python benchmarks/scaling.py model      # the cost model only (tables + runs/scaling/*.png)
+    python benchmarks/scaling.py netns [MBIT]   # world 4 on two nodes in network namespaces (root)
+    python benchmarks/scaling.py cluster CONFIG [key=value ...] --ray-address HOST:PORT [--peak-tflops ...]
 
 Checked on this machine: the same model with this machine's constants, measured in the same run
 (matmul FLOP/s, gloo latency and bandwidth, the engines' fixed costs on one process, Ray's round
@@ -108,7 +110,7 @@ class LocalCluster:
 
     TAG = "MEGARL_SCALING_CLUSTER"
 
-    def __init__(self, cpus: int):
+    def __init__(self, cpus: int, link=None):
         import socket
         import uuid
 
@@ -116,17 +118,25 @@ class LocalCluster:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        self.address = f"127.0.0.1:{port}"
+        # one namespace per node when ``link`` (a benchmarks.netns.TwoNodeLink), each node at its
+        # end of the link, gloo bound to it; both on loopback otherwise
+        ips = link.ips if link else ["127.0.0.1", "127.0.0.1"]
+        self.address = f"{ips[0]}:{port}"
         self.env = dict(os.environ, PYTHONWARNINGS="ignore", RAY_AUTH_MODE="disabled", **{self.TAG: self.tag})
+        if link:
+            from benchmarks.netns import DEVICE
+
+            self.env["GLOO_SOCKET_IFNAME"] = DEVICE
+        self.prefix = link.prefix(0) if link else []  # what runs a driver beside the head
         # a short temp dir of its own: Ray's socket paths must fit AF_UNIX's 107 bytes
         self.tmp = tempfile.mkdtemp(prefix="sc", dir="/tmp")
         ray = Path(sys.executable).with_name("ray")
-        common = ["--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--disable-usage-stats"]
         try:
-            for extra in (["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={self.tmp}"],
-                          [f"--address={self.address}"]):
-                proc = subprocess.run([str(ray), "start", *extra, *common], env=self.env, cwd=self.tmp,
-                                      capture_output=True, text=True, timeout=300)
+            for node, extra in enumerate((["--head", f"--port={port}", "--include-dashboard=false",
+                                           f"--temp-dir={self.tmp}"], [f"--address={self.address}"])):
+                common = [f"--node-ip-address={ips[node]}", f"--num-cpus={cpus}", "--disable-usage-stats"]
+                proc = subprocess.run([*(link.prefix(node) if link else []), str(ray), "start", *extra, *common],
+                                      env=self.env, cwd=self.tmp, capture_output=True, text=True, timeout=300)
                 self._note()
                 if proc.returncode:
                     raise RuntimeError(f"ray start {' '.join(extra)} failed:\n{proc.stdout[-2000:]}"
@@ -153,12 +163,13 @@ class LocalCluster:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def measured_run(world: int, tp: int, nnodes: int = 1) -> dict:
+def measured_run(world: int, tp: int, nnodes: int = 1, link=None) -> dict:
     """``megarl train`` of the GRPO demo for 6 steps: the mean seconds of each phase over steps
     2-6 (step 1 pays one-time costs), and the mean and longest response lengths (the workload the
-    prediction needs)."""
+    prediction needs). With ``link`` (two nodes in network namespaces), also the bytes each node
+    sent over it per step (mean over steps 2-6)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", RAY_AUTH_MODE="disabled")
-    cluster = LocalCluster(world // nnodes) if nnodes > 1 else None
+    cluster = LocalCluster(world // nnodes, link) if nnodes > 1 else None
     try:
         with tempfile.TemporaryDirectory() as run:
             cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/grpo_demo.yaml", "trainer.train_steps=6",
@@ -168,10 +179,15 @@ def measured_run(world: int, tp: int, nnodes: int = 1) -> dict:
             if cluster:
                 cmd.append(f"trainer.ray_address={cluster.address}")
                 env = cluster.env
+                cmd = cluster.prefix + cmd
+            if link:
+                cmd.append(f"trainer.node_ip_address={link.ips[0]}")
             stderr_path = Path(run) / "stderr.txt"
+            sent = []  # the link's per-node byte counts whenever a step's metrics line appeared
             with open(stderr_path, "w") as stderr:
                 proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
-                share = _core_share_while(proc, stderr_path)
+                share = _core_share_while(proc, stderr_path, (lambda: _count_steps(link, Path(run), sent))
+                                          if link else None)
             stderr = stderr_path.read_text()
             if proc.returncode:
                 sys.exit(f"{' '.join(cmd)} failed:\n{stderr[-4000:]}")
@@ -182,12 +198,24 @@ def measured_run(world: int, tp: int, nnodes: int = 1) -> dict:
         if cluster:
             cluster.stop()
     mean = lambda k: sum(r[k] for r in rows) / len(rows)
+    # the bytes between step 1's line and step 6's: steps 2-6
+    steps = [(n, counts) for n, counts in sent if n >= 1]
+    per_step = ([(b - a) / (steps[-1][0] - steps[0][0]) for a, b in zip(steps[0][1], steps[-1][1])]
+                if len(steps) > 1 else None)
     return {**{p: mean(f"time/{p}_s") for p in PHASES + ("reward", "step")},
             "response_mean": mean("response/length_mean"), "response_max": mean("response/length_max"),
-            "nodes": nodes, "core_share": share}
+            "nodes": nodes, "core_share": share, "link_bytes_per_step": per_step}
 
 
-def _core_share_while(proc: subprocess.Popen, stderr: Path) -> float:
+def _count_steps(link, run: Path, sent: list) -> None:
+    """Append (steps written, [bytes each node sent]) when the metrics file has a new line."""
+    metrics = run / "metrics.jsonl"
+    done = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+    if not sent or sent[-1][0] != done:
+        sent.append((done, link.sent_bytes()))
+
+
+def _core_share_while(proc: subprocess.Popen, stderr: Path, poll=None) -> float:
     """The share of a core the run's workers got while runnable, from the kernel's scheduler
     statistics of their main threads (/proc/PID/schedstat: time on a CPU, time waiting in a run
     queue) between the driver's worker list and the run's end. Like the response lengths, it is
@@ -202,6 +230,8 @@ def _core_share_while(proc: subprocess.Popen, stderr: Path) -> float:
                 continue
             first.setdefault(pid, (on_cpu, waiting))
             last[pid] = (on_cpu, waiting)
+        if poll:
+            poll()
         time.sleep(0.2)
     on_cpu = sum(last[p][0] - first[p][0] for p in last)
     waiting = sum(last[p][1] - first[p][1] for p in last)
@@ -294,8 +324,145 @@ def cpu_breakdown() -> None:
         "" if not off else ": " + "; ".join(f"{s} {p} x{r:.2f}" for s, p, r in off)))
 
 
+def netns_check(rate_mbit: float) -> None:
+    """The GRPO demo at world 4 on two Ray nodes in network namespaces (benchmarks/netns.py: real
+    sockets between them over a veth pair limited to ``rate_mbit`` each way), measured beside the
+    prediction from this machine's constants plus the link's, measured in the same run; and the
+    bytes each node sent over the link per step beside the collectives' bytes the model counts."""
+    from benchmarks import cpu_cost, netns
+    from megarl.config import load_config
+    from megarl.hybrid import ModelSpec, rank_traffic, regroup
+    from megarl.parallel import Layout
+
+    why = netns.available()
+    if why:
+        sys.exit(f"benchmarks/scaling.py netns: {why}")
+    world, nnodes = 4, 2
+    cfg = load_config([ROOT / "configs/grpo_demo.yaml"])
+    shape, tp = cpu_cost.demo_shape(cfg), cfg.parallel.actor.tp
+    c = cpu_cost.measure(worlds=(world,))
+    link = netns.TwoNodeLink(rate_mbit)
+    try:
+        fits = cpu_cost.measure_link(link)
+        measured = measured_run(world, tp, nnodes, link)
+    finally:
+        link.close()
+    if measured["nodes"] != nnodes:
+        sys.exit(f"the ranks ran on {measured['nodes']} Ray node(s), not {nnodes}")
+    pair = lambda fit: f"{fit['latency_s'] * 1e6:.0f} us + bytes / {fit['bytes_per_s'] / 1e6:.1f} MB/s"
+    print(f"Link: two network namespaces, a veth pair limited to {rate_mbit:g} Mbit/s each way (tc tbf). Gloo "
+          f"across it, 4 ranks, a tp=2 pair per node: the two DP pairs' all-reduce at once "
+          f"{pair(fits['dp_all_reduce'])}; over all 4: all-reduce {pair(fits['world_all_reduce'])}, all-gather "
+          f"{pair(fits['world_all_gather'])}")
+    model = ModelSpec.from_args(shape["args"], cfg.model.make_vocab_size_divisible_by)
+    layout = Layout(tp=tp, dp=world // tp)
+    rg = regroup(layout, cfg.parallel.rollout.tp)
+    per_node = world // nnodes
+    traffic = [rank_traffic(model, rg, r, "micro_dp", per_node) for r in range(world)]
+    sync_cross = sum(t["received_other_nodes"] for t in traffic) * 4  # fp32, both directions
+    predicted = cpu_cost.predict(c, shape, world, tp, measured["response_mean"], measured["response_max"],
+                                 traffic[0]["received"] * 4, measured["core_share"], link=fits)
+    predicted["step"] = sum(predicted[p] for p in PHASES) + measured["reward"] + c["ray_bare_s"][world]
+    print(f"\nGRPO demo, world {world} on {nnodes} namespaced Ray nodes, tp={tp} dp={world // tp} (the driver on the "
+          f"first node), mean of steps 2-6, seconds: predicted / measured (ratio)")
+    for phase in PHASES + ("step",):
+        ratio = predicted[phase] / measured[phase]
+        print(f"  {phase:>13s} {predicted[phase]:7.3f} / {measured[phase]:7.3f}  ({ratio:4.2f})")
+    # the collectives' bytes across the link per step, each direction: the two DP pairs' ring
+    # all-reduce of the gradients (each rank sends its whole share once: half in the reduce-scatter,
+    # half in the all-gather), and the responses' all-gather over 4 ranks (a ring crosses the link
+    # twice, each crossing carries 3 shares: the sizes, then the pickles)
+    grads = model.numel() / tp * 4
+    share = measured["response_mean"] * 8 * shape["rows"] / world  # ~8 pickled bytes per token
+    counted = 2 * grads + 3 * share
+    sent = measured["link_bytes_per_step"]
+    print(f"  link bytes per step, sent by node 0 / node 1: {sent[0] / 1e3:.0f} kB / {sent[1] / 1e3:.0f} kB; the "
+          f"model's collectives {counted / 1e3:.0f} kB each way (DP all-reduce {2 * grads / 1e3:.0f} kB); the "
+          f"weight sync's planner bytes across nodes {sync_cross / 1e3:.0f} kB (micro-DP groups within a node); "
+          f"the rest is Ray's traffic (the driver on node 0), which the model does not count")
+    ray_bytes = max(sent[0] - counted, 0.0)  # node 0's: the driver's calls out (the larger direction)
+    with_ray = predicted["step"] + ray_bytes / (rate_mbit * 1e6 / 8)
+    print(f"  the step predicted with node 0's uncounted bytes at the link's rate ({ray_bytes / 1e3:.0f} kB, measured): "
+          f"{with_ray:.3f} / {measured['step']:.3f} ({with_ray / measured['step']:.2f})")
+
+
+def cluster_check(argv) -> None:
+    """``megarl train`` of the user's config on a real cluster (a Ray address: launch/slurm/train.sbatch's
+    head node, or any Ray cluster), each phase's seconds (mean of the steps after the first) beside
+    megarl/sizing/cost.py's prediction for the same layout, model and measured response lengths,
+    on the hardware the flags describe; and the weight sync's bytes per link from the planner
+    (what each rank receives from its own node and from others: the 3D-HybridEngine moves
+    exactly these)."""
+    import argparse
+    import dataclasses
+
+    from megarl.checkpoint.load import resolve_model_config
+    from megarl.config import load_config
+    from megarl.hybrid import ModelSpec, rank_traffic, regroup
+    from megarl.models.hf_config import megatron_args_from_hf
+    from megarl.parallel import Layout
+
+    parser = argparse.ArgumentParser(prog="benchmarks/scaling.py cluster", description=cluster_check.__doc__)
+    parser.add_argument("config", nargs="+", help="a megarl config file, then key=value overrides")
+    parser.add_argument("--ray-address", required=True, help="the cluster's head, host:port")
+    parser.add_argument("--steps", type=int, default=6)
+    for field in dataclasses.fields(cost.Hardware):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    flags = parser.parse_args(argv)
+    files = [a for a in flags.config if "=" not in a]
+    overrides = [a for a in flags.config if "=" in a]
+    hw = cost.Hardware(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(cost.Hardware)})
+    with tempfile.TemporaryDirectory() as run:
+        cmd = [sys.executable, "-m", "megarl.cli", "train", *files, *overrides, f"trainer.train_steps={flags.steps}",
+               f"trainer.ray_address={flags.ray_address}", "logging.progress_bar=false", f"trainer.run_dir={run}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()][1:]
+        cfg = load_config(files, overrides + [f"trainer.run_dir={run}"])
+    if not rows:
+        sys.exit("--steps must be at least 2: the first step pays one-time costs and is left out")
+    mean = lambda k: sum(r.get(k, 0.0) for r in rows) / len(rows)
+    model_cfg = resolve_model_config(cfg.model)
+    args = megatron_args_from_hf(model_cfg.hf_config)
+    model = ModelSpec.from_args(args, cfg.model.make_vocab_size_divisible_by)
+    world = cfg.trainer.nnodes * cfg.trainer.nproc_per_node
+    train = Layout.from_config(cfg.parallel.actor, world)
+    roll = cfg.parallel.rollout
+    gen = (roll.tp, roll.pp, roll.ep)
+    wl = cost.Workload(prompts=cfg.data.prompts_per_step, samples=cfg.algorithm.samples_per_prompt,
+                       prompt_tokens=max(round(mean("prompt/length_mean")), 1),
+                       response_tokens=max(round(mean("response/length_mean")), 1),
+                       bytes_per_param=2 if "16" in str(cfg.model.params_dtype) else 4)
+    topk = args.config_kwargs.get("moe_router_topk", 1)
+    predicted = cost.predict(model, topk, train, gen, hw, wl)
+    measured = {"generate_s": mean("time/generate_s"), "sync_s": mean("time/weight_sync_s"),
+                "train_s": sum(mean(k) for k in rows[0] if k.startswith("time/") and k.endswith(
+                    ("log_prob_s", "update_s", "values_s"))),
+                "step_s": mean("time/step_s")}
+    print(f"{world} ranks, training {train}, generation t,p,e={gen}, {hw}; workload {wl} (response and prompt "
+          f"lengths measured); mean of steps 2-{flags.steps}, seconds: predicted / measured (ratio)")
+    for key, label in (("generate_s", "generate"), ("train_s", "log-probs + updates"), ("sync_s", "weight sync"),
+                       ("step_s", "step")):
+        ratio = predicted[key] / measured[key] if measured[key] else float("nan")
+        print(f"  {label:>20s} {predicted[key]:9.3f} / {measured[key]:9.3f}  ({ratio:.2f})")
+    rg = regroup(train, *gen, model.num_experts)
+    traffic = [rank_traffic(model, rg, r, "micro_dp", hw.gpus_per_node) for r in range(world)]
+    same = max(t["received"] - t["received_other_nodes"] for t in traffic) * wl.bytes_per_param
+    other = max(t["received_other_nodes"] for t in traffic) * wl.bytes_per_param
+    across = sum(t["received_other_nodes"] for t in traffic) * wl.bytes_per_param
+    print(f"  weight sync bytes per rank (the planner's, the most any rank receives): {same / 1e6:.1f} MB from its "
+          f"node, {other / 1e6:.1f} MB from other nodes; all ranks together {across / 1e6:.1f} MB across nodes")
+
+
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if what == "cluster":
+        cluster_check(sys.argv[2:])
+        return
+    if what == "netns":
+        netns_check(float(sys.argv[2]) if len(sys.argv) > 2 else 20.0)
+        return
     if what == "all":
         cpu_breakdown()
     cost_model(ROOT / "runs" / "scaling")

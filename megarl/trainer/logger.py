@@ -141,6 +141,8 @@ class RunLogger:
             "step": step, "reward/mean": batch.raw_scores.mean().item(), "reward/max": batch.raw_scores.max().item(),
             "reward/min": batch.raw_scores.min().item(), "reward/shaped_mean": batch.scores.mean().item(),
             "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+            # a row's input is its prompt and response but the last token (steps.py)
+            "prompt/length_mean": (batch.lengths + 1 - batch.response_lengths).float().mean().item(),
             "time/step_s": seconds, "throughput/tokens_per_s": (mask.sum().item() + batch.lengths.sum().item()) / seconds,
             "policy_version": batch.policy_version, "batch/rows": len(batch),
         }
