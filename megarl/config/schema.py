@@ -661,7 +661,8 @@ class TrainerConfig:
     Ray ignores it (loopback)."""
     save_interval: int = bounded(50, ge=0)
     """Checkpoint every this many steps and at the last (0 = never); the run resumes from the newest
-    one."""
+    one. A stop that signals every process of the run (Slurm's preemption, a plain scancel) loses
+    the steps after it."""
     val_interval: int = bounded(0, ge=0)
     """Evaluate on data.val_files every this many steps, after the step's weight sync (0 = only
     before training, with val_before_train); metrics in <run_dir>/validation.jsonl and every logger,
@@ -705,7 +706,8 @@ class TrainerConfig:
     signal_grace_s: float = bounded(300.0, gt=0)
     """After SIGTERM, the driver exits 143 within this long: the step and the checkpoint must fit in
     it (launch/slurm/train.sbatch asks Slurm for the signal this long, plus teardown, before the
-    kill); past it the run stops without a checkpoint."""
+    kill); past it the run stops without a checkpoint. Each checkpoint's time is printed; when the
+    longest step and a save do not fit, a warning (once) gives the grace to set."""
     max_bad_steps: int = bounded(3, ge=1)
     """Optimizer steps in a row of one model (actor or critic) whose loss or gradients are not finite
     on some rank before the run stops with NonFiniteUpdateError; each such step is skipped on every

@@ -245,9 +245,9 @@ def _run_locked(prepared: PreparedSFT) -> List[dict]:
         log = RunLogger(cfg, cfg.trainer.train_steps, start_step=done, run_ids=run_ids, desc=prepared.stage.command)
         schedule = CheckpointSchedule(checkpoints, cfg.trainer, group, lambda step: {
             "step": step, "stream": stream.state(), "tracker_run_ids": log.run_ids}, to_yaml(cfg), preemption)
-        preemption.armed = True
-        train(cfg, prepared.stage, learner, stream, prepared.val, tok.pad_token_id, log, done + 1, schedule.after_step)
-        preemption.armed = False
+        with schedule.running():
+            train(cfg, prepared.stage, learner, stream, prepared.val, tok.pad_token_id, log, done + 1,
+                  schedule.after_step)
         schedule.finish(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
         (log.run_dir / "final.json").write_text(json.dumps(final))

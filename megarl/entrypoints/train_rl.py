@@ -64,10 +64,9 @@ def _run_locked(prepared: Prepared) -> List[dict]:
                 "tracker_run_ids": log.run_ids, **({"kl_coef": kl.value} if kl else {})}, to_yaml(cfg), preemption)
         train = one_step_off.train if cfg.trainer.loop == Loop.one_step_off else loop.train
         validator = _validator(prepared, roles, closing)
-        preemption.armed = True  # a SIGTERM from here on lets the step finish
-        train(cfg, roles, stream, scorer, log, tok.eos_token_ids, tok.pad_token_id,
-              start_step=done + 1, after_step=schedule.after_step, agent=prepared.agent, validator=validator, kl=kl)
-        preemption.armed = False
+        with schedule.running():  # a SIGTERM from here on lets the step finish
+            train(cfg, roles, stream, scorer, log, tok.eos_token_ids, tok.pad_token_id, start_step=done + 1,
+                  after_step=schedule.after_step, agent=prepared.agent, validator=validator, kl=kl)
         schedule.finish(blocking=True)
         final = {"step": cfg.trainer.train_steps, "actor_weights_checksum": group.call_first("actor_weights_checksum")}
         (log.run_dir / "final.json").write_text(json.dumps(final))

@@ -8,7 +8,14 @@ KILLED. If the step and the save have not finished by ``trainer.signal_grace_s``
 teardown takes), an alarm raises :class:`Preempted` wherever the driver is: it waits on its ranks
 in one-second polls, so that lands within a second, and an unfinished checkpoint stays a ``.tmp``
 that resume never picks. A second SIGTERM (more than 2 s later) raises at once. Before the loop starts (and after it
-ends) there is no step to finish, and a SIGTERM raises at once too.
+ends) there is no step to finish, and a SIGTERM raises at once too. A grace too short for the
+measured step and checkpoint is warned of (:func:`grace_needed_s`, used by the checkpoint schedule).
+
+Slurm's preemption and a plain ``scancel`` signal every step of a job: the Ray nodes' ranks stop
+with the driver, so the step in progress cannot finish. A step that fails once a SIGTERM has come
+(:meth:`Preemption.heard` waits briefly for one behind a rank found dead) is that stop, not a
+crash: the run ends as preempted, naming the checkpoint it resumes from
+(megarl.trainer.checkpoint.CheckpointSchedule.running).
 
 Ctrl-C: :class:`InterruptNotice` tells the run's watchdog process of every SIGINT, and whether the
 driver took it, so that a driver that cannot take it is stopped from outside.
@@ -26,6 +33,10 @@ from typing import Optional
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143, as a process killed by SIGTERM reports in a shell
 DUPLICATE_S = 2.0  # a second SIGTERM within this long is the first one again
+# Ranks lost this long before the driver's own SIGTERM arrives are lost to it: Slurm signals each
+# step of a job separately, and the driver may notice a dead rank first.
+SIGNALS_APART_S = 0.5
+GRACE_SPARE = 1.25  # the grace asked for: the measured step and save, a quarter more (they vary)
 
 
 class Preempted(Exception):
@@ -35,6 +46,14 @@ class Preempted(Exception):
 def teardown_margin_s(grace_s: float) -> float:
     """Of the grace, what is kept for stopping Ray and the workers after the deadline."""
     return min(30.0, grace_s / 4)
+
+
+def grace_needed_s(work_s: float) -> float:
+    """The shortest ``trainer.signal_grace_s`` whose deadline (the grace less
+    :func:`teardown_margin_s`) holds ``work_s`` (the step in progress and its checkpoint, as
+    measured) with :data:`GRACE_SPARE` to spare."""
+    work = GRACE_SPARE * work_s
+    return min(work + 30.0, work * 4 / 3)  # the inverse of grace - min(30, grace / 4) = max(grace - 30, 3 grace / 4)
 
 
 class Preemption:
@@ -62,6 +81,14 @@ class Preemption:
     @property
     def requested(self) -> bool:
         return self.requested_at is not None
+
+    def heard(self, wait_s: float = SIGNALS_APART_S) -> bool:
+        """Whether a SIGTERM has come, waiting up to ``wait_s`` for one (armed: the handler only
+        notes it); for ranks found dead, which a preemption of every step kills beside the driver."""
+        deadline = time.monotonic() + wait_s
+        while self._installed and not self.requested and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.requested
 
     def _on_term(self, signum, frame) -> None:
         if self.requested:

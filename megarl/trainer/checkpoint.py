@@ -17,11 +17,15 @@ once there is space.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -165,37 +169,105 @@ class CheckpointSchedule:
     stops with Preempted). With ``trainer.async_save`` the workers' tensors are still being
     written when a save returns; a checkpoint is committed once every rank has finished, one
     background write at a time. ``workers``: the trainer's worker group; ``driver_state(step)``:
-    the driver's part of a checkpoint."""
+    the driver's part of a checkpoint.
+
+    Each save's time is printed. A SIGTERM waits for the step in progress and its checkpoint: the
+    first save that, with the longest step so far, does not fit ``trainer.signal_grace_s``
+    (:func:`~megarl.runtime.signals.grace_needed_s`) is warned of once, with the grace to set."""
 
     def __init__(self, checkpoints: Checkpoints, trainer_cfg, workers, driver_state, config_yaml: str, preemption):
         self.checkpoints, self.t, self.workers = checkpoints, trainer_cfg, workers
         self.driver_state, self.config_yaml, self.preemption = driver_state, config_yaml, preemption
         self.in_flight: List[Path] = []  # async checkpoints whose tensors are still being written
+        self.save_started: Dict[Path, float] = {}  # each uncommitted checkpoint's start (monotonic)
+        self.longest_step_s = 0.0  # from one after_step's end to the next one's start
+        self.step_end: Optional[float] = None
+        self.grace_warned = False
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around the loop: a SIGTERM lets the step in progress finish (``preemption.armed``).
+        Slurm's preemption and a plain ``scancel`` signal every step of a job: the ranks, the
+        run's Ray actors and the Ray nodes die beside the driver, and the step fails. A step that
+        fails once a SIGTERM has come ends the run as Preempted, naming the checkpoint it resumes
+        from, rather than as a crash."""
+        import ray.exceptions
+
+        from megarl.runtime.processes import WorkerDied
+        from megarl.runtime.signals import Preempted
+
+        self.preemption.armed = True
+        try:
+            yield
+        except Exception as err:
+            if isinstance(err, Preempted):
+                raise
+            # a rank or actor found dead may be found before the driver's own SIGTERM comes
+            lost = isinstance(err, (WorkerDied, ray.exceptions.RayError))
+            if not (self.preemption.heard() if lost else self.preemption.requested):
+                raise
+            newest = self.checkpoints.newest()
+            resumes = (f"the newest checkpoint is {newest}: the requeued job or a rerun resumes from it" if newest else
+                       "there is no checkpoint yet (trainer.save_interval): a rerun starts over")
+            what = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise Preempted(f"SIGTERM, then the step in progress failed ({type(err).__name__}: {what}): Slurm's "
+                            f"preemption and a plain scancel signal every step of the job, the ranks' too; the step "
+                            f"is lost, {resumes}") from None
+        self.preemption.armed = False
 
     def finish(self, blocking: bool) -> None:
         if self.in_flight and self.checkpoints.finished(
                 self.in_flight[0], lambda: all(self.workers.call("finish_checkpoint", blocking))):
-            self.checkpoints.commit(self.in_flight.pop())
+            self._commit(self.in_flight.pop())
+
+    def _commit(self, tmp: Path) -> None:
+        path = self.checkpoints.commit(tmp)
+        save_s = time.monotonic() - self.save_started.pop(tmp)
+        # an async save is seen finished at a step's end: its time is at most this
+        written = "written in the background within" if self.t.async_save else "written in"
+        self._check_grace(save_s)
+        print(f"megarl: checkpoint {path.name} {written} {save_s:.1f} s", flush=True)
+
+    def _check_grace(self, save_s: float) -> None:
+        from megarl.runtime.signals import grace_needed_s, teardown_margin_s
+
+        grace, work = self.t.signal_grace_s, self.longest_step_s + (save_s if self.t.save_on_signal else 0.0)
+        if self.grace_warned or grace >= grace_needed_s(work):
+            return
+        self.grace_warned = True
+        need = math.ceil(grace_needed_s(work) / 10) * 10
+        print(f"megarl: warning: trainer.signal_grace_s={grace:g} s is short: a SIGTERM waits for the step in "
+              f"progress (the longest so far took {self.longest_step_s:.1f} s) and its checkpoint (this one took "
+              f"{save_s:.1f} s), and {teardown_margin_s(grace):g} s of the grace are kept for teardown; past the grace "
+              f"the run stops without that checkpoint. Set trainer.signal_grace_s={need} or more, and under "
+              f"launch/slurm/train.sbatch sbatch --signal=B:TERM@{need + 60}", file=sys.stderr, flush=True)
 
     def after_step(self, step: int) -> None:
         from megarl.runtime.signals import Preempted
 
         t = self.t
+        if self.step_end is not None:
+            self.longest_step_s = max(self.longest_step_s, time.monotonic() - self.step_end)
         self.finish(blocking=False)
         stop = self.preemption.requested
         if (stop and t.save_on_signal) or (t.save_interval and (step % t.save_interval == 0 or step == t.train_steps)):
             self.finish(blocking=True)  # one background write at a time
+            started = time.monotonic()
             tmp = self.checkpoints.begin(step, lambda tmp: self.workers.call("save_checkpoint", str(tmp)),
                                          self.driver_state(step), self.config_yaml)
+            self.save_started[tmp] = started
             if t.async_save:
                 self.in_flight.append(tmp)
             else:
-                self.checkpoints.commit(tmp)
+                self._commit(tmp)
         if stop:
             self.finish(blocking=True)
             saved = (f"checkpoint {self.checkpoints.newest()}" if t.save_on_signal else
                      "no checkpoint (trainer.save_on_signal=false)")
-            raise Preempted(f"SIGTERM: stopped after step {step}, {saved}; rerun the command to resume")
+            since = time.monotonic() - self.preemption.requested_at
+            raise Preempted(f"SIGTERM: stopped after step {step}, {saved} ({since:.1f} s after the signal, of "
+                            f"trainer.signal_grace_s={t.signal_grace_s:g}); rerun the command to resume")
+        self.step_end = time.monotonic()
 
 
 def resume(checkpoints: Checkpoints, group, stream, scorer=None, kl=None) -> Tuple[int, Dict[str, str]]:

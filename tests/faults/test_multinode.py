@@ -121,7 +121,9 @@ def test_two_node_run_then_a_lost_node_is_named_within_seconds(cluster, tmp_path
 # ------------------------------------------------------------------------ the Slurm scripts
 # Fakes of what the scripts call, first on PATH: each appends "name pid RAY_AUTH_MODE token | args"
 # to $FAKE_LOG. srun answers `hostname --ip-address`, and a `--block` step (ray start) stays up
-# until SIGTERM, which it records. `ray health-check` fails once, then answers (the head is up).
+# until SIGTERM, which it records; any other step records a line per task it would start ("rank R
+# node N local L" and the MASTER_* the task sees; $SLURM_NTASKS tasks, $SLURM_NTASKS_PER_NODE a
+# node). `ray health-check` fails once, then answers (the head is up).
 FAKES = {
     "srun": r'''
 sleeper=
@@ -131,7 +133,13 @@ case " $* " in
   *" hostname "*) echo "10.1.0.7 fe80::7" ;;
   *" --head "*" --block "*) if [ -n "${FAKE_HEAD_FAILS:-}" ]; then exit 1; fi ;;&
   *" --block "*) sleep 600 & sleeper=$!; wait $sleeper ;;
-  *) env | grep ^MASTER_ | sort | tr '\n' ' ' >> "$FAKE_LOG"; echo >> "$FAKE_LOG" ;;
+  *) tasks="${SLURM_NTASKS:-1}"; per_node="${SLURM_NTASKS_PER_NODE:-$tasks}"
+     case " $* " in *" --ntasks=1 "*) tasks=1 ;; esac
+     # the step's tasks, as srun starts them (SLURM_PROCID = rank), with the environment each gets
+     for ((rank = 0; rank < tasks; rank++)); do
+       master="$(env | grep ^MASTER_ | sort | tr '\n' ' ')"
+       echo "rank $rank node $((rank / per_node)) local $((rank % per_node)) $master" >> "$FAKE_LOG"
+     done ;;
 esac''',
     "scontrol": r'''
 [ "$1 $2 $3" = "show hostnames $SLURM_JOB_NODELIST" ] || exit 9
@@ -290,12 +298,42 @@ def test_slurm_train_cleans_up_when_the_driver_fails_or_the_job_is_cancelled(tmp
     assert [c[0] for c in recorded].count("srun") == 2 and "driver" not in [c[0] for c in recorded], recorded
 
 
-def test_slurm_convert_runs_one_step_on_the_first_nodes_address(tmp_path):
-    proc, log = slurm(tmp_path, "convert.sbatch", "hf-to-mcore", "/src", "/dst", "--tp", "2")
+def convert_steps(log) -> list:
+    """(srun's arguments, [(rank, node, local rank, MASTER_* the task sees)]) per step of convert.sbatch."""
+    steps = []
+    for prog, _, _, _, args in calls(log):
+        if prog == "srun":
+            steps.append((args, []))
+        elif prog == "env" and args.startswith("rank "):
+            _, rank, _, node, _, local, *master = args.split()
+            steps[-1][1].append((int(rank), int(node), int(local), master))
+    return steps
+
+
+def test_slurm_convert_runs_its_steps_on_every_rank_with_the_first_nodes_address(tmp_path):
+    """convert.sbatch: the conversion and its verification on every task of the job (6: 2 on each
+    of 3 nodes), each task with the first node's address, then the inspection on one task; an
+    array task takes its entry of a job list; bad arguments exit 2 with the usage."""
+    master = ["MASTER_ADDR=gpu1", "MASTER_PORT=29511"]
+    every = [(rank, rank // 2, rank % 2, master) for rank in range(6)]
+    python, tools = tmp_path / "bin" / "python", ROOT / "checkpoint_tools"
+    proc, log = slurm(tmp_path, "convert.sbatch", "hf-to-mcore", "/src", "/dst", "--tp", "2",
+                      SLURM_NTASKS="6", SLURM_NTASKS_PER_NODE="2")
     assert proc.returncode == 0, proc.err
-    (step, env) = calls(log)
-    python = tmp_path / "bin" / "python"
-    assert step[4] == f"--kill-on-bad-exit=1 {python} -m megarl.checkpoint.cli hf-to-mcore /src /dst --tp 2"
-    assert env[4].split() == ["MASTER_ADDR=gpu1", "MASTER_PORT=29511"]
-    proc, _ = slurm(tmp_path, "convert.sbatch", "hf-to-mcore")
-    assert proc.returncode == 2 and "usage:" in proc.err
+    assert convert_steps(log) == [
+        (f"--kill-on-bad-exit=1 {python} {tools}/hf_to_mcore.py /src /dst --tp 2", every),
+        (f"--kill-on-bad-exit=1 {python} {tools}/verify.py /src /dst --layers 2", every),
+        (f"--nodes=1 --ntasks=1 {python} {tools}/inspect.py /dst", [(0, 0, 0, master)])]
+
+    (tmp_path / "a").mkdir()
+    proc, log = slurm(tmp_path / "a", "convert.sbatch", "mcore-to-hf", "--list", "jobs.txt", "--dtype", "bfloat16",
+                      SLURM_ARRAY_TASK_ID="3", VERIFY_ARGS="--tp 2 --tol 1e-3")
+    assert proc.returncode == 0, proc.err
+    python = tmp_path / "a" / "bin" / "python"
+    assert [args for args, _ in convert_steps(log)] == [
+        f"--kill-on-bad-exit=1 {python} {tools}/mcore_to_hf.py --list jobs.txt --dtype bfloat16 --index 3",
+        f"--kill-on-bad-exit=1 {python} {tools}/verify.py --list jobs.txt --index 3 --tp 2 --tol 1e-3",
+        f"--nodes=1 --ntasks=1 {python} {tools}/inspect.py --list jobs.txt --index 3"]
+    for args in (["hf-to-mcore"], ["verify", "/src", "/dst"]):
+        proc, _ = slurm(tmp_path, "convert.sbatch", *args)
+        assert proc.returncode == 2 and "usage:" in proc.err, proc.err
