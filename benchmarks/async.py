@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous RL on 4 CPU ranks, side by side in one run.
 
-    python benchmarks/async.py [--steps 10] [--warmup 2]
+    python benchmarks/async.py [--steps 10] [--warmup 2] [--case all|io|long_tail] [--tail-steps 30]
 
 Four schedules of the GRPO demo (configs/grpo_demo.yaml, actor tp=2), each on 4 ranks:
 colocated sync (actor on all 4, dp=2), split sync (actor on 2, rollout on 2), split
@@ -15,6 +15,11 @@ generation + scoring hidden behind training (1 - wait / (generate + reward): the
 for the next batch against what drawing it took), and the staleness. The cost model line gives
 what each schedule would take if every rank had its own device (GPUs): sync = train + generate +
 reward + sync, one-step-off = max(train, generate + reward) + sync, from the measured phases.
+
+A third case, ``long_tail`` (:func:`long_tail`): responses of 5 to 64 tokens, for split sync,
+one-step-off, batch streaming and sample streaming with partial rollouts (``trainer.loop=async``):
+samples per second, the rollout's idle share, the lengths and the reward over the last 10% of
+steps. Native engine only: vLLM neither pauses nor admits requests into a rollout in flight here.
 """
 
 from __future__ import annotations
@@ -37,6 +42,19 @@ SCHEDULES = {
     "split stream (max_staleness=2)": ["trainer.placement=split", "parallel.rollout.nproc=2",
                                        "trainer.loop=one_step_off", "trainer.max_staleness=2",
                                        "algorithm.rollout_correction=token_tis"],
+}
+SPLIT = ["trainer.placement=split", "parallel.rollout.nproc=2"]
+# The long tail: the demo task with room for 64 new tokens. A response that has learnt to reverse
+# the digits ends after 5 tokens; one that misses the end runs to 64 (13x): early in training
+# most rows are long, later most are short with a tail. Each schedule on the same 4 ranks and seed.
+LONG_TAIL = {
+    "split sync": SPLIT,
+    "split one-step-off": [*SPLIT, "trainer.loop=one_step_off"],
+    "split batch stream (max_staleness=2)": [*SPLIT, "trainer.loop=one_step_off", "trainer.max_staleness=2",
+                                             "algorithm.rollout_correction=token_tis"],
+    "split sample stream + partial (max_staleness=2)": [
+        *SPLIT, "trainer.loop=async", "trainer.max_staleness=2", "algorithm.rollout_correction=token_tis",
+        "parallel.rollout.partial_rollout=true", "parallel.rollout.partial_chunk_tokens=8"],
 }
 TRAIN_PHASES = ("old_log_prob", "actor_update")
 
@@ -85,13 +103,55 @@ def case(name: str, steps: int, warmup: int, extra, work: Path):
     return out
 
 
+def long_tail(steps: int, warmup: int, work: Path) -> dict:
+    """Samples per second (rows / mean step time after ``warmup``), the rollout's idle share, the
+    response lengths and the reward over the last 10% of steps (equal samples: the same steps of
+    the same rows) for each LONG_TAIL schedule."""
+    out = {}
+    for schedule, overrides in LONG_TAIL.items():
+        rows = run([*overrides, "algorithm.max_new_tokens=64"], steps, work / f"tail-{len(out)}")
+        mean = lambda key, rs=rows[warmup:]: statistics.mean(r.get(key, 0.0) for r in rs)
+        step_s = mean("time/step_s")
+        tail = rows[-max(1, len(rows) // 10):]
+        # the rollout's idle share: the async loop measures it; the batch loops' rollout is busy
+        # for generate_s of each step (split: its own ranks)
+        idle = mean("sampling/rollout_idle_frac") if "sampling/rollout_idle_frac" in rows[0] else \
+            max(0.0, 1 - mean("time/generate_s") / step_s)
+        out[schedule] = {"samples_per_s": 16 * 8 / step_s, "step_s": step_s, "rollout_idle": idle,
+                         "length_mean": mean("response/length_mean"), "length_max": mean("response/length_max"),
+                         "reward_last10": statistics.mean(r["reward/mean"] for r in tail),
+                         "reward_curve": [round(r["reward/mean"], 3) for r in rows]}
+        print(f"[long tail] {schedule}: {json.dumps({k: v if isinstance(v, list) else round(v, 3) for k, v in out[schedule].items()})}",
+              flush=True)
+    print("\n## long tail (max_new_tokens=64; 16 prompts x 8 samples)\n")
+    print("| schedule | samples/s | vs one-step-off | step s | rollout idle | length mean / max | reward, last 10% |")
+    print("|---|---|---|---|---|---|---|")
+    base = out["split one-step-off"]["samples_per_s"]
+    for schedule, s in out.items():
+        print(f"| {schedule} | {s['samples_per_s']:.1f} | {s['samples_per_s'] / base:.2f}x | {s['step_s']:.3f} | "
+              f"{s['rollout_idle']:.0%} | {s['length_mean']:.1f} / {s['length_max']:.0f} | {s['reward_last10']:.3f} |")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--case", choices=["all", "io", "long_tail"], default="all")
+    parser.add_argument("--tail-steps", type=int, default=30)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.case in ("all", "long_tail"):
+            tail = long_tail(args.tail_steps, args.warmup, work)
+            ratio = (tail["split sample stream + partial (max_staleness=2)"]["samples_per_s"]
+                     / tail["split one-step-off"]["samples_per_s"])
+            gap = abs(tail["split sample stream + partial (max_staleness=2)"]["reward_last10"]
+                      - tail["split sync"]["reward_last10"])
+            print(f"\nlong tail: sample streaming + partial is {ratio:.2f}x one-step-off's samples/s (target >= 1.3x); "
+                  f"its reward over the last 10% of steps is {gap:.3f} from sync's (target <= 0.03)")
+            if args.case == "long_tail":
+                return 0
         # the split trainer's training seconds per step, to size the I/O wait like it
         probe = summarize(run(SCHEDULES["split sync"], args.warmup + 3, work / "probe"), args.warmup)
         rows = 16 * 8  # prompts x samples of the demo

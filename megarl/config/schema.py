@@ -64,6 +64,14 @@ class Loop(Choice):
 
     sync = "sync"
     one_step_off = "one_step_off"
+    async_ = "async"
+
+
+class StalenessPolicy(Choice):
+    """``trainer.staleness_policy``: sample-level streaming's answer to a sample that would be too old."""
+
+    wait = "wait"
+    drop = "drop"
 
 
 class CheckpointFormat(Choice):
@@ -316,6 +324,9 @@ class RolloutLayoutConfig:
     policy version that sampled it and its log-prob under that version (the behaviour policy)."""
     partial_chunk_tokens: int = bounded(8, ge=1)
     """With partial_rollout: tokens per row decoded between two points where a weight sync may come in."""
+    max_inflight: int = bounded(0, ge=0)
+    """trainer.loop=async: the requests (rows) the rollout keeps in flight, topped up as samples finish,
+    whole GRPO groups at a time; 0 = one step's worth (data.prompts_per_step x algorithm.samples_per_prompt)."""
     recompute_kv_after_sync: bool = False
     """With partial_rollout: after a sync, unfinished responses recompute their KV cache under the new
     weights (each later token is then exactly the new policy's, given its prefix), instead of keeping
@@ -685,12 +696,22 @@ class TrainerConfig:
     3D-HybridEngine). ``split``: the rollout gets its own parallel.rollout.nproc ranks and worker group,
     and each sync sends every rollout rank its generation shard from the training ranks that hold it."""
     loop: Loop = Loop.sync
-    """``sync`` (on-policy) or ``one_step_off`` (the rollout of step k+1 is drawn from the weights before
-    update k; with split placement it is generated and scored while step k trains)."""
+    """``sync`` (on-policy), ``one_step_off`` (the rollout of step k+1 is drawn from the weights before
+    update k; with split placement it is generated and scored while step k trains) or ``async`` (split
+    placement, native engine: sample-level streaming; the rollout keeps parallel.rollout.max_inflight requests
+    in flight, finished groups are scored into a queue and the trainer takes data.prompts_per_step of them as
+    soon as they exist; see staleness_policy)."""
+    staleness_policy: StalenessPolicy = StalenessPolicy.wait
+    """trainer.loop=async: ``wait``: groups are trained in the order they were admitted, each admitted only
+    while it will be trained within max_staleness versions of the weights it starts under, so the trainer waits
+    for a long response rather than let it grow stale (none dropped); ``drop``: groups are trained as they
+    finish, and a group whose oldest token is more than max_staleness versions behind the actor is dropped
+    (sampling/stale_dropped_groups)."""
     max_staleness: int = bounded(0, ge=0)
     """With loop=one_step_off and split placement: 0 = the fixed one-step lag; N >= 1 = streaming, the
     rollout keeps drawing batches up to N policy versions ahead of the actor and the trainer takes them as
-    they finish. Staleness above 1 needs algorithm.rollout_correction (the stale samples' importance weights)."""
+    they finish. With loop=async: the bound on every sample's oldest token (0 counts as 1). Staleness above 1
+    needs algorithm.rollout_correction (the stale samples' importance weights)."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Trained state moved to host memory while the rollout generates (colocated). memory/host_peak_gb/<phase>
     and memory/gpu_peak_gb/<phase> (generate, train; max over ranks) are logged either way, time/offload_s and

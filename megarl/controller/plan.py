@@ -59,12 +59,14 @@ def split_plan(cfg, layout, args) -> str:
     tp = transfer_plan(cfg, args)
     backend = rollout_backend(r.engine)
     itemsize = 2 if (rollout_dtype(r) or cfg.model.params_dtype) == ParamsDtype.bfloat16 else 4
-    staleness = {Loop.sync: "0", Loop.one_step_off: str(t.max_staleness or 1)}[t.loop]
+    staleness = {Loop.sync: "0", Loop.one_step_off: str(t.max_staleness or 1), Loop.async_: str(t.max_staleness or 1)}[t.loop]
     lines = [f"placement split: trainer {layout.world_size} ranks (actor layout {layout}); rollout {r.nproc} ranks "
              f"(layout {tp.gen}, {r.engine}); ray {t.ray_address or 'private, 127.0.0.1'}",
              f"algorithm {cfg.algorithm.name}; {cfg.data.prompts_per_step} prompts x {cfg.algorithm.samples_per_prompt} "
              f"samples per step; loop {t.loop}"
-             + (f", streaming up to {t.max_staleness} versions ahead" if t.max_staleness else "")
+             + (f", samples streamed ({r.max_inflight or cfg.data.prompts_per_step * cfg.algorithm.samples_per_prompt} "
+                f"in flight, staleness policy {t.staleness_policy})" if t.loop == Loop.async_ else
+                f", streaming up to {t.max_staleness} versions ahead" if t.max_staleness else "")
              + f" (staleness <= {staleness})",
              f"weight sync: {len(tp.buckets)} bucket(s) over the group spanning trainer ranks 0..{tp.offset - 1} and "
              f"rollout ranks {tp.offset}..{tp.world_size - 1}"

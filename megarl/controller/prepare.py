@@ -190,7 +190,7 @@ def check_judge(cfg: MegarlConfig, layout: Layout) -> None:
     if preset(algo).prm:
         raise ConfigError("reward_model.generative with algorithm.name=prime: reward_model.path is PRIME's implicit "
                           "PRM; a judge and an implicit PRM cannot share it")
-    if t.placement == Placement.split or t.loop == Loop.one_step_off:
+    if t.placement == Placement.split or t.loop != Loop.sync:
         raise ConfigError(f"reward_model.generative with trainer.placement={t.placement}, trainer.loop={t.loop}: the "
                           f"judge runs on the training ranks between generation and training (colocated, "
                           f"synchronous loop); its own ranks are not supported yet")

@@ -36,6 +36,9 @@ class SplitRollout:
     def begin(self, prompts, sampling):
         return self.proxy.begin(prompts, sampling)
 
+    def admit(self, prompts, sampling, first_index):
+        return self.proxy.admit(prompts, sampling, first_index)
+
     def advance(self, max_tokens=None):
         return self.proxy.advance(max_tokens)
 
@@ -78,19 +81,52 @@ def check_partial_rollout(cfg) -> None:
                           "parallel.rollout.partial_rollout=true, or leave it false")
     if not r.partial_rollout:
         return
-    if t.placement != Placement.split or t.loop != Loop.one_step_off:
+    if t.placement != Placement.split or t.loop not in (Loop.one_step_off, Loop.async_):
         raise ConfigError(f"parallel.rollout.partial_rollout=true interrupts generation for weight syncs that "
-                          f"run beside it: set trainer.placement=split and trainer.loop=one_step_off (got "
+                          f"run beside it: set trainer.placement=split and trainer.loop=one_step_off or async (got "
                           f"{t.placement.value}, {t.loop.value})")
     if not rollout_backend(r.engine).partial_rollout:
         raise ConfigError(f"parallel.rollout.partial_rollout=true: engine={r.engine.value} does not pause for a "
                           f"weight sync here yet; use parallel.rollout.engine=native")
 
 
+def check_streaming(cfg) -> None:
+    """trainer.loop=async (sample-level streaming) and its keys against the rest of the config."""
+    from megarl.algorithms.presets import preset
+    from megarl.config.schema import StalenessPolicy
+    from megarl.rollout.backends import rollout_backend
+
+    t, r, algo = cfg.trainer, cfg.parallel.rollout, cfg.algorithm
+    if t.loop != Loop.async_:
+        if t.staleness_policy != StalenessPolicy.wait:
+            raise ConfigError(f"trainer.staleness_policy={t.staleness_policy.value} applies to sample-level "
+                              f"streaming: set trainer.loop=async (batch loops wait for their batch)")
+        if r.max_inflight:
+            raise ConfigError(f"parallel.rollout.max_inflight={r.max_inflight} applies to trainer.loop=async")
+        return
+    if t.placement != Placement.split:
+        raise ConfigError("trainer.loop=async streams samples from the rollout's own ranks while the trainer's "
+                          "train: set trainer.placement=split and parallel.rollout.nproc")
+    if not rollout_backend(r.engine).sample_streaming:
+        raise ConfigError(f"trainer.loop=async: engine={r.engine.value} does not take requests into a rollout in "
+                          f"flight here yet; use parallel.rollout.engine=native")
+    if cfg.rollout.env:
+        raise ConfigError("trainer.loop=async streams single-turn samples; multi-turn episodes (rollout.env) run "
+                          "with trainer.loop=sync or one_step_off")
+    if preset(algo).greedy_baseline:
+        raise ConfigError(f"algorithm.name={algo.name}: its greedy baseline is drawn per batch; use trainer.loop="
+                          f"sync or one_step_off")
+    group = algo.samples_per_prompt
+    if r.max_inflight and r.max_inflight < group:
+        raise ConfigError(f"parallel.rollout.max_inflight={r.max_inflight} cannot hold one group of "
+                          f"algorithm.samples_per_prompt={group} samples: raise it to at least {group}")
+
+
 def check_placement(cfg, args) -> None:
     """trainer.placement, parallel.rollout.nproc, trainer.loop and trainer.max_staleness together."""
     t, r, algo = cfg.trainer, cfg.parallel.rollout, cfg.algorithm
     check_partial_rollout(cfg)
+    check_streaming(cfg)
     if t.placement == Placement.colocated:
         if t.max_staleness:
             raise ConfigError(f"trainer.max_staleness={t.max_staleness} streams batches from the rollout's own ranks: "
@@ -109,14 +145,14 @@ def check_placement(cfg, args) -> None:
     if t.nnodes > 1:
         raise ConfigError("trainer.placement=split runs on one node for now (trainer.nnodes=1); use colocated "
                           "placement across nodes")
-    if t.max_staleness and t.loop != Loop.one_step_off:
-        raise ConfigError(f"trainer.max_staleness={t.max_staleness} needs trainer.loop=one_step_off (the "
+    if t.max_staleness and t.loop == Loop.sync:
+        raise ConfigError(f"trainer.max_staleness={t.max_staleness} needs trainer.loop=one_step_off or async (an "
                           f"asynchronous loop)")
     if t.max_staleness > 1 and algo.rollout_correction == RolloutCorrection.none:
         raise ConfigError(f"trainer.max_staleness={t.max_staleness}: samples up to {t.max_staleness} versions old "
                           f"need importance weights; set algorithm.rollout_correction (e.g. token_tis)")
-    if t.loop == Loop.one_step_off and algo.reward_fn == REWARD_MODEL:
-        raise ConfigError("algorithm.reward_fn=model with trainer.placement=split and trainer.loop=one_step_off: the "
+    if t.loop != Loop.sync and algo.reward_fn == REWARD_MODEL:
+        raise ConfigError(f"algorithm.reward_fn=model with trainer.placement=split and trainer.loop={t.loop.value}: the "
                           "reward model runs on the trainer's ranks, which are training while the next batch is "
                           "scored; use trainer.loop=sync or a reward function")
     try:

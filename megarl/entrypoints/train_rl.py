@@ -29,7 +29,7 @@ def run(prepared: Prepared) -> List[dict]:
 def _run_locked(prepared: Prepared) -> List[dict]:
     from megarl.controller.cluster import RaySession
     from megarl.controller.roles import build_roles, rollout_ranks, start_groups
-    from megarl.trainer import loop, one_step_off
+    from megarl.trainer import loop, one_step_off, streaming
     from megarl.trainer.checkpoint import CheckpointSchedule, Checkpoints, resume
     from megarl.trainer.logger import RunLogger
     from megarl.trainer.steps import KLCoefficient
@@ -62,7 +62,7 @@ def _run_locked(prepared: Prepared) -> List[dict]:
             checkpoints, cfg.trainer, group, lambda step: {
                 "step": step, "stream": stream.state_after(step), "reward_failures": scorer.failures,
                 "tracker_run_ids": log.run_ids, **({"kl_coef": kl.value} if kl else {})}, to_yaml(cfg), preemption)
-        train = one_step_off.train if cfg.trainer.loop == Loop.one_step_off else loop.train
+        train = {Loop.sync: loop.train, Loop.one_step_off: one_step_off.train, Loop.async_: streaming.train}[cfg.trainer.loop]
         validator = _validator(prepared, roles, closing)
         with schedule.running():  # a SIGTERM from here on lets the step finish
             train(cfg, roles, stream, scorer, log, tok.eos_token_ids, tok.pad_token_id, start_step=done + 1,
@@ -94,7 +94,7 @@ def _validator(prepared: Prepared, roles, closing: List):
     from megarl.trainer.validation import Validator
 
     cfg, scorer, tok = prepared.cfg, prepared.scorer, prepared.tokenizer
-    if cfg.trainer.loop == Loop.one_step_off and cfg.trainer.placement == Placement.split:
+    if cfg.trainer.loop != Loop.sync and cfg.trainer.placement == Placement.split:
         scorer = Scorer(cfg.algorithm, tok, cfg.reward_model)
         scorer.attach(roles)
         closing.append(scorer)

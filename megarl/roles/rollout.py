@@ -50,6 +50,11 @@ class Rollout:
         self.engine.begin(prompts, sampling)
 
     @verb(Dispatch.ALL)
+    def admit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, first_index: int) -> None:
+        """Sample-level streaming (``trainer.loop=async``): more requests into the rollout in flight."""
+        self.engine.admit(prompts, sampling, first_index)
+
+    @verb(Dispatch.ALL)
     def advance(self, max_tokens: Optional[int] = None) -> Tuple[List[Response], int]:
         """Up to ``max_tokens`` more tokens of each unfinished response: (the responses that ended,
         how many are still in flight). Weight syncs may come between two calls."""

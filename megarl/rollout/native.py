@@ -179,28 +179,47 @@ class NativeRollout(RolloutEngine):
     # ---------------------------------------------------------------- generation
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
-        self.begin(prompts, sampling)
-        return self.advance()
+        """Every response of ``prompts``, whole; a rollout in flight (a partial or streaming one,
+        between two of its calls: validation) is set aside meanwhile and continues after."""
+        saved, self.session = self.session, None
+        try:
+            self.begin(prompts, sampling)
+            return self.advance()
+        finally:
+            self.session = saved
 
     def begin(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> None:
         """Start decoding ``prompts`` (``n`` samples each), to be driven by :meth:`advance`."""
+        self.session = None
+        self.admit(prompts, sampling, 0)
+
+    def admit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, first_index: int) -> None:
+        """Add ``prompts`` (``n`` samples each) to the rollout in flight, or start one: their rows
+        decode beside the others from the next :meth:`advance` on (a micro-batch of their own, each
+        with its own KV cache), and their responses' ``prompt_index`` counts from ``first_index``
+        (sample-level streaming, ``trainer.loop=async``, keeps its pool topped up with it)."""
         if self.released or self.stale:
             raise RuntimeError("the rollout has no current weights: call update_weights() "
                                "(after resume_memory() if memory was released)")
         for i, prompt in enumerate(prompts):
             if not prompt:
-                raise ValueError(f"prompt {i} is empty")
+                raise ValueError(f"prompt {first_index + i} is empty")
             if len(prompt) + sampling.max_new_tokens > self.args.max_position_embeddings:
-                raise ValueError(f"prompt {i}: {len(prompt)} tokens + max_new_tokens={sampling.max_new_tokens} "
-                                 f"exceed the model's {self.args.max_position_embeddings} positions")
+                raise ValueError(f"prompt {first_index + i}: {len(prompt)} tokens + max_new_tokens="
+                                 f"{sampling.max_new_tokens} exceed the model's {self.args.max_position_embeddings} "
+                                 f"positions")
         seed = sampling.seed if sampling.seed is not None else self.calls
         self.calls += 1
         mine, share = dp_rows(len(prompts), sampling.n, self.groups.layout.dp, self.groups.pg.dp.rank())
         # in lock-step, every replica decodes as many micro-batches (some empty)
         span = max(share, 1) if self.lockstep else len(mine)
-        batches = [self._start(prompts, mine[start:start + self.max_batch_rows], sampling, seed)
+        batches = [self._start(prompts, mine[start:start + self.max_batch_rows], sampling, seed, first_index)
                    for start in range(0, span, self.max_batch_rows)]
-        self.session = _Session(len(prompts), batches, time.perf_counter())
+        if self.session is None:
+            self.session = _Session(len(prompts), batches, time.perf_counter())
+        else:
+            self.session.prompts += len(prompts)
+            self.session.batches += batches
 
     def advance(self, max_tokens: Optional[int] = None) -> List[Response]:
         """Decode up to ``max_tokens`` more tokens of every unfinished row of the session (None:
@@ -219,6 +238,9 @@ class NativeRollout(RolloutEngine):
             for b in session.batches:
                 self._advance(b, max_tokens)
                 out += self._finished(b)
+        if not self.lockstep:  # a streaming session admits batch after batch: the finished ones leave
+            # (in lock-step the replicas keep theirs: each advances as many batches as the others)
+            session.batches = [b for b in session.batches if b.active]
         dp = self.groups.layout.dp
         if dp > 1:
             parts = [None] * dp
@@ -293,8 +315,9 @@ class NativeRollout(RolloutEngine):
         return recorded.view(-1, rows, *recorded.shape[1:]).transpose(0, 1)
 
     @torch.no_grad()
-    def _start(self, prompts, rows, sampling: SamplingParams, seed: int) -> "_Rows":
-        """One micro-batch's decode state, before its prefill (which its first step runs)."""
+    def _start(self, prompts, rows, sampling: SamplingParams, seed: int, first_index: int = 0) -> "_Rows":
+        """One micro-batch's decode state, before its prefill (which its first step runs); its rows
+        are named (``first_index`` + prompt, sample)."""
         device = self.weights[0].device
         lengths = [len(prompts[p]) for p, _ in rows]
         width = max(lengths, default=1)
@@ -305,7 +328,8 @@ class NativeRollout(RolloutEngine):
             tokens[i, width - n:] = torch.tensor(prompts[p], device=device)
             valid[i, width - n:width] = True
         keys = row_keys((row_key(*sampling.stream_key(seed, p), s) for p, s in rows), device)  # [rows]
-        b = _Rows(rows, [width - n for n in lengths], tokens, valid, keys, sampling, total)
+        b = _Rows([(first_index + p, s) for p, s in rows], [width - n for n in lengths], tokens, valid, keys,
+                  sampling, total)
         b.routing = [[] for _ in rows] if self.routers else None  # at p_g > 1 a stage may hold no MoE layer
         return b
 

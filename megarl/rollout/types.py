@@ -113,6 +113,13 @@ class RolloutEngine(abc.ABC):
         :meth:`advance`."""
         self._pending = (list(prompts), sampling)
 
+    def admit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, first_index: int) -> None:
+        """Add prompts to the rollout in flight (sample-level streaming, ``trainer.loop=async``), their
+        responses' ``prompt_index`` counting from ``first_index``. Engines that decode one batch at a
+        time refuse."""
+        raise NotImplementedError(f"{type(self).__name__} cannot add requests to a rollout in flight "
+                                  f"(trainer.loop=async); use parallel.rollout.engine=native")
+
     def advance(self, max_tokens: Optional[int] = None) -> List[Response]:
         """Up to ``max_tokens`` more tokens of each unfinished response (None: to the end); the
         responses that ended in this call."""

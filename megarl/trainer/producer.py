@@ -169,6 +169,7 @@ class Producer:
         with self.changed:
             self.syncs_waiting += 1
         try:
+            self._before_sync()
             with self.lock:
                 if self.failed is not None:
                     raise self.failed
@@ -181,6 +182,9 @@ class Producer:
             self.version = version
             self.changed.notify_all()
         return metrics
+
+    def _before_sync(self) -> None:
+        """What a sync waits for once it has announced itself (``syncs_waiting``), before the lock."""
 
     def yield_to_sync(self) -> None:
         """Wait while a weight sync waits for the lock or runs. The sync is bounded by the run's hang

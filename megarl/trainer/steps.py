@@ -48,6 +48,7 @@ class PromptStream:
         self.max_prompt_tokens, self.truncation = max_prompt_tokens, Truncation(truncation)
         self.limit = limit or f"the model's room of {max_prompt_tokens} (max positions - algorithm.max_new_tokens)"
         self.position = 0  # records handed out so far (a resumable data position)
+        self.skip: set = set()  # positions to pass over (a resumed sample-streaming run's, already trained)
         self.lock = threading.Lock()
         self.marks: Dict[int, Dict] = {}  # step -> the state once its batch was drawn (draws ahead)
 
@@ -57,15 +58,17 @@ class PromptStream:
             return self._state()
 
     def _state(self) -> Dict:
-        return {"rng": self.rng.getstate(), "order": list(self.order), "position": self.position}
+        return {"rng": self.rng.getstate(), "order": list(self.order), "position": self.position,
+                "skip": sorted(self.skip)}
 
-    def mark(self, step: int) -> None:
+    def mark(self, step: int, state: Optional[Dict] = None) -> None:
         """Note where the stream is once step ``step``'s batch is drawn. A loop that draws ahead
         (one step off, streaming) has taken the records of later batches by the time step
         ``step`` is checkpointed: the checkpoint takes :meth:`state_after` ``(step)``, and a run
-        resumed from it draws those batches again, from the same records (none lost, none twice)."""
+        resumed from it draws those batches again, from the same records (none lost, none twice).
+        ``state``: the one to record instead (sample-level streaming computes it from its groups)."""
         with self.lock:
-            self.marks[step] = self._state()
+            self.marks[step] = self._state() if state is None else state
 
     def state_after(self, step: int) -> Dict:
         """The state once step ``step``'s batch was drawn (:meth:`mark`), else the state now."""
@@ -82,6 +85,7 @@ class PromptStream:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.order, self.position = list(state["order"]), state["position"]
+        self.skip = set(state.get("skip", ()))
 
     def next(self, count: int) -> List[PromptRecord]:
         with self.lock:
@@ -96,8 +100,12 @@ class PromptStream:
                     self.rng.shuffle(self.order)
                 else:
                     self.order.reverse()
-            out.append(self.records[self.order.pop()])
-        self.position += count
+            record, position = self.records[self.order.pop()], self.position
+            self.position += 1
+            if position in self.skip:
+                self.skip.discard(position)
+                continue
+            out.append(record)
         return out
 
     def token_ids(self, record: PromptRecord) -> List[int]:

@@ -328,7 +328,29 @@ def test_split_placement_trains_the_same_curve(split_started, grpo):
     assert all(r["sync/bytes_sent_max"] == 98944 * 4 for r in rows)
 
 
-def test_one_step_off_staleness(tmp_path):
+# Sample-level streaming, 50 steps: partial rollouts of 2 tokens per chunk, 16 rows in flight (one
+# step's), staleness bound 2, policy wait (groups trained in admission order); a checkpoint at 47.
+ASYNC = (*SPLIT, "trainer.loop=async", "trainer.max_staleness=2", "algorithm.rollout_correction=token_tis",
+         "trainer.train_steps=50", "parallel.rollout.partial_rollout=true", "parallel.rollout.partial_chunk_tokens=2",
+         "logging.rollout_dump_interval=1", "algorithm.max_new_tokens=24", "data.prompts_per_step=4",
+         "algorithm.samples_per_prompt=4", "trainer.save_interval=47")
+
+
+@pytest.fixture(scope="module")
+def async_started(tmp_path_factory):
+    """The 50-step sample-streaming run: started by test_one_step_off_staleness, beside its runs."""
+    run = started(tmp_path_factory.mktemp("async"), *ASYNC)
+    try:
+        yield run
+    finally:
+        run.stop()  # after a failure before it was waited for
+
+
+def dumped_rows(run_dir, step):
+    return [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+
+
+def test_one_step_off_staleness(tmp_path, async_started):
     """Colocated (in line) and split (drawn in a driver thread while the actor trains): the same
     schedule of policy versions, so the same batches and rewards; streaming (max_staleness=2)
     with partial rollouts keeps every token within its bound, and resumes with batches in flight."""
@@ -386,6 +408,37 @@ def test_one_step_off_staleness(tmp_path):
     resumed = history(run_dir, *streaming)
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert [prompts(step) for step in range(4, steps + 1)] == uninterrupted
+
+
+def test_sample_streaming_keeps_every_token_within_its_bound_for_50_steps(async_started):
+    """trainer.loop=async: every token of every step's batch (as dumped) was sampled at most 2
+    versions before the actor that trains on it, groups are whole, nothing is dropped under
+    staleness_policy=wait, and the run resumed from step 47 (groups in flight then) trains the same
+    prompts at steps 48-50 as the uninterrupted run: none lost, none twice."""
+    run_dir, rows = finished(async_started)
+    assert [r["step"] for r in rows] == list(range(1, 51))
+    assert all(r["sampling/stale_dropped_groups"] == 0 and r["sampling/staleness"] <= 2 for r in rows)
+    assert max(r["sampling/staleness"] for r in rows) == 2 and any(r["sampling/mixed_rows"] > 0 for r in rows)
+    assert all(0 <= r["sampling/rollout_idle_frac"] <= 1 and r["sampling/in_flight_rows"] <= 16 for r in rows)
+    tokens, seen = 0, []
+    for step in range(1, 51):
+        batch = dumped_rows(run_dir, step)
+        assert len(batch) == 16
+        for row in batch:
+            versions = row.get("token_versions", [row["policy_version"]] * len(row["response_ids"]))
+            assert len(versions) == len(row["response_ids"]) and versions == sorted(versions)
+            assert all(0 <= (step - 1) - v <= 2 for v in versions), (step, row)
+            tokens += len(versions)
+        groups = [tuple(r["prompt_ids"]) for r in batch]
+        assert all(groups.count(g) % 4 == 0 for g in groups)  # whole groups of 4 samples
+        seen.append(sorted(groups))
+    assert tokens > 50 * 16 * 2
+    checkpoints = run_dir / "checkpoints"
+    shutil.rmtree(checkpoints / "step_000050")
+    (checkpoints / "latest").write_text("step_000047")
+    resumed = history(run_dir, *ASYNC)
+    assert [r["step"] for r in resumed] == list(range(1, 51))
+    assert [sorted(tuple(r["prompt_ids"]) for r in dumped_rows(run_dir, s)) for s in (48, 49, 50)] == seen[47:]
 
 
 JUDGE_AT_CONFIGS = ("reward_model.path=configs", "reward_model.hf_config=configs/models/tiny-digits.json")  # no weights
@@ -454,14 +507,24 @@ JUDGE_AT_CONFIGS = ("reward_model.path=configs", "reward_model.hf_config=configs
      "trainer.offload is for colocated placement"),
     (["trainer.loop=one_step_off", "trainer.max_staleness=1"], ConfigError, "set trainer.placement=split"),
     (["trainer.placement=split", "parallel.rollout.nproc=2", "trainer.max_staleness=1"], ConfigError,
-     "trainer.max_staleness=1 needs trainer.loop=one_step_off"),
+     "trainer.max_staleness=1 needs trainer.loop=one_step_off or async"),
     (["trainer.placement=split", "parallel.rollout.nproc=2", "trainer.loop=one_step_off", "trainer.max_staleness=2"],
      ConfigError, "set algorithm.rollout_correction"),
     (["parallel.rollout.recompute_kv_after_sync=true"], ConfigError, "applies to partial rollouts"),
     (["parallel.rollout.partial_rollout=true"], ConfigError,
-     "set trainer.placement=split and trainer.loop=one_step_off \\(got colocated, sync\\)"),
+     "set trainer.placement=split and trainer.loop=one_step_off or async \\(got colocated, sync\\)"),
     ([*SPLIT, "trainer.loop=one_step_off", "parallel.rollout.partial_rollout=true", "parallel.rollout.engine=vllm"],
      ConfigError, "engine=vllm does not pause for a weight sync here yet"),
+    # sample-level streaming
+    (["trainer.loop=async"], ConfigError, "trainer.loop=async streams samples from the rollout's own ranks"),
+    ([*SPLIT, "trainer.loop=async", "parallel.rollout.engine=vllm"], ConfigError,
+     "engine=vllm does not take requests into a rollout in flight"),
+    ([*SPLIT, "trainer.loop=async", "algorithm.name=remax"], ConfigError, "its greedy baseline is drawn per batch"),
+    ([*SPLIT, "trainer.loop=async", "parallel.rollout.max_inflight=4"], ConfigError,
+     "parallel.rollout.max_inflight=4 cannot hold one group of algorithm.samples_per_prompt=8"),
+    (["trainer.staleness_policy=drop"], ConfigError, "trainer.staleness_policy=drop applies to sample-level streaming"),
+    (["parallel.rollout.max_inflight=64"], ConfigError, "parallel.rollout.max_inflight=64 applies to trainer.loop=async"),
+    (["trainer.staleness_policy=late"], ConfigError, "trainer.staleness_policy='late' must be one of"),
 ])
 def test_invalid_configs_fail_before_workers(overrides, error, field):
     start = time.perf_counter()

@@ -44,6 +44,8 @@ class RolloutBackend(abc.ABC):
     partial_rollout = False
     """Whether its engine pauses between tokens for a weight sync and continues its responses under the
     new weights (``parallel.rollout.partial_rollout``)."""
+    sample_streaming = False
+    """Whether its engine takes new requests into a rollout in flight (``admit``: ``trainer.loop=async``)."""
 
     def check(self, cfg) -> None:
         """Refuse (ConfigError) settings of ``parallel.rollout`` this backend cannot take."""

@@ -15,6 +15,7 @@ class NativeBackend(RolloutBackend):
     hf_weight_names = False  # the Megatron model's own tensors
     gated_delta_net = True  # megarl's layer keeps each row's convolution and recurrent state
     partial_rollout = True  # NativeRollout.begin/advance
+    sample_streaming = True  # NativeRollout.admit
 
     def colocated(self, cfg, args, regrouping, train_chunks):
         from megarl.rollout.native import NativeRollout
