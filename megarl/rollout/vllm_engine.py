@@ -42,6 +42,7 @@ A dead engine process is named: ``rollout rank R: vllm engine died (pid P)``, a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import time
@@ -170,6 +171,12 @@ class VLLMRollout(RolloutEngine):
         self.stale = True
         self.loaded = False  # the engine holds the trainer's weights (the first sync hands over all)
         self.last = RolloutStats()
+        # a partial rollout (begin/advance): this replica's requests in flight, by request id
+        self.recompute_kv_after_sync = rollout_cfg.recompute_kv_after_sync
+        self.session: Optional[Dict[str, "_Partial"]] = None
+        self.session_began, self.session_prompts, self.begun = 0.0, 0, 0
+        self.cache_stale = False  # a sync with requests in flight could not flush the prefix cache
+        self.paused = False  # the scheduler holds a partial rollout's requests between two advance calls
 
     # ---------------------------------------------------------------- the engine process
 
@@ -262,11 +269,17 @@ class VLLMRollout(RolloutEngine):
         return [t for t in shard if layer_group(specs[t.spec]) in touched]
 
     def update_weights(self, policy_version: int) -> None:
+        """With a partial rollout in flight (its requests held by the paused scheduler between two
+        :meth:`advance` calls) the weights are handed over beside them; ``recompute_kv_after_sync``
+        then preempts them: vLLM recomputes their KV cache, prompt and tokens so far, under the new
+        weights when they are scheduled again."""
         if "weights" in self.released:
             raise RuntimeError("vLLM's weights are asleep; call resume_memory() before update_weights()")
         start = time.perf_counter()
         self.executor.sync()
         handed, peak = self._hand_over()
+        if self.llm is not None and self.session and self.recompute_kv_after_sync and handed:
+            self._call(self.llm.reset_prefix_cache, reset_running_requests=True)
         getattr(self.executor, "release", lambda: None)()  # the engine holds the weights: the shard's buffers go
         last = self.executor.last
         last.engine_bytes = handed
@@ -298,7 +311,10 @@ class VLLMRollout(RolloutEngine):
         if buckets:
             self.hand.end(call)
         if handed and self.llm is not None:
-            self.flush_cache()  # cached prefixes were computed with the old weights
+            if self.session:  # a partial rollout in flight keeps its blocks: flushed once it is done
+                self.cache_stale = True
+            else:
+                self.flush_cache()  # cached prefixes were computed with the old weights
         return handed, peak
 
     def _bucket_tensors(self, bucket) -> Tuple[NamedTensors, int]:
@@ -365,12 +381,109 @@ class VLLMRollout(RolloutEngine):
 
     # ---------------------------------------------------------------- generation
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
+    def _ready(self) -> None:
         if "kv_cache" in self.released:
             raise RuntimeError("vLLM's KV cache is asleep; generate after update_weights() (the rollout role "
                                "wakes it once the trainer has offloaded)")
         if self.stale:
             raise RuntimeError("the vllm rollout has no weights yet; call update_weights() first")
+        if self.cache_stale and self.llm is not None:
+            self.flush_cache()
+        self.cache_stale = False
+
+    def _core(self, method: str, *args):
+        """A utility of vLLM's engine core (its scheduler's pause and resume)."""
+        return self._call(self.llm.llm_engine.engine_core.call_utility, method, *args)
+
+    def begin(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> None:
+        """A partial rollout: this replica's requests go into the engine, which decodes them while
+        :meth:`advance` collects what they sampled; between two calls its scheduler is paused
+        (vLLM's ``pause_scheduler(mode="keep")``, what AsyncLLM's ``pause_generation(mode="keep")``
+        calls: the requests stay, with their KV cache), so that a sync can come in between."""
+        if self.session:
+            raise RuntimeError("a partial rollout is in flight; advance() it to the end first")
+        self._ready()
+        mine, _ = dp_rows(len(prompts), sampling.n, self.groups.layout.dp, self.groups.pg.dp.rank())
+        self.session, self.session_prompts, self.session_began = {}, len(prompts), time.perf_counter()
+        self.begun += 1
+        if self.llm is not None and mine:
+            from vllm import SamplingParams as VLLMSampling
+            from vllm.inputs import TokensPrompt
+            from vllm.sampling_params import RequestOutputKind
+
+            engine = self.llm.llm_engine
+            for (p, s), kw in zip(mine, request_params(mine, sampling)):
+                name = f"megarl-{os.getpid()}-{self.begun}-{p}-{s}"
+                params = VLLMSampling(**kw, output_kind=RequestOutputKind.DELTA)
+                rid = self._call(engine.add_request, name, TokensPrompt(prompt_token_ids=list(prompts[p])), params,
+                                 lora_request=self.lora_request)
+                self.session[name] = self.session[rid] = _Partial(p, s)
+
+    def _pull(self) -> List[Response]:
+        """One engine step's new tokens (it waits for them), stamped with the weights' version; the
+        responses that ended."""
+        out = []
+        for o in self._call(self.llm.llm_engine.step):
+            part = self.session.get(o.request_id)
+            if part is None:
+                continue
+            c = o.outputs[0]
+            tokens = list(c.token_ids)
+            part.tokens += tokens
+            part.log_probs += [step[token].logprob for token, step in zip(tokens, c.logprobs or [])]
+            part.versions += [self.policy_version] * len(tokens)
+            if o.finished:
+                out.append(part.response("stop" if c.finish_reason == "stop" else "length"))
+                for key in [k for k, v in self.session.items() if v is part]:
+                    del self.session[key]
+        return out
+
+    def _drain(self) -> List[Response]:
+        """After a pause: the outputs the engine sent before it (already queued in vLLM's client:
+        the pause's answer follows them on the same socket); the responses that ended."""
+        queued, out = self.llm.llm_engine.engine_core.outputs_queue, []
+        while not queued.empty():
+            out += self._pull()
+        return out
+
+    def advance(self, max_tokens: Optional[int] = None) -> List[Response]:
+        """``max_tokens`` more engine steps of this replica's requests (None: to the end), then the
+        scheduler paused with the rest held (what the engine sampled before the pause took hold is
+        collected too, under the same version); the responses that ended, every replica's,
+        prompt-major (collective over the world)."""
+        if self.session is None:
+            raise RuntimeError("no rollout in flight: call begin() first")
+        out = []
+        if self.llm is not None and self.session:
+            if self.paused:
+                self._core("resume_scheduler")
+                self.paused = False
+            steps = 0
+            while self.session and (max_tokens is None or steps < max_tokens):
+                out += self._pull()
+                steps += 1
+            if self.session:
+                self._core("pause_scheduler", "keep", False)
+                self.paused = True
+                out += self._drain()
+        merged = gather_responses(out)
+        if self.in_flight() == 0:
+            self.session = None
+            self.last = RolloutStats(prompts=self.session_prompts, tokens=0,
+                                     seconds=time.perf_counter() - self.session_began)
+        return merged
+
+    def in_flight(self) -> int:
+        """Requests of the partial rollout still decoding, over every replica (collective)."""
+        mine = len({id(v) for v in self.session.values()}) if self.session else 0
+        count = torch.tensor([mine], device=compute_device())
+        dist.all_reduce(count)
+        return int(count.item())
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> List[Response]:
+        if self.session:
+            raise RuntimeError("vLLM generates one rollout at a time: a partial rollout is in flight")
+        self._ready()
         begin = time.perf_counter()
         mine, _ = dp_rows(len(prompts), sampling.n, self.groups.layout.dp, self.groups.pg.dp.rank())
         out: List[Response] = []
@@ -391,6 +504,22 @@ class VLLMRollout(RolloutEngine):
         self.last = RolloutStats(prompts=len(prompts), tokens=sum(r.length for r in merged),
                                  seconds=time.perf_counter() - begin)
         return merged
+
+
+@dataclasses.dataclass
+class _Partial:
+    """One request of a partial rollout: what it sampled so far, each token's version."""
+
+    prompt_index: int
+    sample_index: int
+    tokens: List[int] = dataclasses.field(default_factory=list)
+    log_probs: List[float] = dataclasses.field(default_factory=list)
+    versions: List[int] = dataclasses.field(default_factory=list)
+
+    def response(self, finish: str) -> Response:
+        versions = self.versions
+        return Response(self.prompt_index, self.sample_index, self.tokens, self.log_probs, finish, min(versions),
+                        versions=versions if len(set(versions)) > 1 else None)
 
 
 def engine_pids(llm) -> List[int]:

@@ -66,6 +66,73 @@ def hf_greedy(model_dir: str) -> list:
     return out
 
 
+PARTIAL_NEW, SPLIT = 12, 3  # a partial rollout's length, and its tokens (at least) before the sync
+
+
+def _interrupted(rollout, params, sampling, scale):
+    """A partial rollout begun under version 4 (the weights as they are), advanced SPLIT tokens, a
+    sync of moved weights (version 5), then finished: (responses, rows still in flight at the
+    sync, the weights as they were). The moved weights stay in ``params``."""
+    rollout.update_weights(4)
+    rollout.begin(PROMPTS, sampling)
+    done = rollout.advance(SPLIT)
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(3)
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    rollout.update_weights(5)
+    in_flight = rollout.in_flight()
+    done += rollout.advance()
+    return sorted(done, key=lambda x: (x.prompt_index, x.sample_index)), in_flight, saved
+
+
+def _restore(params, saved) -> None:
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+
+
+def partial_rollout(rollout, engine, params, tied: bool) -> dict:
+    """Partial rollouts (begin/advance; vLLM: its scheduler paused between calls, mode "keep"): a
+    sync of moved weights after SPLIT tokens. Each token carries the version that sampled it, and
+    its log-prob equals the trainer's under that version's weights; with the KV cache recomputed
+    after the sync, greedy continuations equal a fresh generation from each row's prefix."""
+    scale = 0.02 if tied else 0.05
+    rollout.resume_memory()
+    rollout.resume_kv_cache()
+    r = {}
+    rollout.recompute_kv_after_sync = True
+    sampling = SamplingParams(temperature=1.0, n=2, max_new_tokens=PARTIAL_NEW, seed=17)
+    responses, r["partial_in_flight"], saved = _interrupted(rollout, params, sampling, scale)
+    new = trainer_log_probs(engine, responses, 1.0, PROMPTS, PARTIAL_NEW)
+    _restore(params, saved)
+    old = trainer_log_probs(engine, responses, 1.0, PROMPTS, PARTIAL_NEW)
+    worst = {4: 0.0, 5: 0.0}
+    for i, x in enumerate(responses):
+        for k, (v, logp) in enumerate(zip(x.token_versions, x.log_probs)):
+            worst[v] = max(worst[v], abs(logp - (old if v == 4 else new)[i, k].item()))
+    r["partial_logp_diff"] = worst
+    r["partial_mixed_rows"] = sum(len(set(x.token_versions)) > 1 for x in responses)
+    r["partial_versions_sorted"] = all(x.token_versions == sorted(x.token_versions) for x in responses)
+    r["partial_rows"] = len(responses)
+
+    greedy = SamplingParams(temperature=0, max_new_tokens=PARTIAL_NEW)
+    continued, _, saved = _interrupted(rollout, params, greedy, scale)  # the moved weights stay for the fresh runs
+    equal = []
+    for x in continued:
+        cut = x.token_versions.count(4)
+        if cut < x.length:
+            fresh = rollout.generate([PROMPTS[x.prompt_index] + x.token_ids[:cut]],
+                                     SamplingParams(temperature=0, max_new_tokens=PARTIAL_NEW - cut))[0]
+            equal.append(x.token_ids[cut:] == fresh.token_ids)
+    r["partial_fresh_equal"] = equal
+    _restore(params, saved)
+    rollout.recompute_kv_after_sync = False
+    rollout.update_weights(6)  # the weights as they were: the rollout's too
+    return r
+
+
 def contract(spec: str) -> dict:
     """``spec``: a backend on the demo's model at tp=2, or ``backend@DIR``: on the HF checkpoint in
     DIR (the tied, SmolLM-135M-wide model; 9 heads: tp=1, two data-parallel replicas)."""
@@ -162,6 +229,8 @@ def contract(spec: str) -> dict:
     r["offloaded_while_generating"] = all(seen) and len(seen) >= 7
     role.release_memory()
     r["trainer_back"] = not offloaded()
+    rollout.generate = original
+    r |= partial_rollout(rollout, engine, params, bool(model_dir))
     if hasattr(rollout, "shutdown"):
         rollout.shutdown()
     groups.destroy()

@@ -513,8 +513,11 @@ JUDGE_AT_CONFIGS = ("reward_model.path=configs", "reward_model.hf_config=configs
     (["parallel.rollout.recompute_kv_after_sync=true"], ConfigError, "applies to partial rollouts"),
     (["parallel.rollout.partial_rollout=true"], ConfigError,
      "set trainer.placement=split and trainer.loop=one_step_off or async \\(got colocated, sync\\)"),
-    ([*SPLIT, "trainer.loop=one_step_off", "parallel.rollout.partial_rollout=true", "parallel.rollout.engine=vllm"],
-     ConfigError, "engine=vllm does not pause for a weight sync here yet"),
+    ([*SPLIT, "trainer.loop=one_step_off", "parallel.rollout.partial_rollout=true", "parallel.rollout.engine=sglang",
+      "parallel.rollout.dtype=float32"], ConfigError, "engine=sglang does not pause for a weight sync here yet"),
+    ([*SPLIT, "trainer.loop=one_step_off", "parallel.rollout.partial_rollout=true", "parallel.rollout.engine=vllm",
+      "data.val_files=[tests/e2e/data/prompts.jsonl]"], ConfigError,
+     "engine=vllm with partial_rollout=true and data.val_files"),
     # sample-level streaming
     (["trainer.loop=async"], ConfigError, "trainer.loop=async streams samples from the rollout's own ranks"),
     ([*SPLIT, "trainer.loop=async", "parallel.rollout.engine=vllm"], ConfigError,

@@ -35,6 +35,7 @@ def hand_over(device_type: str):
 class VLLMBackend(RolloutBackend):
     name = Engine.vllm
     serves_lora = True
+    partial_rollout = True  # VLLMRollout.begin/advance; a sync pauses the scheduler (mode "keep")
 
     def check(self, cfg) -> None:
         from megarl.config import ConfigError
@@ -44,6 +45,10 @@ class VLLMBackend(RolloutBackend):
             raise ConfigError(f"parallel.rollout.engine=vllm takes parallel.rollout.pp=1 and ep=1 (got pp={r.pp}, "
                               f"ep={r.ep}): each engine shards whole tensors over its own tensor parallelism "
                               f"(parallel.rollout.tp)")
+        if r.partial_rollout and cfg.data.val_files:
+            raise ConfigError("parallel.rollout.engine=vllm with partial_rollout=true and data.val_files: the engine "
+                              "holds the partial rollout's requests between chunks and cannot generate validation "
+                              "beside them; validate with the native engine or without partial rollouts")
         if a.top_p < 1 or a.top_k > 0:
             raise ConfigError(f"parallel.rollout.engine=vllm with algorithm.top_p={a.top_p}, top_k={a.top_k}: vLLM "
                               f"reports the log-probs of the truncated distribution, not the full vocabulary's "
