@@ -75,5 +75,6 @@ print('megarl image: torch', torch.__version__, 'megatron-core', megatron.core._
  && rm /tmp/after.txt
 COPY configs ./configs
 COPY launch ./launch
+COPY checkpoint_tools ./checkpoint_tools
 COPY benchmarks ./benchmarks
 COPY tests ./tests

@@ -13,7 +13,8 @@ Subcommands:
   report     draw a run's curves (RUN_DIR/metrics.jsonl) to RUN_DIR/report/*.png
   train-lm   tiny Megatron training on the built-in reverse-digits task (launches torchrun)
   config     print the composed, validated configuration as YAML
-  convert    hf-to-mcore | mcore-to-hf checkpoint conversion (see megarl convert --help)
+  convert    hf-to-mcore | mcore-to-hf checkpoint conversion, one or a job list; verify (logits against
+             transformers), inspect (tensors and metadata, or a diff of two) (see megarl convert --help)
   layout     print every rank's coordinates in the actor layout (dry run; --world-size=N,
              default trainer.nproc_per_node)
   plan       the training and generation layouts that fit N GPUs of M GB, ranked by predicted step time,

@@ -9,10 +9,12 @@ tensor straight from the checkpoint, map it back through the same table and writ
 safetensors shards; rank 0 names the shards and writes the index. Both write to a temporary
 directory renamed into place at the end, so a failed run leaves no output behind; one that runs
 out of space raises :class:`~megarl.checkpoint.disk.DiskFull` with the bytes it needed and had.
+With ``record`` the output also holds ``conversion.json`` (:mod:`megarl.checkpoint.jobs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -33,6 +35,7 @@ from megarl.checkpoint.dist_ckpt import (
 from megarl.checkpoint.hf_files import write_side_files
 from megarl.checkpoint.hf_io import HFCheckpoint, ShardWriter, finalize
 from megarl.checkpoint.integrity import manifest_root, safe_reader, verify_manifest
+from megarl.checkpoint.jobs import conversion_record, write_record
 from megarl.checkpoint.load import HF_SUBDIR, VALUE_HEAD_BIAS, fill_from_hf, hf_plan
 from megarl.config import ModelConfig, ParallelConfig
 from megarl.models import build_model
@@ -95,11 +98,14 @@ def prepare_hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: Paral
 
 
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfig,
-                options: ConvertOptions = ConvertOptions()) -> None:
-    """Convert an HF checkpoint to a Megatron dist checkpoint; run on every rank of the world."""
+                options: ConvertOptions = ConvertOptions(), record: bool = False) -> None:
+    """Convert an HF checkpoint to a Megatron dist checkpoint; run on every rank of the world.
+    ``record``: leave ``conversion.json`` in the output (:func:`~megarl.checkpoint.jobs.conversion_record`)."""
     prepared = prepare_hf_to_mcore(hf_dir, out_dir, parallel, options, world_size_from_env())
     hf, args, plan, layout = prepared.hf, prepared.args, prepared.plan, prepared.layout
     init_distributed()
+    made = conversion_record("hf-to-mcore", hf.path, hf.files(), dataclasses.asdict(layout),
+                             dataclasses.asdict(options)) if record else None
     if prepared.skipped and torch.distributed.get_rank() == 0:
         print(f"megarl convert: warning: skipping {len(prepared.skipped)} HF tensors that are not converted "
               f"(multi-token-prediction layers or a tied lm_head), e.g. '{prepared.skipped[0]}'", file=sys.stderr)
@@ -114,6 +120,8 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, parallel: ParallelConfi
         carried = [n for n in hf.names() if args.carried and n.startswith(args.carried)]
         if carried and torch.distributed.get_rank() == 0:  # kept for the export (hf_config.Wrapper)
             save_file({n: hf.read(n).contiguous() for n in carried}, str(tmp / HF_SUBDIR / CARRIED))
+        if made is not None:
+            write_record(tmp, made)
 
     # Written in megatron-core's default layout, the one Megatron-LM loads (see dist_ckpt).
     save_sharded(sharded_state_dict(chunks, layer_keys="default"), Path(out_dir), before_rename=add_hf_files)
@@ -198,22 +206,27 @@ def prepare_mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
 
 def mcore_to_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "auto",
                 max_shard_bytes: int = 2 * 10**9, hf_config_dir: Optional[str | Path] = None,
-                tokenizer_dir: Optional[str | Path] = None, hashes: bool = True) -> None:
+                tokenizer_dir: Optional[str | Path] = None, hashes: bool = True, record: bool = False) -> None:
     """Convert a Megatron dist checkpoint (any layout it was saved in, per-layer or stacked
     keys, local or Transformer Engine names) to HF safetensors. A failure removes the
     temporary output. Beside the weights go config.json (with ``architectures`` and their
     dtype), generation_config.json and the tokenizer of ``tokenizer_dir`` (default: the
     config's directory), never the source's weights (:mod:`megarl.checkpoint.hf_files`).
-    ``hashes=False``: the caller has checked the files' hashes already."""
+    ``hashes=False``: the caller has checked the files' hashes already. ``record``: leave
+    ``conversion.json`` in the output (:func:`~megarl.checkpoint.jobs.conversion_record`)."""
     # Rank 0 alone reads every file for its hash (the others would read them all again); when
     # it fails, the launcher (torchrun, srun) stops the ranks waiting for it.
     hashes = hashes and os.environ.get("RANK", "0") == "0"
     prepared = prepare_mcore_to_hf(ckpt_dir, out_dir, hf_config_dir, hashes)
     out_dir = Path(out_dir)
     init_distributed()
+    read = [f for f in prepared.ckpt_dir.rglob("*") if f.is_file()] + [prepared.config_dir / "config.json"]
+    made = conversion_record("mcore-to-hf", prepared.ckpt_dir, sorted(set(read)), None,
+                             {"dtype": dtype, "max_shard_bytes": max_shard_bytes,
+                              "hf_config": str(prepared.config_dir.absolute())}) if record else None
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     try:
-        _write_hf(prepared, out_dir, tmp, dtype, max_shard_bytes, tokenizer_dir)
+        _write_hf(prepared, out_dir, tmp, dtype, max_shard_bytes, tokenizer_dir, made)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -234,7 +247,7 @@ def carried_tensors(config: Dict, config_dir: Path) -> Tuple[Optional[HFCheckpoi
 
 
 def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max_shard_bytes: int,
-              tokenizer_dir: Optional[str | Path]) -> None:
+              tokenizer_dir: Optional[str | Path], record: Optional[Dict]) -> None:
     config, config_dir, by_key = prepared.config, prepared.config_dir, prepared.by_key
     reader = safe_reader(prepared.ckpt_dir)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -289,6 +302,8 @@ def _write_hf(prepared: McoreToHFPlan, out_dir: Path, tmp: Path, dtype: str, max
             written = out_dtype or prepared.stored["embedding.word_embeddings.weight"].properties.dtype
             write_side_files(tmp, config, written, config_dir, Path(tokenizer_dir) if tokenizer_dir else None,
                              sequence_classification=prepared.value_head)
+            if record is not None:
+                write_record(tmp, record)
         tmp.rename(out_dir)
     torch.distributed.barrier()
 

@@ -19,13 +19,13 @@ import contextlib
 import re
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from megarl.checkpoint.disk import named_if_full
 from megarl.checkpoint.hf_io import CheckpointFileError
-from megarl.checkpoint.integrity import load_dist_metadata, weights_only_loads
+from megarl.checkpoint.integrity import load_dist_metadata, safe_reader, weights_only_loads
 from megarl.runtime.devices import group_device
 
 
@@ -38,7 +38,7 @@ SHARDED_METADATA = {"non_homogeneous_layers": True}
 
 
 LAYER_KEYS = ("per_layer", "default")
-_PER_LAYER_KEY = re.compile(r"^decoder\.layers\.\d+\.")
+_PER_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")  # groups: the layer, the rest
 
 
 @contextlib.contextmanager
@@ -79,6 +79,16 @@ def sharded_state_dict(chunks: List[torch.nn.Module], layer_keys: str = "per_lay
         with _megatron_lm_moe_freq(chunks):
             dicts = [_unwrap(chunk).sharded_state_dict() for chunk in chunks]
     return dicts[0] if len(dicts) == 1 else {f"model{i}": d for i, d in enumerate(dicts)}
+
+
+def sharded_tensors(state: Dict) -> List:
+    """The ShardedTensors of a sharded state dict, factories applied (their tensors views of the
+    parameters: a copy into one fills the model)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(state)
+    return [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
 
 
 def _without(state: Dict, keys) -> Dict:
@@ -126,10 +136,12 @@ def checkpoint_layer_keys(metadata) -> str:
     return "per_layer" if any(_PER_LAYER_KEY.match(k) for k in tensor_keys(metadata)) else "default"
 
 
-def read_tensor(reader, key: str, meta, layer: Optional[int] = None) -> torch.Tensor:
+def read_tensor(reader, key: str, meta, layer: Optional[int] = None,
+                region: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None) -> torch.Tensor:
     """One tensor of a dist checkpoint, read by this process alone (no process group): whole,
-    or with ``layer`` only that index of its leading (stacked layers) axis, without reading the
-    other layers. ``reader``: :func:`megarl.checkpoint.integrity.safe_reader`'s; ``meta``: the key's storage metadata."""
+    with ``layer`` only that index of its leading (stacked layers) axis, or with ``region``
+    (offsets, sizes) only that block, without reading the rest. ``reader``:
+    :func:`megarl.checkpoint.integrity.safe_reader`'s; ``meta``: the key's storage metadata."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -141,6 +153,8 @@ def read_tensor(reader, key: str, meta, layer: Optional[int] = None) -> torch.Te
     offsets = (0,) * len(sizes)
     if layer is not None:
         offsets, sizes = (layer,) + offsets[1:], (1,) + sizes[1:]
+    if region is not None:
+        offsets, sizes = tuple(region[0]), tuple(region[1])
     dest = torch.empty(sizes, dtype=meta.properties.dtype)
 
     class RegionPlanner(DefaultLoadPlanner):
@@ -232,3 +246,25 @@ def load_model(chunks: List[torch.nn.Module], path: str | Path, skip=()) -> None
         module = _unwrap(chunk)
         own = {k: v for k, v in loaded.items() if k in module.state_dict()}
         module.load_state_dict(own, strict=False)
+
+
+
+def load_first_layers(chunks: List[torch.nn.Module], path: str | Path) -> None:
+    """Fill chunks built with the first N of a checkpoint's layers (a slice that
+    :mod:`megarl.checkpoint.verify` checks) from it: each rank reads only its shards' blocks, of
+    per-layer keys or of stacked ones (the layer's row), so memory and reads scale with the slice.
+    (Megatron's own loader wants every stored tensor read whole, exactly once.)"""
+    metadata = verify_dist_checkpoint(path)
+    stored = metadata.state_dict_metadata
+    reader = safe_reader(Path(path))
+    with torch.no_grad():
+        for sh in sharded_tensors(sharded_state_dict(chunks, layer_keys="per_layer")):
+            offsets = tuple(sh.global_offset)
+            sizes = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+            key, match = sh.key, _PER_LAYER_KEY.match(sh.key)
+            if key not in stored and match:  # stacked: the layer is the leading axis
+                key, offsets, sizes = f"decoder.layers.{match[2]}", (int(match[1]),) + offsets, (1,) + sizes
+            if key not in stored:
+                raise CheckpointFileError(f"{path} has no tensor '{sh.key}' (nor a stacked '{key}') that the "
+                                          f"model needs")
+            sh.data.copy_(read_tensor(reader, key, stored[key], region=(offsets, sizes)).view(sh.data.shape))

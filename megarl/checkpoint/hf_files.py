@@ -18,6 +18,7 @@ TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
                       "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken",
                       "chat_template.jinja", "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
+HF_SUBDIR = "hf"  # the source's config.json and tokenizer files, kept inside a converted Megatron checkpoint
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

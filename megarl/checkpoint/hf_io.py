@@ -113,12 +113,25 @@ class HFCheckpoint:
             return self._file(name).get_tensor(name)
         return self._file(name).get_slice(name)[region]
 
+    def side_files(self) -> List[Path]:
+        """config.json, generation config and tokenizer files: everything a conversion keeps but the
+        weights (and but the record of the conversion that wrote this directory, if one did)."""
+        from megarl.checkpoint.jobs import CONVERSION_RECORD
+
+        return sorted(path for path in self.path.iterdir() if path.is_file() and path.suffix in _SIDE_FILE_SUFFIXES
+                      and path.name not in (INDEX, CONVERSION_RECORD))
+
+    def files(self) -> List[Path]:
+        """Every file a conversion of this directory reads: the weights, the index, the side files."""
+        weights = {self.path / name for name in self.weight_map.values()}
+        index = [self.path / INDEX] if (self.path / INDEX).is_file() else []
+        return sorted(weights | set(index) | set(self.side_files()))
+
     def copy_side_files(self, dest: Path) -> None:
-        """config.json, generation config and tokenizer files (everything but the weights)."""
+        """:meth:`side_files`, copied into ``dest``."""
         dest.mkdir(parents=True, exist_ok=True)
-        for path in self.path.iterdir():
-            if path.is_file() and path.suffix in _SIDE_FILE_SUFFIXES and path.name != INDEX:
-                shutil.copy2(path, dest / path.name)
+        for path in self.side_files():
+            shutil.copy2(path, dest / path.name)
 
 
 def _read_json(path: Path) -> dict:

@@ -40,7 +40,7 @@ def file_digest(path: Path) -> str:
         return hashlib.file_digest(f, HASH).hexdigest()
 
 
-def _digests(files: List[Path]) -> List[str]:
+def file_digests(files: List[Path]) -> List[str]:
     """The files' SHA-256, several at a time: hashlib releases the GIL while it reads and hashes."""
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         return list(pool.map(file_digest, files))
@@ -52,7 +52,7 @@ def record_hashes(directory: Path, files: List[Path], rank: int) -> None:
     whose digest is not recorded is hashed by ``write_manifest`` instead."""
     try:
         entries = {}
-        for file, digest in zip(files, _digests(files)):
+        for file, digest in zip(files, file_digests(files)):
             st = file.stat()  # size and mtime tell write_manifest the file is still the one hashed
             entries[str(file.relative_to(directory))] = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
                                                           HASH: digest}
@@ -103,7 +103,7 @@ def write_manifest(directory: Path, hashes: bool = True) -> Dict[str, dict]:
                 entry[HASH] = known[HASH]
             else:
                 missing.append((file, entry))
-        for (_, entry), digest in zip(missing, _digests([file for file, _ in missing])):
+        for (_, entry), digest in zip(missing, file_digests([file for file, _ in missing])):
             entry[HASH] = digest
     tmp = directory / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(entries, indent=0))
@@ -138,7 +138,7 @@ def verify_manifest(directory: Path, under: Optional[str] = None) -> None:
             raise CheckpointFileError(f"{file} has {file.stat().st_size} bytes, the manifest says {size}")
         if digest is not None:
             recorded[file] = digest
-    for (file, digest), found in zip(recorded.items(), _digests(list(recorded))):
+    for (file, digest), found in zip(recorded.items(), file_digests(list(recorded))):
         if found != digest:
             raise CheckpointFileError(f"{file} does not match its {HASH} in {manifest} (corrupt or modified)")
     if len(recorded) < sum(name.startswith(prefix) for name in entries):

@@ -16,7 +16,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megarl.checkpoint.dist_ckpt import checkpoint_layer_keys, load_model, sharded_state_dict, verify_dist_checkpoint
+from megarl.checkpoint.dist_ckpt import (
+    checkpoint_layer_keys, load_model, sharded_state_dict, sharded_tensors, verify_dist_checkpoint,
+)
+from megarl.checkpoint.hf_files import HF_SUBDIR
 from megarl.checkpoint.hf_io import INDEX, HFCheckpoint
 from megarl.checkpoint.integrity import manifest_root, verify_manifest
 from megarl.config import ConfigError, load_config
@@ -30,7 +33,6 @@ from megarl.models.value_head import attach_value_head
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import cpu_mode
 
-HF_SUBDIR = "hf"  # the source's config.json and tokenizer files, kept inside a converted Megatron checkpoint
 DEFAULT_HF_CONFIG = "configs/models/tiny-llama.json"  # model.hf_config when neither it nor model.path is set
 LOADABLE_HF_DTYPES = ("F32", "BF16", "F16")  # copied into model.params_dtype (e.g. bf16 -> fp32 exactly)
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -194,21 +196,13 @@ def _raise_if_any(errors: List[str]) -> None:
         raise ConversionError("; ".join(found[:3]) + more)
 
 
-def _shards(state: Dict) -> List:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
-    apply_factories(state)
-    return [sh for sh in nested_values(state) if isinstance(sh, ShardedTensor)]
-
-
 def fill_from_hf(state: Dict, plan: Plan, hf: HFCheckpoint, model_type: str, keep=()) -> None:
     """Copy HF tensors into the tensors of a per-layer sharded state dict
     (``sharded_state_dict(chunks, layer_keys="per_layer")``), in place; those named in ``keep``
     keep their values (a new head's initialisation). Collective: every name and shape is checked
     on every rank before any weight is read, and all ranks raise together."""
     by_key = plan.by_mcore_key()
-    shards = [sh for sh in _shards(state) if sh.key not in keep]
+    shards = [sh for sh in sharded_tensors(state) if sh.key not in keep]
     errors = []
     for sh in shards:
         if sh.key == VALUE_HEAD_BIAS and sh.key not in by_key:
@@ -278,7 +272,7 @@ def expected_shards(model_cfg, args, value_head: bool = False, layer_keys: str =
         chunks = build_model(model_cfg, groups, args, initialize=False)
         if value_head:
             attach_value_head(chunks)
-        return _shards(sharded_state_dict(chunks, layer_keys=layer_keys))
+        return sharded_tensors(sharded_state_dict(chunks, layer_keys=layer_keys))
 
 
 def check_pretrained(path: str | Path, model_cfg, field: str = "model.path", value_head: bool = False) -> PretrainedSource:

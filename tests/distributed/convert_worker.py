@@ -1,26 +1,35 @@
 """Worker for test_convert.py (run under torchrun). Prints ``RESULT {json}`` lines on rank 0.
 
-``convert``: for each ``name@tp,pp,ep`` spec: HF -> Megatron in that layout, then Megatron -> HF
-with the same processes (ranks split the tensors), into WORK/mc/<name>-<layout> and WORK/rt/....
+``convert``: for each ``name@tp,pp,ep`` spec: HF -> Megatron in that layout by
+checkpoint_tools/hf_to_mcore.py, then Megatron -> HF of them all by checkpoint_tools/mcore_to_hf.py
+with a job list, with the same processes (ranks split the tensors), into WORK/mc/<name>-<layout>
+and WORK/rt/....
 ``logits``: load every Megatron checkpoint in WORK/mc at tp = world size (whatever layout it was
-converted in), compare its logits with transformers' on the source HF model, and check the
-round-trip HF checkpoint: bit-exact tensors, and loadable by AutoModelForCausalLM; then the
-Megatron-LM interoperability checks (:func:`interop`) at tp = world size.
+converted in) and compare its logits with transformers' on the source HF model
+(:func:`megarl.checkpoint.verify.verify`), and check the round-trip HF checkpoint: bit-exact
+tensors, and loadable by AutoModelForCausalLM; then the Megatron-LM interoperability checks
+(:func:`interop`) at tp = world size; then checkpoint_tools/verify.py on each family's checkpoint
+and on a copy with one tensor moved by 1e-3 (:func:`tools`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.convert import hf_to_mcore, mcore_to_hf
-from megarl.config import ModelConfig, ParallelConfig
+from megarl.checkpoint.verify import verify
+from megarl.config import ModelConfig
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import init_distributed, set_seed
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TOKENS = torch.tensor([[5, 17, 42, 7, 99, 3, 250 - 1, 64, 12, 8, 1, 77],
                        [9, 9, 120, 33, 2, 45, 6, 200, 31, 4, 15, 60]])
@@ -35,15 +44,29 @@ def layout_tag(tp: int, pp: int, ep: int) -> str:
     return f"t{tp}p{pp}e{ep}w{dist.get_world_size()}"
 
 
+@functools.cache
+def tool(name: str):
+    """checkpoint_tools/<name>.py's ``main(argv) -> exit code``, run in this process."""
+    spec = importlib.util.spec_from_file_location(f"checkpoint_tools_{name}", ROOT / "checkpoint_tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
 def convert(work: Path, specs) -> None:
+    jobs = []
     for spec in specs:
         name, sizes = spec.split("@")
         tp, pp, ep = (int(x) for x in sizes.split(","))
         tag = f"{name}-{layout_tag(tp, pp, ep)}"
-        hf_to_mcore(work / "hf" / name, work / "mc" / tag,
-                    ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1 if ep > 1 else None))
-        mcore_to_hf(work / "mc" / tag, work / "rt" / tag)
+        flags = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep)] + (["--etp", "1"] if ep > 1 else [])
+        assert tool("hf_to_mcore")([str(work / "hf" / name), str(work / "mc" / tag), *flags]) == 0, spec
+        jobs.append(f"{work / 'mc' / tag} {work / 'rt' / tag}")
         emit({"check": "converted", "tag": tag})
+    listed = work / "lists" / f"mcore-to-hf-w{dist.get_world_size()}-r{dist.get_rank()}.txt"  # each rank its own
+    listed.parent.mkdir(exist_ok=True)
+    listed.write_text("\n".join(jobs) + "\n")
+    assert tool("mcore_to_hf")(["--list", str(listed)]) == 0
 
 
 def megatron_logits(ckpt: Path, groups, hf_config: Path = None) -> torch.Tensor:
@@ -183,21 +206,60 @@ def logits(work: Path) -> None:
         set_seed(0, groups)
         for ckpt in group:
             name = ckpt.name.split("-t")[0]
-            got = megatron_logits(ckpt, groups)
-            record = {"check": "logits", "tag": ckpt.name, "load_tp": world}
-            if dist.get_rank() == 0:
-                ref = hf_logits(work / "hf" / name)
-                vocab = ref.shape[-1]
-                record["max_abs_diff"] = (got[..., :vocab] - ref).abs().max().item()
-                record["ref_scale"] = ref.abs().max().item()
-                if world == 1:
-                    rt = work / "rt" / ckpt.name
-                    record["round_trip"] = bit_exact(work / "hf" / name, rt)
-                    record["round_trip_logits_diff"] = (hf_logits(rt) - ref).abs().max().item()
+            checked = verify(ckpt, work / "hf" / name, groups, tokens=list(TOKENS))
+            record = {"check": "logits", "tag": ckpt.name, "load_tp": world,
+                      "max_abs_diff": checked.max_abs_diff, "ref_scale": checked.ref_scale}
+            if dist.get_rank() == 0 and world == 1:
+                rt = work / "rt" / ckpt.name
+                record["round_trip"] = bit_exact(work / "hf" / name, rt)
+                record["round_trip_logits_diff"] = (hf_logits(rt) - hf_logits(work / "hf" / name)).abs().max().item()
             emit(record)
         if group is not biased:
             interop(work, groups)
         groups.destroy()
+    tools(work)
+
+
+FAMILIES = {"dense": "tiny-llama", "MoE": "tiny-qwen3-moe", "MLA": "tiny-deepseek-v3", "delta-net": "tiny-qwen3-next"}
+PERTURBED = "output_layer.weight"  # of WORK/perturbed/<name>: moved by PERTURBATION everywhere
+PERTURBATION = 1e-3
+
+
+def perturb(work: Path) -> None:
+    """WORK/perturbed/<name>: each family's one-rank conversion with :data:`PERTURBED` moved by
+    :data:`PERTURBATION`, saved as megarl saves any model (one world of ranks)."""
+    from megarl.checkpoint.dist_ckpt import load_model, save_sharded, sharded_state_dict
+    from megarl.models import build_model
+
+    groups = build_groups(Layout(tp=dist.get_world_size()))
+    set_seed(0, groups)
+    for name in FAMILIES.values():
+        source = work / "mc" / f"{name}-t1p1e1w1"
+        chunks = build_model(ModelConfig(hf_config=str(source / "hf")), groups, initialize=False)
+        load_model(chunks, source)
+        with torch.no_grad():
+            dict(chunks[0].named_parameters())[PERTURBED].add_(PERTURBATION)
+        save_sharded(sharded_state_dict(chunks, layer_keys="default"), work / "perturbed" / name,
+                     before_rename=lambda tmp, source=source: shutil.copytree(source / "hf", tmp / "hf"))
+    groups.destroy()
+
+
+def tools(work: Path) -> None:
+    """checkpoint_tools/verify.py, as a job runs it, on each family: at world size 1 at tp=1 on the
+    conversion two ranks made at tp=2; at 2 in a pipeline of two stages on the first two layers
+    (a slice) of the one-rank conversion; each beside the copy with one tensor perturbed (made at
+    world size 1), which must fail. Records the exit codes."""
+    world = dist.get_world_size()
+    if world == 1:
+        perturb(work)
+    dist.barrier()
+    flags = ["--tp", "1"] if world == 1 else ["--pp", "2", "--layers", "2"]
+    for family, name in FAMILIES.items():
+        good = work / "mc" / f"{name}-{'t2p1e1w2' if world == 1 else 't1p1e1w1'}"
+        codes = [tool("verify")([str(work / "hf" / name), str(good), *flags]),
+                 tool("verify")([str(work / "perturbed" / name), str(work / "hf" / name), *flags])]  # either order
+        emit({"check": "tools", "family": family, "name": name, "world": world, "flags": flags,
+              "verify_rc": codes[0], "perturbed_rc": codes[1]})
 
 
 if __name__ == "__main__":

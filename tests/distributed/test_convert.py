@@ -1,17 +1,25 @@
 """HF <-> Megatron conversion of tiny random models of every architecture (made with
 transformers from a config, no hub): logits parity with transformers (max abs diff <= 1e-4,
 fp32), a bit-exact HF -> Megatron -> HF round trip, conversion in one layout and loading in
-another, streaming export by several ranks."""
+another, streaming export by several ranks. The conversions run through checkpoint_tools/
+(hf_to_mcore.py, mcore_to_hf.py with a job list), and on four families (dense, MoE, MLA,
+delta-net) verify.py passes at two layouts and fails on a copy with one tensor moved by 1e-3,
+which inspect.py names; two ranks started by torchrun write what one rank writes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
+from tests.distributed.convert_worker import FAMILIES, PERTURBATION, PERTURBED
 from tests.distributed.launch import ROOT, torchrun
 
 WORKER = "tests/distributed/convert_worker.py"
@@ -97,6 +105,17 @@ def make_hf_model(name: str, out: Path) -> None:
     model.save_pretrained(out)
 
 
+def torchrun_itself(nproc: int, script: str, *args: str) -> str:
+    """``script`` under torchrun, agent and all, as users start checkpoint_tools/ (the launch harness
+    starts ranks as srun does); its ranks' stdout."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    proc = subprocess.run([*cmd, str(ROOT / script), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, f"torchrun {script} {' '.join(args)}: exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
 def parse(output: str):
     return [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
 
@@ -107,8 +126,9 @@ def work(tmp_path_factory):
     for name in DENSE + MOE + BIASED_MOE + list(DERIVED) + WRAPPED:
         make_hf_model(name, work / "hf" / name)
     converted = []
-    for world, specs in SPECS.items():
-        converted += parse(torchrun(world, WORKER, "convert", str(work), *specs))
+    for world, specs in SPECS.items():  # at 2, started by torchrun itself: its two ranks convert as one does
+        launch = torchrun_itself if world == 2 else torchrun
+        converted += parse(launch(world, WORKER, "convert", str(work), *specs))
     assert len(converted) == sum(len(s) for s in SPECS.values())
     return work
 
@@ -241,3 +261,89 @@ def test_qwen3_5_vision_language_checkpoint_keeps_its_vision_tower(results, work
     model, info = transformers.AutoModelForImageTextToText.from_pretrained(rt, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert {f"tiny-qwen3-5-moe-vl-{t}" for t in ("t1p1e1w1", "t2p1e1w2")} <= {r["tag"] for r in results[1]}
+
+
+# ---------------------------------------------------------------------------- checkpoint_tools/
+
+
+def tool(name: str):
+    """checkpoint_tools/<name>.py's ``main(argv) -> exit code``, run in this process (inspect.py
+    reads files only: no process group)."""
+    spec = importlib.util.spec_from_file_location(f"checkpoint_tools_{name}", ROOT / "checkpoint_tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_verify_passes_at_two_layouts_and_fails_on_one_perturbed_tensor(records):
+    """verify.py per family: at tp=1 on the two-rank tp=2 conversion, and in a two-stage pipeline
+    on the first two layers (a slice) of the one-rank conversion: exit 0; on the copy whose
+    output layer moved by 1e-3 (tolerance 1e-4): exit 1, at both layouts."""
+    for world, rs in records.items():
+        ran = {r["family"]: r for r in rs if r["check"] == "tools"}
+        assert set(ran) == set(FAMILIES), (world, ran)
+        for r in ran.values():
+            assert r["verify_rc"] == 0 and r["perturbed_rc"] == 1, r
+
+
+def test_inspect_names_the_perturbed_tensor_and_lists_a_checkpoint(records, work, capsys):
+    """inspect.py A B on each family's conversion and its perturbed copy: exit 1, the one tensor
+    named with its max abs difference (the first as a process: the script runs as a file, its
+    name beside the standard library's inspect); inspect.py CKPT: what it holds."""
+    inspect = tool("inspect")
+    for i, name in enumerate(FAMILIES.values()):
+        pair = [str(work / "mc" / f"{name}-t1p1e1w1"), str(work / "perturbed" / name)]
+        if i == 0:
+            proc = subprocess.run([sys.executable, "checkpoint_tools/inspect.py", *pair], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+            code, out = proc.returncode, proc.stdout + proc.stderr
+        else:
+            code, out = inspect(pair), capsys.readouterr().out
+        assert code == 1, out
+        differing = [line.split() for line in out.splitlines() if line.startswith("  ")]
+        assert [d[:2] for d in differing] == [["values", PERTURBED]], out
+        assert abs(float(differing[0][-1]) - PERTURBATION) < 1e-6, out
+    # a dist checkpoint's tensors, layout metadata, conversion record and source config
+    assert inspect([str(work / "mc" / "tiny-deepseek-v3-t1p2e2w4")]) == 0
+    out = capsys.readouterr().out
+    assert "one key per layer (decoder.layers.N.*)" in out and "format: torch_dist" in out, out
+    assert f"converted: hf-to-mcore from {work / 'hf' / 'tiny-deepseek-v3'} (3 files hashed)" in out, out
+    assert "on 4 ranks at (tp=1, pp=2, dp=2, ep=2)" in out and "model_type=deepseek_v3" in out, out
+    listed = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("  ")}
+    assert listed["decoder.layers.1.self_attention.linear_kv_down_proj.weight"][0] == "float32", out
+    assert listed["embedding.word_embeddings.weight"] == ["float32", "[256,", "64]"], out
+
+
+def test_two_ranks_write_what_one_rank_writes(work):
+    """hf_to_mcore.py run from torchrun by two ranks at tp=2, and by one: the same tensors bit for
+    bit, the same source config and tokenizer files; mcore_to_hf.py (a job list) by those two
+    ranks (splitting the tensors) and by one: the same tensors and side files (the shards are cut
+    per rank). The records differ only in the world and layout (and, for the exports, in their
+    sources); none left a temporary directory."""
+    from megarl.checkpoint.inspection import diff
+    from megarl.checkpoint.integrity import file_digest
+    from megarl.checkpoint.jobs import read_record
+
+    for name in FAMILIES.values():
+        one, two = f"{name}-t1p1e1w1", f"{name}-t2p1e1w2"
+        for kind in ("mc", "rt"):
+            found, compared = diff(work / kind / one, work / kind / two)
+            assert not found and compared >= 9, (kind, name, found)
+        same_bytes = [("mc", f"hf/{f.name}") for f in (work / "mc" / one / "hf").iterdir()]
+        same_bytes += [("rt", "config.json"), ("rt", "generation_config.json")]
+        for kind, file in same_bytes:
+            assert (work / kind / one / file).read_bytes() == (work / kind / two / file).read_bytes(), (kind, file)
+        records = [read_record(work / "mc" / tag) for tag in (one, two)]
+        assert [r.pop("world_size") for r in records] == [1, 2]
+        assert [r.pop("layout")["tp"] for r in records] == [1, 2]
+        assert records[0] == records[1] and records[0]["megarl_version"] and records[0]["direction"] == "hf-to-mcore"
+        hashed = records[0]["source_files"]
+        assert hashed and all(entry["sha256"] == file_digest(work / "hf" / name / f) for f, entry in hashed.items())
+        assert not list((work / "mc").glob("*.tmp")) and not list((work / "rt").glob("*.tmp"))
+        exports = [read_record(work / "rt" / tag) for tag in (one, two)]
+        for export, tag in zip(exports, (one, two)):  # each read its own source's config
+            config_dir = export["options"].pop("hf_config")
+            assert export.pop("source") == str(work / "mc" / tag) and config_dir == str(work / "mc" / tag / "hf")
+            assert [export.pop(k) for k in ("world_size", "source_files")][0] == int(tag[-1])
+        assert exports[0] == exports[1] and exports[0]["direction"] == "mcore-to-hf", exports
+

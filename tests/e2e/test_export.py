@@ -17,6 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from megarl.checkpoint.jobs import CONVERSION_RECORD
 from megarl.config import load_config, to_yaml
 from megarl.trainer.checkpoint import Checkpoints
 from tests.fixtures.hf_models import EOS_IDS, IM_END_ID, PAD_ID, make_hf_model, make_tokenizer
@@ -70,7 +71,8 @@ def check_loadable_export(out: Path, src: Path) -> None:
 def test_mcore_to_hf_writes_a_loadable_directory(work):
     out = work / "out"
     megarl("convert", "mcore-to-hf", work / "mcore", out)
-    assert {p.name for p in out.iterdir()} == WEIGHTS | TOKENIZER_FILES | {"config.json", "generation_config.json"}
+    assert {p.name for p in out.iterdir()} == WEIGHTS | TOKENIZER_FILES | {"config.json", "generation_config.json",
+                                                                         CONVERSION_RECORD}
     check_loadable_export(out, work / "src")
 
 

@@ -222,7 +222,7 @@ def test_copies_exist_and_user_commands_kept(parsed):
                 copied.append(src)
     # What the documented commands use inside the image: configs for train-lm, the GPU check script
     # with the package and model config it runs on.
-    for needed in ("setup.py", "megarl", "configs", "benchmarks", "launch"):
+    for needed in ("setup.py", "megarl", "configs", "benchmarks", "launch", "checkpoint_tools"):
         assert needed in copied, needed
     assert (ROOT / "configs/lm_demo.yaml").exists() and (ROOT / "configs/models/tiny-llama.json").exists()
     header = DOCKERFILE.read_text()

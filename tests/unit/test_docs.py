@@ -163,8 +163,9 @@ RUNNERS = [
     Runner(r"^megarl convert hf-to-mcore ", "test", "tests/distributed/test_convert.py"),
     Runner(r"^megarl convert mcore-to-hf ", "test", "tests/e2e/test_export.py::test_mcore_to_hf_writes_a_loadable_directory"),
     Runner(r"^torchrun .*-m megarl.checkpoint.cli ", "test", "tests/distributed/test_convert.py"),
+    Runner(r"^(python|torchrun .*) checkpoint_tools/\w+\.py ", "test", "tests/distributed/test_convert.py"),
     Runner(r"^sbatch .*launch/slurm/convert\.sbatch", "test",
-           "tests/faults/test_multinode.py::test_slurm_convert_runs_one_step_on_the_first_nodes_address"),
+           "tests/faults/test_multinode.py::test_slurm_convert_runs_its_steps_on_every_rank_with_the_first_nodes_address"),
     Runner(r"^sbatch .*launch/slurm/train\.sbatch", "test", "tests/e2e/test_launch.py::test_slurm_train_dry_run"),
     Runner(r"^ray job submit .* megarl train .*trainer\.ray_address=", "test",
            "tests/faults/test_multinode.py::test_two_node_run_then_a_lost_node_is_named_within_seconds"),
@@ -204,7 +205,7 @@ def test_mapped_tests_exist():
 
 def test_repository_paths_in_commands_are_in_a_fresh_clone():
     paths = sorted({tok for _, c in _all_commands() for tok in shlex.split(c)
-                    if re.match(r"(configs|launch|benchmarks|scripts|requirements)/", tok)})
+                    if re.match(r"(configs|launch|benchmarks|scripts|requirements|checkpoint_tools)/", tok)})
     assert paths and [p for p in paths if not (ROOT / p).exists()] == []
     ignored = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True).stdout.split()
     assert ignored == []
