@@ -172,6 +172,7 @@ class SamplePool(Producer):
             group = self.live[r.prompt_index]
             group.responses.append(r)
             if len(group.responses) == self.sampling.n:
+                group.responses.sort(key=lambda r: r.sample_index)  # scored, trained and dumped in this order
                 complete.append(group)
         if not complete:
             return
@@ -186,7 +187,6 @@ class SamplePool(Producer):
         self.busy["reward"] += time.perf_counter() - start
         with self.changed:
             for k, group in enumerate(complete):
-                group.responses.sort(key=lambda r: r.sample_index)
                 group.shaped, group.raw = shaped[group_of == k], raw[group_of == k]
                 if not keep[k] and self.counts["filtered"] < self.filter_budget:
                     self.counts["filtered"] += 1

@@ -59,7 +59,7 @@ class StreamingRoles(SplitRoles):
                 done.append(dataclasses.replace(r, policy_version=min(versions),
                                                 versions=versions if len(set(versions)) > 1 else None))
         self.pending = left
-        return done, len(left)
+        return done[::-1], len(left)  # not in sample order: the engine reports them as they end
 
     def update_weights(self, version):
         self.syncs_mid_flight += bool(self.pending)
@@ -84,6 +84,9 @@ def run(cfg, roles, prompts=None, start_step=1, marks=None):
 
     def step(s, batch, metrics):
         trained.extend(TOK.decode(p) for p in batch.prompt_ids[::cfg.algorithm.samples_per_prompt])
+        for prompt, response, score in zip(batch.prompt_ids, batch.response_ids, batch.raw_scores.tolist()):
+            right = response == TOK.encode(TOK.decode(prompt)[:-1]) + [TOK.eos_token_id]
+            assert score == float(right), (TOK.decode(prompt), response, score)  # each row its own reward
         real_step(s, batch, metrics)
 
     log.step = step
