@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous RL on 4 CPU ranks, side by side in one run.
 
-    python benchmarks/async.py [--steps 10] [--warmup 2] [--case all|io|long_tail] [--tail-steps 30]
+    python benchmarks/async.py [--steps 10] [--warmup 2] [--case all|io|long_tail] [--tail-steps 30] [--engines native,vllm]
 
 Four schedules of the GRPO demo (configs/grpo_demo.yaml, actor tp=2), each on 4 ranks:
 colocated sync (actor on all 4, dp=2), split sync (actor on 2, rollout on 2), split
@@ -16,10 +16,11 @@ for the next batch against what drawing it took), and the staleness. The cost mo
 what each schedule would take if every rank had its own device (GPUs): sync = train + generate +
 reward + sync, one-step-off = max(train, generate + reward) + sync, from the measured phases.
 
-A third case, ``long_tail`` (:func:`long_tail`): responses of 5 to 64 tokens, for split sync,
+A third case, ``long_tail`` (:func:`long_tail`): responses of 5 to 48 tokens, for split sync,
 one-step-off, batch streaming and sample streaming with partial rollouts (``trainer.loop=async``):
 samples per second, the rollout's idle share, the lengths and the reward over the last 10% of
-steps. Native engine only: vLLM neither pauses nor admits requests into a rollout in flight here.
+steps. ``--engines native,vllm`` adds vLLM's (sync, one-step-off, batch streaming with and without
+partial rollouts: vLLM does not admit requests into a rollout in flight here, so no sample streaming).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ SCHEDULES = {
                                        "algorithm.rollout_correction=token_tis"],
 }
 SPLIT = ["trainer.placement=split", "parallel.rollout.nproc=2"]
-# The long tail: the demo task with room for 64 new tokens. A response that has learnt to reverse
-# the digits ends after 5 tokens; one that misses the end runs to 64 (13x): early in training
+# The long tail: the demo task with room for 48 new tokens. A response that has learnt to reverse
+# the digits ends after 5 tokens; one that misses the end runs to 48 (10x): early in training
 # most rows are long, later most are short with a tail. Each schedule on the same 4 ranks and seed.
 LONG_TAIL = {
     "split sync": SPLIT,
@@ -103,13 +104,23 @@ def case(name: str, steps: int, warmup: int, extra, work: Path):
     return out
 
 
-def long_tail(steps: int, warmup: int, work: Path) -> dict:
+# vLLM here: partial rollouts (its scheduler paused between chunks), not sample streaming
+VLLM_TAIL = {**{k: v for k, v in LONG_TAIL.items() if "sample stream" not in k},
+             "split batch stream + partial (max_staleness=2)": [
+                 *LONG_TAIL["split batch stream (max_staleness=2)"], "parallel.rollout.partial_rollout=true",
+                 "parallel.rollout.partial_chunk_tokens=8"]}
+TAIL_MODEL = "model.hf_config=configs/models/tiny-digits-hd32.json"  # head_dim 32: vLLM's CPU attention's least
+
+
+def long_tail(steps: int, warmup: int, work: Path, engine: str = "native") -> dict:
     """Samples per second (rows / mean step time after ``warmup``), the rollout's idle share, the
     response lengths and the reward over the last 10% of steps (equal samples: the same steps of
-    the same rows) for each LONG_TAIL schedule."""
+    the same rows) for each LONG_TAIL schedule (VLLM_TAIL's on vLLM)."""
     out = {}
-    for schedule, overrides in LONG_TAIL.items():
-        rows = run([*overrides, "algorithm.max_new_tokens=64"], steps, work / f"tail-{len(out)}")
+    schedules = LONG_TAIL if engine == "native" else VLLM_TAIL
+    for schedule, overrides in schedules.items():
+        rows = run([*overrides, "algorithm.max_new_tokens=48", TAIL_MODEL, f"parallel.rollout.engine={engine}"],
+                   steps, work / f"tail-{engine}-{len(out)}")
         mean = lambda key, rs=rows[warmup:]: statistics.mean(r.get(key, 0.0) for r in rs)
         step_s = mean("time/step_s")
         tail = rows[-max(1, len(rows) // 10):]
@@ -121,9 +132,9 @@ def long_tail(steps: int, warmup: int, work: Path) -> dict:
                          "length_mean": mean("response/length_mean"), "length_max": mean("response/length_max"),
                          "reward_last10": statistics.mean(r["reward/mean"] for r in tail),
                          "reward_curve": [round(r["reward/mean"], 3) for r in rows]}
-        print(f"[long tail] {schedule}: {json.dumps({k: v if isinstance(v, list) else round(v, 3) for k, v in out[schedule].items()})}",
+        print(f"[long tail, {engine}] {schedule}: {json.dumps({k: v if isinstance(v, list) else round(v, 3) for k, v in out[schedule].items()})}",
               flush=True)
-    print("\n## long tail (max_new_tokens=64; 16 prompts x 8 samples)\n")
+    print(f"\n## long tail, {engine} (max_new_tokens=48; 16 prompts x 8 samples)\n")
     print("| schedule | samples/s | vs one-step-off | step s | rollout idle | length mean / max | reward, last 10% |")
     print("|---|---|---|---|---|---|---|")
     base = out["split one-step-off"]["samples_per_s"]
@@ -139,10 +150,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--case", choices=["all", "io", "long_tail"], default="all")
     parser.add_argument("--tail-steps", type=int, default=30)
+    parser.add_argument("--engines", default="native", help="long_tail: native and/or vllm (comma-separated)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.case in ("all", "long_tail"):
+            if "vllm" in args.engines.split(","):
+                long_tail(args.tail_steps, args.warmup, work, "vllm")
             tail = long_tail(args.tail_steps, args.warmup, work)
             ratio = (tail["split sample stream + partial (max_staleness=2)"]["samples_per_s"]
                      / tail["split one-step-off"]["samples_per_s"])
