@@ -710,8 +710,8 @@ class TrainerConfig:
     max_staleness: int = bounded(0, ge=0)
     """With loop=one_step_off and split placement: 0 = the fixed one-step lag; N >= 1 = streaming, the
     rollout keeps drawing batches up to N policy versions ahead of the actor and the trainer takes them as
-    they finish. With loop=async: the bound on every sample's oldest token (0 counts as 1). Staleness above 1
-    needs algorithm.rollout_correction (the stale samples' importance weights)."""
+    they finish. With loop=async: the bound on every sample's oldest token; 0 = on policy, the synchronous loop's
+    schedule and samples. Staleness above 1 needs algorithm.rollout_correction (the stale samples' importance weights)."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """Trained state moved to host memory while the rollout generates (colocated). memory/host_peak_gb/<phase>
     and memory/gpu_peak_gb/<phase> (generate, train; max over ranks) are logged either way, time/offload_s and

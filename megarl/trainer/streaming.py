@@ -10,8 +10,11 @@ here, at the queue. The trainer takes ``data.prompts_per_step`` groups per step.
 Staleness (every token carries the policy version that sampled it): a group admitted while the
 rollout holds version v is admitted only if it is within the first (v - v0 + N + 1) x
 prompts_per_step groups still to be trained (v0 the version the run started from, N =
-``trainer.max_staleness`` or 1), so that, trained in admission order, its oldest token is at most
-N versions behind the actor (AReaL's admission rule). ``trainer.staleness_policy``:
+``trainer.max_staleness``), so that, trained in admission order, its oldest token is at most N
+versions behind the actor (AReaL's admission rule). N = 0 is on policy: each step's groups are
+admitted once the weights they are trained against are synced, all at once, drawn with the
+synchronous loop's seeds, so the loop is the synchronous one (its samples, metrics and weights).
+``trainer.staleness_policy``:
 
 * ``wait``: groups are trained in admission order; the trainer waits for a long-tailed group
   rather than let it age: nothing is dropped and the bound holds for every token;
@@ -151,8 +154,18 @@ class SamplePool(Producer):
                 self.rows_in_flight += self.sampling.n
                 new.append(group)
         if new:
-            sampling = dataclasses.replace(self.sampling, seed=self.seed * 1000003 + new[0].index)
+            sampling = dataclasses.replace(self.sampling, seed=self._admission_seed(new[0].index, len(new)))
             self._call(self.rollout.admit, [g.ids for g in new], sampling, new[0].index)
+
+    def _admission_seed(self, first: int, count: int) -> int:
+        """The seed of an admission's draws. One that holds exactly one step's groups, from a step's
+        first, draws with the seed the synchronous loop gives that step (sample_step: (seed + step)
+        x 1000, its prompts numbered from 0 in the call, as here): at max_staleness=0, where every
+        admission is one whole step's, the two loops draw the same samples. Any other admission gets
+        a seed of its own, never a multiple of 1000."""
+        if count == self.per_step and first % self.per_step == 0:
+            return (self.seed + self.start_version + 1 + first // self.per_step) * 1000
+        return (self.seed * 1000003 + first) * 1000 + 999
 
     def _idle(self) -> None:
         """Nothing in flight: wait for what lets the pool admit again (a weight sync, the trainer)."""
@@ -302,7 +315,7 @@ def train(cfg, roles, stream, scorer, log, eos_token_ids, pad_token_id: int, sta
     roles.rollout.update_weights(start_step - 1)
     if start_step == 1:
         validate(cfg, roles, validator, log, 0)
-    bound = t.max_staleness or 1
+    bound = t.max_staleness  # 0: on policy, the synchronous loop's schedule (see _admission_seed)
     pool = SamplePool(roles.rollout, stream, scorer, algo, eos_token_ids, start_step, t.train_steps,
                       data.prompts_per_step, bound, t.staleness_policy,
                       r.max_inflight or data.prompts_per_step * algo.samples_per_prompt, r.partial_chunk_tokens,

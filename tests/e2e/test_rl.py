@@ -64,7 +64,19 @@ def split_started(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def grpo(tmp_path_factory, split_started):
+def on_policy_async_started(tmp_path_factory):
+    """trainer.loop=async at max_staleness=0 (split placement), 60 steps: started before ``grpo``,
+    beside it, for test_async_at_staleness_0_is_the_synchronous_loop."""
+    run = started(tmp_path_factory.mktemp("async0"), *SPLIT, "trainer.loop=async", "trainer.max_staleness=0",
+                  "trainer.train_steps=60")
+    try:
+        yield run
+    finally:
+        run.stop()
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory, split_started, on_policy_async_started):
     path = tmp_path_factory.mktemp("grpo")
     return path, history(path, "trainer.train_steps=60")
 
@@ -348,6 +360,17 @@ def async_started(tmp_path_factory):
 
 def dumped_rows(run_dir, step):
     return [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+
+
+def test_async_at_staleness_0_is_the_synchronous_loop(on_policy_async_started, grpo):
+    """Sample-level streaming on policy (max_staleness=0, no partial rollouts): each step's groups
+    are admitted once the weights they train against are synced, with the synchronous loop's seeds,
+    so the run is the synchronous one: the same rewards, losses and final weights at all 60 steps."""
+    run_dir, rows = finished(on_policy_async_started)
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in grpo[1]]
+    assert [r["actor/loss"] for r in rows] == pytest.approx([r["actor/loss"] for r in grpo[1]], rel=1e-6, abs=1e-9)
+    assert all(r["sampling/staleness"] == 0 and r["sampling/token_lag_0"] == 1.0 for r in rows)
+    assert final_checksum(run_dir) == final_checksum(grpo[0])
 
 
 def test_one_step_off_staleness(tmp_path, async_started):

@@ -69,7 +69,7 @@ def test_role_classes_declare_their_verbs():
     assert declared_verbs(Reference) == {"compute_log_prob": Verb(dp, output="ref_log_probs")}
     assert declared_verbs(RewardModel) == {"compute_scores": Verb(dp, output="scores")}
     assert declared_verbs(Rollout) == {name: Verb(Dispatch.ALL) for name in
-                                       ("generate", "begin", "advance", "update_weights",
+                                       ("generate", "begin", "admit", "advance", "update_weights",
                                         "release_memory", "resume_memory")}
 
 

@@ -162,6 +162,19 @@ def test_resume_from_a_step_loses_and_repeats_no_prompt(policy):
     assert second.admitted[0] not in trained  # the resumed run starts with a prompt not trained before
 
 
+def test_max_staleness_0_admits_each_step_whole_with_the_sync_loops_seeds():
+    """On policy: every token of every step is from the actor's own version, each step's groups
+    are admitted in one call once that version is synced, seeded as sample_step seeds the step."""
+    roles = StreamingRoles(gen_s=0.002, train_s=0.02)
+    seeds, admit = [], roles.rollout.admit
+    roles.rollout.admit = lambda prompts, sampling, first: seeds.append((len(prompts), first, sampling.seed)) or \
+        admit(prompts, sampling, first)
+    rows, trained = run(config(4, 0, StalenessPolicy.wait, partial=False), roles)
+    assert all(r["sampling/staleness"] == 0 and r["sampling/token_lag_0"] == 1.0 for r in rows)
+    assert seeds == [(2, 2 * k, (0 + k + 1) * 1000) for k in range(4)]  # trainer.seed 0: (seed + step) * 1000
+    assert trained == roles.admitted
+
+
 def test_a_failing_rollout_reaches_the_trainer():
     roles = StreamingRoles()
 
