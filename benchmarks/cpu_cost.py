@@ -329,6 +329,9 @@ def _link_worker(out: Path, repeats: int) -> None:
     dist.barrier()
 
 
+LINK_TIMEOUT_S = 900
+
+
 def measure_link(link, repeats: int = 3) -> dict:
     """The link's constants (:func:`_link_worker`): 4 ranks started in the two namespaces of
     ``link`` (a benchmarks.netns.TwoNodeLink), the rendezvous on the first node's address."""
@@ -350,7 +353,13 @@ def measure_link(link, repeats: int = 3) -> dict:
                    "--repeats", str(repeats)]
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                           text=True))
-        errors = [p.communicate(timeout=900)[1] for p in procs]
+        try:
+            errors = [p.communicate(timeout=LINK_TIMEOUT_S)[1] for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            sys.exit(f"the link's microbenchmark (4 ranks in {link.namespaces}) did not finish within "
+                     f"{LINK_TIMEOUT_S} s")
         if any(p.returncode for p in procs) or not out.is_file():
             sys.exit("the link's microbenchmark failed:\n" + "\n".join(e[-2000:] for e in errors))
         return json.loads(out.read_text())

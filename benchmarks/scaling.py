@@ -406,6 +406,7 @@ def cluster_check(argv) -> None:
     parser.add_argument("config", nargs="+", help="a megarl config file, then key=value overrides")
     parser.add_argument("--ray-address", required=True, help="the cluster's head, host:port")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="the longest the run may take")
     for field in dataclasses.fields(cost.Hardware):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
     flags = parser.parse_args(argv)
@@ -415,7 +416,10 @@ def cluster_check(argv) -> None:
     with tempfile.TemporaryDirectory() as run:
         cmd = [sys.executable, "-m", "megarl.cli", "train", *files, *overrides, f"trainer.train_steps={flags.steps}",
                f"trainer.ray_address={flags.ray_address}", "logging.progress_bar=false", f"trainer.run_dir={run}"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=flags.timeout_s)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"{' '.join(cmd)} did not finish within --timeout-s={flags.timeout_s:g}; raise it for a longer run")
         if proc.returncode:
             sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()][1:]
