@@ -45,6 +45,21 @@ def _where(start_heartbeat=None) -> tuple:
     return ray.util.get_node_ip_address(), os.getpid(), ray.get_runtime_context().get_node_id()
 
 
+def _postmortem(pid: int, node_ip: str, node_id: str) -> str:
+    """What the dead worker's machine recorded of its death (:mod:`megarl.runtime.postmortem`),
+    read when that machine is the driver's."""
+    from megarl.runtime import postmortem
+
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        node = ray._private.worker.global_worker.node
+        logs_dir = node.get_logs_dir_path() if node_id == here else None
+        same_machine = node_id == here or node_ip == ray.util.get_node_ip_address()
+        return postmortem.explain(pid, logs_dir, same_machine)
+    except Exception as err:  # noqa: BLE001 - Ray is going away: the error names the rank without it
+        return f"(its logs could not be read: {type(err).__name__})"
+
+
 def _node_placement(world_size: int, nnodes: int, cpus: float, gpus: float):
     """A placement group with one bundle per node (STRICT_SPREAD: each on a different node) holding
     that node's ``world_size // nnodes`` ranks, so that rank r runs on node r // nproc_per_node, as
@@ -148,9 +163,11 @@ class WorkerGroup:
         return f"{self.name}rank {rank} (pid {pid} on node {node})"
 
     def _died(self, rank: int, err: Exception) -> None:
-        node_id = self.where[rank][2] if rank < len(self.where) else "?"
+        node_ip, pid, node_id = self.where[rank] if rank < len(self.where) else ("?", None, "?")
+        how = _postmortem(pid, node_ip, node_id) if pid is not None else ""
         raise WorkerDied(f"{self._rank(rank)} died (Ray node {node_id[:8]}): "
-                         f"{type(err).__name__}: {str(err).strip().splitlines()[0]}") from None
+                         f"{type(err).__name__}: {str(err).strip().splitlines()[0]}" + (f"\n  {how}" if how else "")
+                         ) from None
 
     @property
     def dp(self) -> int:

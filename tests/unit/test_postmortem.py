@@ -1,0 +1,47 @@
+"""megarl.runtime.postmortem: what a dead worker's machine recorded, read from the files Ray
+writes (the layout of a real crash's logs, measured with Ray 2.60: a worker's stderr
+``worker-<id>-<job>-<pid>.err`` and its core-worker log ``python-core-worker-<id>_<pid>.log``).
+A real crash through a run: tests/faults/test_worker_faults.py."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+from megarl.runtime import postmortem
+
+FAULT = """:job_id:01000000
+some output
+Fatal Python error: Segmentation fault
+
+Current thread 0x00007f (most recent call first):
+  File "/x/megarl/engines/actor.py", line 10 in update
+  File "/x/ray/_private/worker.py", line 1069 in main_loop
+
+Extension modules: numpy (total: 1)
+"""
+
+
+def test_a_crash_names_the_signal_and_the_crashing_stack(tmp_path):
+    (tmp_path / "worker-ab12-01000000-4242.err").write_text(FAULT)
+    (tmp_path / "python-core-worker-ab12_4242.log").write_text(
+        "[2026 I 4242 4242] core_worker.cc: ok\n[2026 E 4242 4242] logging.cc:474: *** SIGSEGV received at time=1\n")
+    (tmp_path / "worker-cd34-01000000-4243.err").write_text("unrelated\n")
+    said = postmortem.explain(4242, str(tmp_path), same_machine=True)
+    assert "it received SIGSEGV" in said and "Fatal Python error: Segmentation fault" in said, said
+    assert "actor.py\", line 10 in update" in said and "unrelated" not in said and "no crash" not in said, said
+
+
+def test_a_sigkill_leaves_no_report_and_the_error_says_so(tmp_path):
+    proc = subprocess.Popen(["sleep", "30"])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (tmp_path / f"worker-ab12-01000000-{proc.pid}.err").write_text(":job_id:01000000\nstep 3\n")
+    said = postmortem.explain(proc.pid, str(tmp_path), same_machine=True)
+    assert "no crash was recorded" in said and "SIGKILL" in said and "step 3" in said, said
+
+
+def test_a_worker_elsewhere_adds_nothing(tmp_path):
+    assert postmortem.explain(4242, None, same_machine=False) == ""
+    # the logs of a node that is not the driver's are not here: nothing is claimed about them
+    assert "no crash" not in postmortem.explain(4242, None, same_machine=True)
