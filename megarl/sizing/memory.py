@@ -161,7 +161,7 @@ class ModelMemory:
         if stage == layout.pp - 1:
             dense += self.last_whole
             if value_head:
-                dense += self.hidden
+                dense += self.hidden + 1  # its weight and bias
             else:
                 dense += self.last_split // layout.tp
                 if self.model.tied_embeddings and layout.pp > 1:  # the output layer's copy

@@ -3,6 +3,7 @@
 each device fault of issue 24 put back by a monkeypatch: the harness must refuse each one.
 Prints ``RESULT {"case": ..., "error": ...}`` lines on rank 0 (error None: the verb ran)."""
 
+import dataclasses
 import gc
 import json
 import os
@@ -149,6 +150,9 @@ def memory_case(work: str) -> None:
             w = rl_worker.RLWorker(rank, world, cfg)
             w.setup(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
             record["set_up"] = m.refresh()  # the trained states back, the engine asleep
+            actor = w.roles["actor"]
+            record["param_bytes"] = next(actor.engine.state.model[0].parameters()).element_size()
+            record["layout"] = dataclasses.asdict(w.groups.layout)
             record["starts"] = [dict(s) for s in m.starts[started:]]
             record["budget"] = m.total
             w.call("rollout", "update_weights", 1)
@@ -156,9 +160,15 @@ def memory_case(work: str) -> None:
                                                                               seed=1))
             w.call("rollout", "release_memory")
             batch = batch_of(responses)
-            w.call("actor", "compute_log_prob", batch)
-            w.call("reference", "compute_log_prob", batch)
-            w.call("critic", "compute_values", batch)
+            batch.loss_mask = torch.zeros_like(batch.loss_mask)
+            batch.loss_mask[:, 2:6] = 1.0  # the responses' positions
+            batch.old_log_probs = w.call("actor", "compute_log_prob", batch)["old_log_probs"]
+            batch.ref_log_probs = w.call("reference", "compute_log_prob", batch)["ref_log_probs"]
+            batch.values = batch.old_values = w.call("critic", "compute_values", batch)["values"]
+            batch.advantages = torch.linspace(-1, 1, batch.tokens.shape[0])[:, None].expand_as(batch.loss_mask).contiguous()
+            batch.returns = batch.values + batch.advantages
+            w.call("actor", "update", batch)  # Adam's moments exist from the first step on
+            w.call("critic", "update", batch)
             w.call("rollout", "resume_memory")
             record["phases"] = phases()
             kept = Resharder.release

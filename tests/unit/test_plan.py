@@ -184,7 +184,7 @@ def test_a_critic_and_a_reference_are_counted():
     layout, micro = Layout(tp=8, dp=8), MicroBatches(4096, 1, 16)
     actor = memory.stage_params(layout, 0).total
     critic = memory.stage_params(layout, 0, value_head=True).total
-    assert critic == actor - memory.vocab * memory.hidden // 8 + memory.hidden
+    assert critic == actor - memory.vocab * memory.hidden // 8 + memory.hidden + 1  # the value head's weight and bias
     m = memory.training(layout, 0, micro, reference=True, critic=True)
     assert (m.params, m.grads, m.optimizer) == (2 * (2 * actor + critic), 4 * (actor + critic),
                                                 int(12 * actor / 8 + 12 * critic / 8))
