@@ -61,14 +61,19 @@ class _Worker:
         self.deadline = self.started + start_timeout_s
         write_frame(self.proc.stdin.fileno(), (fn_path, memory_mb))
 
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # already gone
-            pass
-        self.proc.wait()
+    def kill(self) -> int:
+        """Kill the worker's process group and reap the worker; its exit code. The group is
+        signalled only while the worker is unreaped: its PID, the group's ID, is then still its own
+        (once reaped, a new process may be given that number, and be a group leader)."""
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # already gone
+                pass
+        code = self.proc.wait()
         self.proc.stdin.close()
         self.proc.stdout.close()
+        return code
 
 
 class RewardPool:
@@ -112,8 +117,9 @@ class RewardPool:
                 if not w.ready:
                     self._started(w, message)
                 elif message is None:  # the function killed its process (os._exit, a crash)
-                    fail(w.index, "crashed", f"the worker process died (exit code {w.proc.poll()})")
-                    self._replace(w)
+                    index = w.index
+                    code = self._replace(w)  # reaped only after its group is killed (see _Worker.kill)
+                    fail(index, "crashed", f"the worker process died (exit code {code})")
                 else:
                     index, kind, result, seconds = message
                     w.index = None
@@ -149,14 +155,16 @@ class RewardPool:
 
     def _started(self, w: _Worker, message) -> None:
         if message is None or message[0] != "ready":
-            why = message[1] if message else f"it exited with code {w.proc.poll()} (its stderr says why)"
+            why = message[1] if message else f"it exited with code {w.kill()} (its stderr says why)"
             self.close()
             raise ValueError(f"reward function '{self.fn_path}' cannot be loaded in a worker process: {why}")
         w.ready, w.start_s = True, time.monotonic() - w.started
 
-    def _replace(self, w: _Worker) -> None:
-        w.kill()
+    def _replace(self, w: _Worker) -> int:
+        """Kill ``w`` and start another in its place; ``w``'s exit code."""
+        code = w.kill()
         self.workers[self.workers.index(w)] = _Worker(self.fn_path, self.start_timeout_s, self.memory_mb)
+        return code
 
     def _log(self, report: ScoreReport) -> None:
         kinds = dict(report.failures, timeout=report.timeouts)

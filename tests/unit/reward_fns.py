@@ -21,6 +21,17 @@ def misbehaving(response, answer):
             "int": 2, "ok": 0.5}[response]
 
 
+def crash_leaving_child(response, answer):
+    """Starts a child in its worker's process group, writes the child's pid to the file named by
+    ``response``, and kills its own process."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    with open(response, "w") as f:
+        f.write(str(child.pid))
+    os._exit(3)
+
+
 def with_context(response, answer, prompt, extra):
     return float(len(prompt)) + extra["level"]
 

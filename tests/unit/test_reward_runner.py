@@ -94,6 +94,45 @@ def test_bad_rewards_are_counted_failures_scored_zero():
     assert report2.scores == [0.5] and report2.failed == 0
 
 
+def gone(pid: int) -> bool:
+    """Exited (a zombie counts: an orphan waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def test_a_crashed_worker_is_named_by_its_exit_code_and_its_group_killed_before_it_is_reaped(tmp_path, monkeypatch):
+    """A function that kills its worker (exit code 3) after starting a child: the sample is counted
+    as crashed with the worker's exit code, the child (in the worker's process group) is killed,
+    and the group is signalled while the dead worker is still unreaped, so its PID, the group's
+    ID, cannot yet belong to another process (reaping first, as before, let a new process-group
+    leader be given that number and be killed in its place)."""
+    import megarl.rewards.runner as runner
+
+    real, signalled = os.killpg, []
+
+    def killpg(pgid, sig):
+        signalled.append((pgid, os.path.exists(f"/proc/{pgid}")))
+        real(pgid, sig)
+
+    monkeypatch.setattr(runner.os, "killpg", killpg)
+    pool = RewardPool(f"{FNS}:crash_leaving_child", workers=1, timeout_s=5.0)
+    crashed = pool.workers[0].proc.pid
+    try:
+        report = pool.score([RewardSample(str(tmp_path / "child.pid"), 0)])
+    finally:
+        pool.close()
+    assert dict(report.failures) == {"crashed": 1} and "exit code 3" in report.examples["crashed"], report
+    assert (crashed, True) in signalled, signalled
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 5
+    while not gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(child)
+
+
 @pytest.mark.parametrize("fn,score", [("with_context", 2 + 7.0), ("keyword_prompt_only", 2.0),
                                       ("any_keywords", 1.0), ("two_arguments", 1.0)])
 def test_function_gets_prompt_and_extra_when_it_takes_them(fn, score):
