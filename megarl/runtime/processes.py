@@ -89,15 +89,31 @@ def kill_tagged(value: str, name: str = RUN_TAG, grace_s: float = 0.0, also=()) 
     PIDs killed."""
     deadline = time.monotonic() + grace_s
     while True:
-        pids = set(tagged_pids(value, name)) | {i[0] for i in also if identity(i[0]) == i}
-        pids = [p for p in pids if not _zombie(p) and p != os.getpid()]
-        if not pids or time.monotonic() >= deadline:
+        found = {identity(p) for p in tagged_pids(value, name)} | {i for i in also if identity(i[0]) == i}
+        found = [i for i in found if i is not None and not _zombie(i[0]) and i[0] != os.getpid()]
+        if not found or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-            os.kill(pid, signal.SIGKILL)
-    return pids
+    return [i[0] for i in found if kill_exactly(i)]
+
+
+def kill_exactly(ident) -> bool:
+    """SIGKILL the process of identity ``ident`` (:func:`identity`), and no other: the PID is
+    pinned (a pidfd) before the identity is checked again, so a process that exited and whose
+    PID went to another in between is never signalled. Whether it was signalled."""
+    try:
+        fd = os.pidfd_open(ident[0])
+    except (ProcessLookupError, OSError):  # gone
+        return False
+    try:
+        if identity(ident[0]) != ident:  # the number belongs to another process now
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except ProcessLookupError:  # exited meanwhile
+        return False
+    finally:
+        os.close(fd)
 
 
 def _stat(pid: int):
@@ -198,7 +214,7 @@ def _stop_wedged(pid: int, pidfd: int, run_id: str, known: set, wedged_s: float)
     if not select.select([pidfd], [], [], wedged_s / 2)[0]:
         print(f"megarl: the driver (pid {pid}) is still stuck: killed", file=sys.stderr, flush=True)
         with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-            os.kill(pid, signal.SIGKILL)
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # the driver itself, even if its PID was reused
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def test_a_killed_worker_rank_stops_the_run_named_within_seconds(tmp_path):
     """Rank 1 crashes (SIGSEGV, as a bad native call would): the driver exits 3 within seconds,
     naming the rank, the signal and the fault report that its stderr holds (the Python stack of
     the crash), without a traceback of its own, and nothing of the run is left. (A SIGKILL leaves
-    no report, and the error says so: tests/unit/test_postmortem.py.)"""
+    no report, and the error says so: tests/unit/test_dead_processes.py.)"""
     run_dir = tmp_path / "run"
     proc = start(run_dir, "trainer.save_interval=1", "trainer.async_save=true")
     try:

@@ -1,7 +1,8 @@
-"""megarl.runtime.postmortem: what a dead worker's machine recorded, read from the files Ray
-writes (the layout of a real crash's logs, measured with Ray 2.60: a worker's stderr
-``worker-<id>-<job>-<pid>.err`` and its core-worker log ``python-core-worker-<id>_<pid>.log``).
-A real crash through a run: tests/faults/test_worker_faults.py."""
+"""Processes that end: what a dead worker's machine recorded (megarl.runtime.postmortem, read
+from the files Ray writes; their layout is a real crash's, measured with Ray 2.60: a worker's
+stderr ``worker-<id>-<job>-<pid>.err`` and its core-worker log
+``python-core-worker-<id>_<pid>.log``; a real crash through a run is in
+tests/faults/test_worker_faults.py), and kills that hit only the process meant."""
 
 from __future__ import annotations
 
@@ -45,3 +46,22 @@ def test_a_worker_elsewhere_adds_nothing(tmp_path):
     assert postmortem.explain(4242, None, same_machine=False) == ""
     # the logs of a node that is not the driver's are not here: nothing is claimed about them
     assert "no crash" not in postmortem.explain(4242, None, same_machine=True)
+
+
+def test_a_kill_by_identity_spares_a_process_that_got_the_pid():
+    """megarl.runtime.processes.kill_exactly signals the process it was given (PID and start
+    time), never another that holds the same PID later: a run's cleanup kills what it noted
+    minutes before, and the suite's PIDs wrap around several times."""
+    from megarl.runtime.processes import identity, kill_exactly
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        pid, started = identity(proc.pid)
+        assert not kill_exactly((pid, str(int(started) - 1)))  # an earlier process of that number
+        assert proc.poll() is None
+        assert kill_exactly((pid, started))
+        assert proc.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not kill_exactly((pid, started))  # reaped: nothing of that identity is left
