@@ -207,6 +207,8 @@ def save_sharded(state: Dict, path: str | Path, before_rename: Optional[Callable
     this rank removes ``path.tmp``; one for lack of space is a ``DiskFull`` naming ``path``."""
     from megatron.core import dist_checkpointing
 
+    from megarl.checkpoint import results_queue
+
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = torch.distributed.get_rank()
@@ -219,6 +221,7 @@ def save_sharded(state: Dict, path: str | Path, before_rename: Optional[Callable
     try:
         torch.distributed.barrier()
         with named_if_full(path, needed, TENSOR_BYTES, partial=tmp):
+            results_queue.install()  # megatron-core's writer reports through a queue started by fork
             dist_checkpointing.save(state, str(tmp))
             torch.distributed.barrier()
             if rank == 0 and before_rename is not None:

@@ -100,6 +100,8 @@ def save_train_state(state: TrainState, path: Path, optimizer_format: str = "res
     background writer; ``False`` exists for the benchmark's side-by-side timing."""
     from megatron.core import dist_checkpointing
 
+    from megarl.checkpoint import results_queue
+
     metadata = _metadata(optimizer_format)
     rank = torch.distributed.get_rank()
     # The model's keys are megatron-core's default (stacked layers), which Megatron-LM reads.
@@ -123,6 +125,7 @@ def save_train_state(state: TrainState, path: Path, optimizer_format: str = "res
         local = {"rng": _rng_state(), "scheduler": state.scheduler.state_dict() if state.scheduler else None,
                  "adam_step": _adam_step(state.optimizer) if state.optimizer is not None else None}
         torch.save(local, path / f"rank_{rank}.pt")
+        results_queue.install()  # megatron-core's writer reports through a queue started by fork, not spawn
         request = dist_checkpointing.save(sharded, str(path), async_sharded_save=async_queue is not None)
     files = partial(own_files, path, rank)
     if async_queue is not None:
