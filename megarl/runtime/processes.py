@@ -90,7 +90,7 @@ def kill_tagged(value: str, name: str = RUN_TAG, grace_s: float = 0.0, also=()) 
     deadline = time.monotonic() + grace_s
     while True:
         found = {identity(p) for p in tagged_pids(value, name)} | {i for i in also if identity(i[0]) == i}
-        found = [i for i in found if i is not None and not _zombie(i[0]) and i[0] != os.getpid()]
+        found = [i for i in found if i is not None and not exited(i[0]) and i[0] != os.getpid()]
         if not found or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
@@ -125,9 +125,10 @@ def _stat(pid: int):
         return None
 
 
-def _zombie(pid: int) -> bool:
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited: gone, or a zombie its parent has not reaped."""
     stat = _stat(pid)
-    return stat is None or stat[0] == "Z"
+    return stat is None or stat[0] in ("Z", "X")
 
 
 def die_with_parent() -> None:

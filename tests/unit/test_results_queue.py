@@ -12,6 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from megarl.runtime.processes import exited as gone
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
@@ -43,14 +45,6 @@ def sockets_of(pid: int) -> set:
         if link.startswith("socket:["):
             found.add(int(link[len("socket:["):-1]))
     return found
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
 
 
 def test_the_writers_queue_is_forked_keeps_no_parent_socket_and_dies_with_its_parent():

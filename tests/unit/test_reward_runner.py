@@ -14,6 +14,7 @@ from megarl.config import AlgorithmConfig
 from megarl.data.datasets import PromptRecord
 from megarl.data.tokenizer import DigitTokenizer
 from megarl.rewards import RewardPool, RewardSample
+from megarl.runtime.processes import exited as gone
 from megarl.rollout import Response
 from megarl.trainer.steps import PromptStream, Scorer, sample_step
 
@@ -92,15 +93,6 @@ def test_bad_rewards_are_counted_failures_scored_zero():
     assert report.failed == 7 and report.timeouts == 0
     assert "RuntimeError: bad sample" in report.examples["exception"]
     assert report2.scores == [0.5] and report2.failed == 0
-
-
-def gone(pid: int) -> bool:
-    """Exited (a zombie counts: an orphan waits for init to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
 
 
 def test_a_crashed_worker_is_named_by_its_exit_code_and_its_group_killed_before_it_is_reaped(tmp_path, monkeypatch):
