@@ -15,7 +15,7 @@ gets the queue by pickling. megarl saves in the calling process, or in the backg
 ``AsyncCallsQueue(persistent=False)``, whose writer is a forked process that inherits the queue.
 
 A forked process inherits every open descriptor of its parent. The Manager lives as long as its
-parent, so it closes the sockets it inherited before it serves: Ray's connections, gloo's pairs,
+parent, so it replaces the sockets it inherited with /dev/null before it serves: Ray's connections, gloo's pairs,
 torch's rendezvous store. Otherwise, after its parent died, it would keep those connections open,
 and the peers that wait for them to close would not learn of the death. It also dies with its
 parent (``PR_SET_PDEATHSIG``).
@@ -38,13 +38,17 @@ def _close_inherited_sockets() -> None:
     from megarl.runtime.processes import die_with_parent
 
     die_with_parent()
+    null = os.open(os.devnull, os.O_RDWR)
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
             if stat.S_ISSOCK(os.fstat(fd).st_mode):
-                os.close(fd)
+                # /dev/null in its place, not a close: the number stays taken, so an inherited
+                # object that closes it later cannot close a socket of the Manager's own
+                os.dup2(null, fd)
         except OSError:  # the directory's own descriptor, already closed
             continue
+    os.close(null)
 
 
 def write_results_queue():
