@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ from typing import Any, Counter, Dict, List, Optional, Sequence
 from megarl.rewards.worker import read_frame, write_frame
 
 log = logging.getLogger(__name__)
+KILL_WAIT_S = 30.0  # how long a SIGKILLed worker may take to be reaped
 
 
 @dataclass
@@ -66,11 +68,13 @@ class _Worker:
         signalled only while the worker is unreaped: its PID, the group's ID, is then still its own
         (once reaped, a new process may be given that number, and be a group leader)."""
         if self.proc.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already gone
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:  # already gone
-                pass
-        code = self.proc.wait()
+        try:
+            code = self.proc.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"reward worker pid {self.proc.pid} still exists {KILL_WAIT_S:.0f}s after SIGKILL "
+                               f"(stuck in the kernel: a hung file system?)") from None
         self.proc.stdin.close()
         self.proc.stdout.close()
         return code

@@ -5,6 +5,7 @@ rank's first save, measured). The Manager holds none of its parent's sockets, an
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -51,6 +52,8 @@ def test_the_writers_queue_is_forked_keeps_no_parent_socket_and_dies_with_its_pa
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"})
     try:
+        ready = select.select([proc.stdout], [], [], 60)[0]
+        assert ready, "the script printed nothing in 60 s: the forked Manager did not start"
         manager, inode, took, written = proc.stdout.readline().split()
         manager = int(manager)
         assert int(written) == 1
