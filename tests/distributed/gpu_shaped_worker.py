@@ -167,8 +167,10 @@ def memory_case(work: str) -> None:
             batch.values = batch.old_values = w.call("critic", "compute_values", batch)["values"]
             batch.advantages = torch.linspace(-1, 1, batch.tokens.shape[0])[:, None].expand_as(batch.loss_mask).contiguous()
             batch.returns = batch.values + batch.advantages
-            w.call("actor", "update", batch)  # Adam's moments exist from the first step on
-            w.call("critic", "update", batch)
+            record["moments"] = {}
+            for role in ("actor", "critic"):
+                w.call(role, "update", batch)  # Adam's moments exist from the first step on
+                record["moments"][f"{role}.update"] = moments(w.roles[role].engine.state.optimizer)
             w.call("rollout", "resume_memory")
             record["phases"] = phases()
             kept = Resharder.release
@@ -184,6 +186,17 @@ def memory_case(work: str) -> None:
     attempt("fixed/memory", run)
     if rank == 0:
         print("RESULT " + json.dumps(record), flush=True)
+
+
+def moments(optimizer) -> int:
+    """Bytes of Adam's first and second moments on the device, read from the optimizer's state."""
+    held = 0
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in sub.optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert gpu_shaped.is_cuda(state[key]), key
+                held += state[key].untyped_storage().nbytes()
+    return held
 
 
 def lora_case(worker, cfg, batch: Batch) -> None:

@@ -198,13 +198,17 @@ def test_memory_model_on_a_colocated_ppo_step(results):
     assert kept(r["unreleased"], r["before"], trainer) > trainer // 10, r["unreleased"]
 
 
+IN_FLIGHT = 64  # bytes: the metrics' all-reduce buffer a collective's thread may hold past its verb
+
+
 def test_plan_counts_the_states_the_device_holds(results):
     """``megarl plan``'s per-rank bytes (issue 47) against the device memory model of the same
     colocated PPO worker (bf16 on the harness, actor tp=2): after the first actor and critic
     updates the rank holds the three models' parameters, the fp32 gradient buffers, the
     distributed optimizer's fp32 masters and Adam's moments, which the plan counts as
     ``states`` (measured within 0.2%: module buffers built on first use; bound 1%). Adam's moments,
-    built by the first update, are 8 bytes for each parameter the plan gives the rank, exactly
+    built by the first update, are 8 bytes for each parameter the plan gives the rank, exactly, read
+    from the optimizer's state on the device; each update's new live bytes are those moments
     (the critic's value head has a bias: the plan missed it before this check). Activations are
     not compared here: at the demo's width (hidden 64) unfused attention and the optimizer's
     temporaries dominate a step's transient bytes, where the plan models flash attention at
@@ -219,4 +223,9 @@ def test_plan_counts_the_states_the_device_holds(results):
     assert abs(held - plan.states) <= plan.states // 100, (held, plan)
     for name, params in (("actor.update", actor), ("critic.update", critic)):
         _, start, _, _, end = phases[name]
-        assert end - start == 8 * params, (name, end - start, params)
+        assert r["moments"][name] == 8 * params, (name, r["moments"][name], params)
+        # The verb's own new bytes are its moments, but for what gloo's worker thread still holds of
+        # the verb's last all-reduce when it returns (the 16-byte memory peaks, 0 or 16 as threads
+        # run): torch's wait() returns before that thread drops its reference to the work, as
+        # ProcessGroupNCCL keeps a finished work's tensors until its watchdog cleans it up.
+        assert -IN_FLIGHT <= end - start - r["moments"][name] <= IN_FLIGHT, (name, end - start, r["moments"][name])
