@@ -246,9 +246,13 @@ def load_model(chunks: List[torch.nn.Module], path: str | Path, skip=()) -> None
         state = dist_checkpointing.load(wanted, str(path))
     per_chunk = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
     for chunk, loaded in zip(chunks, per_chunk):
-        module = _unwrap(chunk)
-        own = {k: v for k, v in loaded.items() if k in module.state_dict()}
-        module.load_state_dict(own, strict=False)
+        load_own(_unwrap(chunk), loaded)
+
+
+def load_own(module: torch.nn.Module, loaded: Dict) -> None:
+    """Load the entries of ``loaded`` that are ``module``'s own state (others are ignored)."""
+    keys = module.state_dict().keys()  # once: each call walks every submodule
+    module.load_state_dict({k: v for k, v in loaded.items() if k in keys}, strict=False)
 
 
 

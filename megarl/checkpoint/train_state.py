@@ -34,7 +34,7 @@ import torch
 
 from megarl.checkpoint.disk import call_named_if_full, named_if_full
 from megarl.checkpoint.dist_ckpt import (
-    TENSOR_BYTES, _unwrap, checkpoint_layer_keys, sharded_state_dict, tensor_bytes, verify_dist_checkpoint,
+    TENSOR_BYTES, _unwrap, checkpoint_layer_keys, load_own, sharded_state_dict, tensor_bytes, verify_dist_checkpoint,
 )
 from megarl.checkpoint.integrity import record_hashes, weights_only_loads, write_then_record_hashes
 from megarl.models import lora
@@ -279,8 +279,7 @@ def load_train_state(state: TrainState, path: Path) -> bool:
     chunks = state.model
     per_chunk = [loaded["model"]] if len(chunks) == 1 else [loaded["model"][f"model{i}"] for i in range(len(chunks))]
     for chunk, weights in zip(chunks, per_chunk):
-        module = _unwrap(chunk)
-        module.load_state_dict({k: v for k, v in weights.items() if k in module.state_dict()}, strict=False)
+        load_own(_unwrap(chunk), weights)
     if state.optimizer is not None:
         opts = _optimizers(state.optimizer)
         parts = [loaded["optimizer"]] if len(opts) == 1 else [loaded["optimizer"][i] for i in range(len(opts))]

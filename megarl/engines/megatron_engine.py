@@ -29,6 +29,7 @@ An optimizer step whose loss or gradients are not finite on any rank is skipped 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -46,7 +47,7 @@ from megarl.metrics import Metric, Reduce
 from megarl.models import routing_replay
 from megarl.models.builder import set_aux_loss_copies
 from megarl.parallel.context import gather_sequence, split_for_rank
-from megarl.runtime import progress
+from megarl.runtime import cpu_mode, progress
 from megarl.runtime.devices import compute_device
 
 # (log_probs [n, s], entropy [n, s], micro-batch tensors) -> (loss sum, count, metrics); for a
@@ -196,6 +197,10 @@ class MegatronEngine:
         # depends on the batch's padding or a layout's (CP and SP multiples, packing)
         router_counts = not forward_only and config.num_moe_experts and (
             config.moe_aux_loss_coeff or config.moe_router_enable_expert_bias)
+        # On CPU the forward runs without CPU mode's function mode, which costs every torch call
+        # (7% of the layout-parity session's time): Megatron's forward names a CUDA device only in
+        # context parallelism's RoPE slice (a pinned index moved by .cuda())
+        plain = cpu_mode.suspended if layout.cp == 1 else contextlib.nullcontext
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -203,8 +208,9 @@ class MegatronEngine:
             if routing:
                 routing_replay.set_targets(self.routers.get(id(model), ()), self._cp_local(mb, "routing"), *sp)
             extra = {"padding_mask": self._padding_mask(mb, model, *sp)} if router_counts else {}
-            logits = model(self._cp_local(mb, "tokens"), self._cp_local(mb, "position_ids"), None,
-                           packed_seq_params=mb.packed_seq_params, **extra)
+            with plain():
+                logits = model(self._cp_local(mb, "tokens"), self._cp_local(mb, "position_ids"), None,
+                               packed_seq_params=mb.packed_seq_params, **extra)
             return logits, partial(loss_func, mb)
 
         model = self.state.model

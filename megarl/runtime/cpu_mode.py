@@ -28,8 +28,10 @@ What it does (see ``shared/MEGATRON_ON_CPU.md`` for how each spot was found):
   fused kernels that megarl turns off on CPU (:mod:`megarl.megatron_import` calls it).
 
 The function mode intercepts every torch call in Python (measured in issue 17: +9% on the ops
-of a batch-64 decode step, +37% at batch 1). Hot loops known to name no CUDA device (the native
-rollout's decode) run under :func:`suspended`.
+of a batch-64 decode step, +37% at batch 1). Hot loops known to name no CUDA device run under
+:func:`suspended`: the native rollout's decode, and the training engine's model forward but at
+cp > 1 (Megatron's RoPE slice for context parallelism moves a pinned index with ``.cuda()``).
+Backward passes never see the mode (torch pops it while autograd runs a Python backward).
 """
 
 from __future__ import annotations
