@@ -54,16 +54,17 @@ def tagged_pids(value: str, name: str = RUN_TAG) -> List[int]:
     return found
 
 
-def descendants(pid: int) -> List[int]:
-    """Live descendants of ``pid`` (Ray's agents lose our tag: they rewrite their environment
-    block with their process title, so a run also knows its processes by ancestry)."""
+def descendants(*pids: int) -> List[int]:
+    """Live descendants of ``pids`` (Ray's agents lose our tag: they rewrite their environment
+    block with their process title, so a run also knows its processes by ancestry); one pass
+    over /proc whatever their number."""
     children: dict = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             stat = _stat(int(entry))
             if stat and stat[0] != "Z":
                 children.setdefault(int(stat[1]), []).append(int(entry))
-    found, todo = [], [pid]
+    found, todo = [], list(pids)
     while todo:
         for child in children.get(todo.pop(), []):
             found.append(child)
@@ -72,9 +73,10 @@ def descendants(pid: int) -> List[int]:
 
 
 def run_processes(run_id: str) -> set:
-    """Identities of the run's processes: the tagged ones and their descendants."""
+    """Identities of the run's processes: the tagged ones and their descendants (the watchdog
+    asks every second: two passes over /proc)."""
     tagged = tagged_pids(run_id)
-    return {identity(p) for t in tagged for p in [t, *descendants(t)]} - {None}
+    return {identity(p) for p in [*tagged, *descendants(*tagged)]} - {None}
 
 
 def identity(pid: int):

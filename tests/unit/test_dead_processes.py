@@ -65,3 +65,39 @@ def test_a_kill_by_identity_spares_a_process_that_got_the_pid():
         proc.kill()
         proc.wait()
     assert not kill_exactly((pid, started))  # reaped: nothing of that identity is left
+
+
+def test_descendants_of_several_processes_in_one_pass():
+    """The watchdog's view of a run (megarl.runtime.processes.run_processes, every second): every
+    tagged process's descendants, grandchildren too, from one pass over /proc."""
+    from megarl.runtime.processes import descendants
+
+    shell = "sleep 30 & sleep 30 & wait"
+    roots = [subprocess.Popen(["bash", "-c", shell]) for _ in range(2)]
+    try:
+        for _ in range(100):  # each shell has started its two sleeps
+            if all(len(descendants(r.pid)) == 2 for r in roots):
+                break
+            subprocess.run(["sleep", "0.05"])
+        mine = [set(descendants(r.pid)) for r in roots]
+        assert all(len(m) == 2 for m in mine) and not mine[0] & mine[1], mine
+        assert set(descendants(*(r.pid for r in roots))) == mine[0] | mine[1]
+        outer = subprocess.Popen(["bash", "-c", f"bash -c '{shell}' & wait"])
+        try:
+            for _ in range(100):
+                if len(descendants(outer.pid)) == 3:  # the inner shell and its two sleeps
+                    break
+                subprocess.run(["sleep", "0.05"])
+            assert len(descendants(outer.pid)) == 3
+            assert descendants() == []
+        finally:
+            for pid in descendants(outer.pid):
+                subprocess.run(["kill", "-9", str(pid)])
+            outer.kill()
+            outer.wait()
+    finally:
+        for r in roots:
+            for pid in descendants(r.pid):
+                subprocess.run(["kill", "-9", str(pid)])
+            r.kill()
+            r.wait()
