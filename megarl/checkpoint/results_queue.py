@@ -19,6 +19,11 @@ parent, so it replaces the sockets it inherited with /dev/null before it serves:
 torch's rendezvous store. Otherwise, after its parent died, it would keep those connections open,
 and the peers that wait for them to close would not learn of the death. It also dies with its
 parent (``PR_SET_PDEATHSIG``).
+
+Its start has a deadline (:data:`START_DEADLINE_S`): a forked child of a process with many threads
+can deadlock on a lock another thread held at the fork. Past the deadline the child is killed and
+the save fails with an error that names it, instead of waiting for ever (as the stdlib's
+``BaseManager.start`` would: it reads the child's address with no timeout).
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import stat
+import threading
 from multiprocessing.managers import SyncManager
 
+START_DEADLINE_S = 60.0  # a fork takes 0.02 s here; the child's own start, well under a second
 _queue = None
 manager = None  # this process's SyncManager, once started
 
@@ -55,10 +62,36 @@ def write_results_queue():
     """This process's queue for the writer's results (a Manager queue proxy, as megatron-core's)."""
     global _queue, manager
     if _queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-        manager.start(_close_inherited_sockets)
+        started = SyncManager(ctx=multiprocessing.get_context("fork"))
+        _start(started, START_DEADLINE_S)
+        manager = started
         _queue = manager.Queue()  # the proxy holds the manager, which lives as long as it
     return _queue
+
+
+def _start(started: SyncManager, deadline_s: float) -> None:
+    """``started.start`` with a deadline: a child that has not answered by then is killed, so the
+    parent's read of its address ends (EOF) and the error names what hung."""
+    def kill():
+        child = getattr(started, "_process", None)  # set by start() before it waits
+        if child is not None and child.is_alive():
+            child.kill()
+
+    timer = threading.Timer(deadline_s, kill)
+    timer.daemon = True
+    timer.start()
+    failed = None
+    try:
+        started.start(_close_inherited_sockets)
+    except (EOFError, OSError) as e:
+        failed = e
+    finally:
+        timer.cancel()
+    if failed is not None or not started._process.is_alive():  # killed as it answered: as late
+        started._process.join(5.0)  # reaped (it was killed)
+        raise RuntimeError(f"the dist-checkpoint writer's results queue (a multiprocessing Manager forked "
+                           f"by pid {os.getpid()}) did not start within {deadline_s:g} s; it was killed. The "
+                           f"save did not start: nothing was written") from failed
 
 
 def install() -> None:

@@ -70,3 +70,30 @@ def test_the_writers_queue_is_forked_keeps_no_parent_socket_and_dies_with_its_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+HANGS = textwrap.dedent("""
+    import sys, time
+    from megarl.checkpoint import results_queue
+    results_queue.START_DEADLINE_S = 1.0
+    results_queue._close_inherited_sockets = lambda: time.sleep(600)  # a child deadlocked after the fork
+    start = time.monotonic()
+    try:
+        results_queue.write_results_queue()
+    except RuntimeError as e:
+        print(f"{time.monotonic() - start:.2f}", results_queue.manager, e, flush=True)
+        sys.exit(0)
+    sys.exit(1)
+""")
+
+
+def test_a_manager_that_never_answers_is_killed_at_the_deadline_and_named():
+    """The forked Manager's start has a deadline (the stdlib reads the child's address with none):
+    a child stuck after the fork is killed, and the save fails naming the queue."""
+    done = subprocess.run([sys.executable, "-c", HANGS], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    took, manager, message = done.stdout.split(" ", 2)
+    assert 1.0 <= float(took) < 10.0, took
+    assert manager == "None"  # no half-started Manager is kept
+    assert "results queue" in message and "did not start within 1 s" in message, message
