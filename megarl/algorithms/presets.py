@@ -54,6 +54,7 @@ class Preset:
 KNOB_DEFAULTS = {
     "lam_length_alpha": 0.0,  # off: the policy's GAE lambda is algorithm.lam
     "positive_nll_coef": 0.0,  # no LM loss on positive samples
+    "filter_accuracy": False,  # every drawn group is trained
 }
 """What a null knob means where the preset does not set it (``lam_critic``: ``lam``)."""
 
@@ -75,7 +76,8 @@ for _name, _preset in {
     "gspo": Preset("grpo", min_group=2, policy_loss="gspo"),
     "rloo": Preset("rloo", min_group=2),
     # PRIME (Cui et al. 2025): an implicit PRM trained online; RLOO on its token rewards and the outcome
-    "prime": Preset("prime", prm=True, min_group=2, outcome=False),
+    # (verl-recipe's prime: its online filter keeps groups of mean accuracy in [0.2, 0.8], 4x oversampled)
+    "prime": Preset("prime", prm=True, min_group=2, outcome=False, knobs=(("filter_accuracy", True),)),
     # REINFORCE++ (Hu et al. 2025) folds the KL into the token rewards
     "reinforce_pp": Preset("reinforce_pp", outcome=False, kl_in_reward=True),
     "reinforce_pp_baseline": Preset("reinforce_pp_baseline", min_group=2),
@@ -139,6 +141,9 @@ def _problems(algo, p: Preset) -> List[str]:
         if algo.lam_critic != algo.lam:
             out.append(f"algorithm.lam_critic={algo.lam_critic} is the GAE lambda of the critic's targets; "
                        f"{algo.name} has no critic: use algorithm.name=ppo or vapo, or leave it null")
+    if algo.filter_accuracy and not algo.accuracy_lower_bound <= algo.accuracy_upper_bound:
+        out.append(f"algorithm.accuracy_lower_bound={algo.accuracy_lower_bound} must be <= "
+                   f"algorithm.accuracy_upper_bound={algo.accuracy_upper_bound}: the filter keeps groups between them")
     if algo.ppo_epochs < 1:
         out.append(f"algorithm.ppo_epochs={algo.ppo_epochs} must be >= 1")
     return out

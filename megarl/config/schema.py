@@ -563,6 +563,19 @@ class AlgorithmConfig:
     """DAPO: drop groups whose rewards are all equal and sample more prompts until the step is full."""
     max_sampling_rounds: int = bounded(4, ge=1)
     """Dynamic sampling: generation rounds per step at most (then train on what there is)."""
+    filter_accuracy: Optional[bool] = None
+    """PRIME's online prompt filter (verl-recipe ``prime``'s ``filter_accuracy``): each step samples
+    oversample_factor x data.prompts_per_step prompts and trains on the groups whose mean accuracy
+    (the verifier's rewards clamped to [0, 1]) lies in [accuracy_lower_bound, accuracy_upper_bound]
+    first, then, if those are too few, on the others in their drawn order. null = the preset's
+    (prime: true, else false). Logged as sampling/accuracy_kept_frac: the share of the drawn groups
+    that the filters keep (this one and, if on, dynamic_sampling's)."""
+    accuracy_lower_bound: float = bounded(0.2, ge=0, le=1)
+    """filter_accuracy: the lowest mean accuracy of a group trained first."""
+    accuracy_upper_bound: float = bounded(0.8, ge=0, le=1)
+    """filter_accuracy: the highest mean accuracy of a group trained first."""
+    oversample_factor: float = bounded(4.0, ge=1)
+    """filter_accuracy: prompts sampled per step, as a multiple of data.prompts_per_step (rounded up)."""
     overlong_buffer: int = bounded(0, ge=0)
     """DAPO overlong shaping: penalise responses within this many tokens of max_new_tokens (0 = off)."""
     overlong_penalty: float = bounded(1.0, ge=0)

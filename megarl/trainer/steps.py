@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import random
 import threading
 from dataclasses import dataclass, field
@@ -287,6 +288,24 @@ def varied_groups(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return torch.stack([scores[group == g].max() > scores[group == g].min() for g in ids])
 
 
+def accurate_groups(raw: torch.Tensor, group: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """[groups] bool: the group's mean accuracy, its verifier rewards clamped to [0, 1], lies in
+    [low, high] (PRIME's online filter keeps these first)."""
+    accuracy = torch.stack([raw[group == g].clamp(0.0, 1.0).mean() for g in torch.unique(group)])
+    return (accuracy >= low) & (accuracy <= high)
+
+
+def kept_groups(algo, shaped: torch.Tensor, raw: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[groups] bool: the groups every filter the run has on keeps (DAPO's dynamic sampling on the
+    shaped scores, PRIME's accuracy filter on the verifier's rewards); all of them with neither."""
+    keep = torch.ones(len(torch.unique(group)), dtype=torch.bool)
+    if algo.dynamic_sampling:
+        keep &= varied_groups(shaped, group)
+    if algo.filter_accuracy:
+        keep &= accurate_groups(raw, group, algo.accuracy_lower_bound, algo.accuracy_upper_bound)
+    return keep
+
+
 @dataclass
 class Sampled:
     """One step's prompts and responses with their scores."""
@@ -299,6 +318,7 @@ class Sampled:
     baseline: Optional[torch.Tensor] = None  # [rows], ReMax greedy reward
     rounds: int = 1
     dropped_groups: int = 0
+    kept_frac: Optional[float] = None  # filter_accuracy: the drawn groups within its bounds
     reward_metrics: Dict[str, float] = field(default_factory=dict)  # failed/timed-out samples (Scorer)
     agent_metrics: Dict[str, float] = field(default_factory=dict)  # multi-turn episodes (megarl.agent.loop)
 
@@ -322,8 +342,10 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
     rounds = 0
     agent_metrics: List[Dict[str, Metric]] = []
     longest = algo.max_new_tokens if agent is None else agent.budget(algo.max_new_tokens)
+    # PRIME's accuracy filter draws oversample_factor x the prompts still needed, in one round
+    oversample = algo.oversample_factor if algo.filter_accuracy else 1.0
     while len(kept) < prompts_per_step and rounds < (algo.max_sampling_rounds if algo.dynamic_sampling else 1):
-        records = stream.next(prompts_per_step - len(kept))
+        records = stream.next(math.ceil((prompts_per_step - len(kept)) * oversample))
         ids = [stream.token_ids(r) for r in records]
         sampling.seed = seed * 1000 + rounds
         with phase("generate"):
@@ -341,21 +363,24 @@ def sample_step(rollout, stream: PromptStream, scorer: Scorer, algo, prompts_per
         lengths = torch.tensor([r.length for r in responses])
         shaped = raw + overlong_penalty(lengths, longest, algo.overlong_buffer, algo.overlong_penalty)
         group = torch.tensor([r.prompt_index for r in responses])
-        keep = varied_groups(shaped, group) if algo.dynamic_sampling else torch.ones(len(records), dtype=torch.bool)
+        keep = kept_groups(algo, shaped, raw, group)
         for g, record in enumerate(records):
             rows = (group == g).nonzero().flatten()
             entry = (record, ids[g], [responses[i] for i in rows], shaped[rows], raw[rows])
             (kept if keep[g] else spare).append(entry)
         rounds += 1
-    dropped = len(spare)
-    kept = (kept + spare)[:prompts_per_step]  # past the round limit, equal-reward groups fill the step
+    drawn = len(kept) + len(spare)
+    kept_frac = len(kept) / drawn if algo.filter_accuracy else None
+    # kept groups first; past the round limit (or the oversampled draw) filtered ones fill the step
+    kept = (kept + spare)[:prompts_per_step]
+    dropped = drawn - len(kept)  # drawn and scored, not trained
     responses = []
     for g, (_, _, group_responses, _, _) in enumerate(kept):
         for r in group_responses:
             responses.append(dataclasses.replace(r, prompt_index=g))
     sampled = Sampled([k[0] for k in kept], [k[1] for k in kept], responses,
                       torch.cat([k[3] for k in kept]), torch.cat([k[4] for k in kept]), rounds=rounds,
-                      dropped_groups=dropped)
+                      dropped_groups=dropped, kept_frac=kept_frac)
     if preset(algo).greedy_baseline:  # the greedy response of each prompt is the baseline (ReMax)
         with phase("generate"):
             greedy = rollout.generate(sampled.prompt_ids, SamplingParams(
@@ -514,7 +539,8 @@ def staleness_metrics(sampled: Sampled, actor_version: int, bound: int) -> Dict[
 
 def sampling_metrics(sampled: Sampled) -> Dict[str, float]:
     """What drawing the step's batch took: dynamic-sampling rounds, dropped groups, reward failures."""
-    return {"sampling/rounds": sampled.rounds, "sampling/dropped_groups": sampled.dropped_groups,
+    kept = {} if sampled.kept_frac is None else {"sampling/accuracy_kept_frac": sampled.kept_frac}
+    return {"sampling/rounds": sampled.rounds, "sampling/dropped_groups": sampled.dropped_groups, **kept,
             **sampled.reward_metrics, **sampled.agent_metrics}
 
 

@@ -34,6 +34,7 @@ trained twice.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections import deque
@@ -45,8 +46,8 @@ from megarl.config.schema import StalenessPolicy
 from megarl.rollout.types import Response, SamplingParams
 from megarl.trainer.loop import validate
 from megarl.trainer.producer import READY_POLL_S, LockedRollout, Producer
-from megarl.trainer.steps import (Sampled, make_batch, overlong_penalty, sampling_metrics, staleness_metrics, train_on,
-                                  varied_groups)
+from megarl.trainer.steps import (Sampled, kept_groups, make_batch, overlong_penalty, sampling_metrics,
+                                  staleness_metrics, train_on)
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,8 +82,9 @@ class SamplePool(Producer):
                                        stop_token_ids=list(eos_token_ids))
         self.seed, self.start_version = seed, start - 1
         self.needed = (last - start + 1) * prompts_per_step  # groups the run trains
-        # dynamic sampling: groups filtered out beyond this many fill steps anyway (as sample_step's rounds)
-        self.filter_budget = (algo.max_sampling_rounds - 1) * self.needed if algo.dynamic_sampling else 0
+        # filtered groups beyond this many fill steps anyway (as sample_step's rounds and oversampled draw)
+        self.filter_budget = math.ceil(self.needed * ((algo.max_sampling_rounds - 1 if algo.dynamic_sampling else 0)
+                                                      + (algo.oversample_factor - 1 if algo.filter_accuracy else 0)))
         self.admitted = 0
         self.live: Dict[int, Group] = {}  # admitted, not yet trained, filtered or dropped
         self.resolved: set = set()  # positions of groups trained, filtered or dropped
@@ -93,6 +95,7 @@ class SamplePool(Producer):
         self.rows_in_flight = 0
         self.counts = {"filtered": 0, "stale": 0}
         self.filtered_since = 0  # filtered groups since the last take
+        self.scored_since = self.passed_since = 0  # groups scored, and those the filters keep, since then
         self.reward_counts: Dict[str, float] = {}
         self.busy = {"generate": 0.0, "reward": 0.0}
         self.idle_s = 0.0  # the rollout with nothing in flight (waiting for admission or a sync)
@@ -196,9 +199,11 @@ class SamplePool(Producer):
         algo = self.algo
         shaped = raw + overlong_penalty(lengths, algo.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
         group_of = torch.tensor([r.prompt_index for r in responses])
-        keep = varied_groups(shaped, group_of) if algo.dynamic_sampling else torch.ones(len(complete), dtype=torch.bool)
+        keep = kept_groups(algo, shaped, raw, group_of)
         self.busy["reward"] += time.perf_counter() - start
         with self.changed:
+            self.scored_since += len(complete)
+            self.passed_since += int(keep.sum())
             for k, group in enumerate(complete):
                 group.shaped, group.raw = shaped[group_of == k], raw[group_of == k]
                 if not keep[k] and self.counts["filtered"] < self.filter_budget:
@@ -262,11 +267,13 @@ class SamplePool(Producer):
                        "sampling/rollout_idle_frac": min(self.idle_s / wall, 1.0) if wall > 0 else 0.0}
             self.busy, self.idle_s = dict.fromkeys(self.busy, 0.0), 0.0
             filtered, self.filtered_since = self.filtered_since, 0
+            kept_frac = self.passed_since / self.scored_since if self.algo.filter_accuracy and self.scored_since else None
+            self.scored_since = self.passed_since = 0
             rewards, self.reward_counts = self.reward_counts, {}
         responses = [dataclasses.replace(r, prompt_index=k) for k, g in enumerate(groups) for r in g.responses]
         sampled = Sampled([g.record for g in groups], [g.ids for g in groups], responses,
                           torch.cat([g.shaped for g in groups]), torch.cat([g.raw for g in groups]),
-                          dropped_groups=filtered, reward_metrics=rewards)
+                          dropped_groups=filtered, kept_frac=kept_frac, reward_metrics=rewards)
         return sampled, seconds, metrics
 
     def _next_group(self) -> Optional[Group]:

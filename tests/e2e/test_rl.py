@@ -222,13 +222,15 @@ def test_prime_trains_its_implicit_prm_and_resumes(tmp_path):
     """megarl train algorithm.name=prime at tp2: the implicit PRM (the policy's starting weights,
     its reference the policy's) is updated each step before the advantages, and resumes from the
     run's checkpoint. Step 1's PRM equals its reference: every sequence logit is 0, its loss ln 2.
-    (Its reward on the demo over 60 steps is not yet GRPO's: issue 44's note.)"""
+    (Its reward on the demo over 60 steps: docs/training.md.)"""
     rows = resumed_run(tmp_path, "algorithm.name=prime", stop=2, steps=3)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["prm/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert rows[0]["prm/score_mean"] == pytest.approx(0.5, abs=1e-6)
     assert all(r["prm/grad_norm"] > 0 and r["prm/optimizer_steps"] == 1 and 0 <= r["prm/pair_acc"] <= 1 for r in rows)
     assert rows[2]["prm/loss"] != rows[1]["prm/loss"]
+    # the preset's accuracy filter (verl-recipe's): 4x the prompts drawn, those in [0.2, 0.8] first
+    assert all(0 <= r["sampling/accuracy_kept_frac"] <= 1 and r["sampling/dropped_groups"] > 0 for r in rows)
 
 
 def learning(row):

@@ -141,6 +141,18 @@ def test_dynamic_sampling_filters_at_the_queue():
     assert sum(r["sampling/dropped_groups"] for r in rows) > 0
 
 
+def test_prime_accuracy_filter_filters_at_the_queue():
+    """filter_accuracy at the queue: only groups of mean accuracy in [0.2, 0.8] (the odd prompts,
+    half right) are trained, within the oversampled budget; the share kept is logged."""
+    cfg = config(4, 1, StalenessPolicy.wait, inflight=16)
+    cfg.algorithm = dataclasses.replace(cfg.algorithm, filter_accuracy=True)
+    rows, trained = run(cfg, StreamingRoles(gen_s=0.0, train_s=0.01))
+    assert all(int(p[:-1]) % 2 == 1 for p in trained)
+    assert sum(r["sampling/dropped_groups"] for r in rows) > 0
+    fracs = [r["sampling/accuracy_kept_frac"] for r in rows if "sampling/accuracy_kept_frac" in r]
+    assert fracs and all(0 <= f <= 1 for f in fracs) and min(fracs) < 1
+
+
 @pytest.mark.parametrize("policy", [StalenessPolicy.wait, StalenessPolicy.drop])
 def test_resume_from_a_step_loses_and_repeats_no_prompt(policy):
     """The checkpoint of step 3 (groups in flight and queued) resumed: the prompts trained before it

@@ -11,8 +11,9 @@ from megarl.data.datasets import PromptRecord
 from megarl.data.tokenizer import DigitTokenizer
 from megarl.protocol import Columns
 from megarl.rollout import Response
-from megarl.trainer.steps import (PromptStream, Scorer, advantages, make_batch, overlong_penalty, sample_step,
-                                  varied_groups)
+from megarl.algorithms.presets import resolve
+from megarl.trainer.steps import (PromptStream, Scorer, accurate_groups, advantages, make_batch, overlong_penalty,
+                                  sample_step, sampling_metrics, varied_groups)
 
 TOK = DigitTokenizer()
 
@@ -61,6 +62,44 @@ def test_without_dynamic_sampling_one_round():
     a = algo(name="grpo")
     sampled = sample_step(ScriptedRollout(), stream(), Scorer(a, TOK), a, prompts_per_step=8, seed=0, eos_token_ids=[2])
     assert sampled.rounds == 1 and len(sampled.responses) == 32
+
+
+def test_accurate_groups_equal_the_mean_accuracy_in_bounds():
+    """PRIME's filter: a group's verifier rewards clamped to [0, 1], their mean within the bounds
+    (inclusive), against a float64 loop over random rewards outside [0, 1] too."""
+    gen = torch.Generator().manual_seed(0)
+    group = torch.arange(12).repeat_interleave(8)
+    raw = torch.rand(96, generator=gen, dtype=torch.float64) * 0.8 + torch.linspace(-0.6, 0.9, 12)[group]
+    raw[:8] = 0.2  # a group exactly at the lower bound
+    got = accurate_groups(raw.float(), group, 0.2, 0.8)
+    want = [0.2 - 1e-6 <= sum(min(max(x, 0.0), 1.0) for x in raw[g * 8:(g + 1) * 8].tolist()) / 8 <= 0.8 + 1e-6
+            for g in range(12)]
+    assert got.tolist() == want and got[0] and 0 < sum(want) < 12
+
+
+def test_prime_accuracy_filter_oversamples_and_trains_the_groups_in_bounds_first():
+    """oversample_factor x prompts drawn in one round; groups of mean accuracy in [0.2, 0.8] (the
+    odd prompts: half right) trained first, in drawn order; the even ones (all right) left out."""
+    a = resolve(algo(name="prime"))
+    assert a.filter_accuracy and a.oversample_factor == 4.0  # the preset's (verl-recipe's prime)
+    drawn = [r.prompt for r in stream().next(17)]  # the stream's order (shuffled by its seed)
+    odd = [p for p in drawn[:16] if int(p[:-1]) % 2]
+    prompts = stream()
+    sampled = sample_step(ScriptedRollout(), prompts, Scorer(a, TOK), a, prompts_per_step=4, seed=0, eos_token_ids=[2])
+    assert [r.prompt for r in sampled.records] == odd[:4]
+    assert sampled.rounds == 1 and sampled.dropped_groups == 12 and len(sampled.responses) == 16
+    assert sampling_metrics(sampled)["sampling/accuracy_kept_frac"] == len(odd) / 16
+    assert prompts.next(1)[0].prompt == drawn[16]  # the stream moved on by the 16 drawn
+    # none in bounds: the step is filled with the drawn groups in their order
+    a = resolve(algo(name="prime", accuracy_lower_bound=0.6, oversample_factor=1.5))
+    sampled = sample_step(ScriptedRollout(), stream(), Scorer(a, TOK), a, prompts_per_step=4, seed=0, eos_token_ids=[2])
+    assert [r.prompt for r in sampled.records] == drawn[:4] and sampled.dropped_groups == 2
+    assert sampled.kept_frac == 0.0
+    assert "sampling/accuracy_kept_frac" not in sampling_metrics(sample_step(
+        ScriptedRollout(), stream(), Scorer(algo(name="grpo"), TOK), resolve(algo(name="grpo")), prompts_per_step=4,
+        seed=0, eos_token_ids=[2]))
+    with pytest.raises(ValueError, match="accuracy_lower_bound=0.9 must be <= algorithm.accuracy_upper_bound=0.8"):
+        resolve(algo(name="prime", accuracy_lower_bound=0.9))
 
 
 def test_remax_greedy_baseline():
