@@ -3,7 +3,8 @@ with SIGSTOP (colocated and split placement), Ctrl-C on ``megarl train`` during 
 driver killed with SIGKILL while a checkpoint is being written; and what a private Ray listens on.
 
 Each case is one short real run of the demo (private Ray, two ranks, token authentication as Ray
-defaults it), stopped once its first step is logged (the stopped-rank case has two, overlapping).
+defaults it), stopped once its first step is logged (the stopped-rank case has two, overlapping, and the
+killed-vLLM-engine case runs beside their waits).
 The harness (conftest.py) then checks that no process of the case is left: Ray's GCS, raylet and
 agents, workers, forked checkpoint writers, reward workers, the run's watchdog."""
 
@@ -19,6 +20,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
+
+import pytest
 
 from megarl.runtime.processes import RUN_TAG, run_processes, tagged_pids
 from tests.distributed.launch import ROOT
@@ -174,26 +177,33 @@ def stopped_rank_run(run_dir, group: str, *extra, stopped: Optional[threading.Ev
     return ranks[1], err
 
 
-def test_a_stopped_rank_is_named_and_the_run_exits_3(tmp_path):
+@pytest.fixture(scope="module")
+def waiting_runs(tmp_path_factory):
+    """The module's cases that mostly wait, side by side (futures: each test reads its own):
+    the colocated stopped-rank run; the split one, started once the colocated run's rank is
+    stopped (it starts up while the colocated driver waits out its hang timeout, an idle wait);
+    and the killed-vLLM-engine run, started once the split run's rank is stopped too (its engine
+    starts while both drivers wait). Alone, one after another: 56 s and 50 s."""
+    work = tmp_path_factory.mktemp("waiting")
+    colocated_stopped, split_stopped = threading.Event(), threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        runs = {"colocated": pool.submit(stopped_rank_run, work / "colocated", "workers", stopped=colocated_stopped)}
+        colocated_stopped.wait()  # set as well if that run failed before its rank was stopped
+        runs["split"] = pool.submit(stopped_rank_run, work / "split", "rollout workers", "trainer.placement=split",
+                                    "parallel.rollout.nproc=2", "trainer.loop=one_step_off", stopped=split_stopped)
+        split_stopped.wait()
+        runs["engine"] = pool.submit(killed_engine_run, work / "engine")
+    return runs
+
+
+def test_a_stopped_rank_is_named_and_the_run_exits_3(waiting_runs):
     """SIGSTOP (what a wedged GPU or a stuck file system looks like from outside) to rank 1 of two
     runs: a colocated one, and one of split placement, one step off (the rollout's own ranks and
     the driver's drawing thread), whose rollout rank is stopped mid-run. The rank's heartbeat
     stops; it is named within trainer.hang_timeout_s, the run exits 3 and nothing of it is left;
     every socket of either run (the split run's weights group's store too) listens on loopback
-    only. (A killed rank is named through the same wait in both placements.)
-
-    The split run starts once the colocated run's rank is stopped: it starts up while the
-    colocated driver waits out its hang timeout, an idle wait."""
-    stopped = threading.Event()
-    with ThreadPoolExecutor(2) as pool:
-        colocated = pool.submit(stopped_rank_run, tmp_path / "colocated", "workers", stopped=stopped)
-        stopped.wait()
-        if colocated.done():  # it failed before its rank was stopped
-            colocated.result()
-        split = pool.submit(stopped_rank_run, tmp_path / "split", "rollout workers", "trainer.placement=split",
-                            "parallel.rollout.nproc=2", "trainer.loop=one_step_off")
-        (pid, err), (split_pid, split_err) = colocated.result(), split.result()
-
+    only. (A killed rank is named through the same wait in both placements.)"""
+    (pid, err), (split_pid, split_err) = waiting_runs["colocated"].result(), waiting_runs["split"].result()
     line = err.strip().splitlines()[-1]
     assert re.fullmatch(rf"megarl train: error: rank 1 \(pid {pid} on node 127\.0\.0\.1\) made no progress "
                         rf"for \d+ s in \S+ \(its heartbeat stopped: .*\)", line), line
@@ -283,13 +293,12 @@ def test_the_watchdog_kills_what_a_sigkilled_driver_leaves():
     assert orphan.wait(timeout=1) == -signal.SIGKILL
 
 
-def test_a_killed_vllm_engine_stops_the_run_named(tmp_path):
-    """parallel.rollout.engine=vllm: the vLLM engine core process of rank 0 (a child of the rank)
-    killed mid-run: the run names the rollout rank and the engine's pid, exits 3, and nothing of
-    it is left."""
+def killed_engine_run(run_dir) -> tuple:
+    """A run on vLLM whose rank 0's engine core process is SIGKILLed once the first step is logged:
+    the driver exits 3 within DETECT_S, without a traceback, and nothing of the run is left 5 s
+    later. Returns (the engine's pid, the driver's output)."""
     from megarl.runtime.processes import descendants
 
-    run_dir = tmp_path / "run"
     proc = start(run_dir, "parallel.rollout.engine=vllm", "model.hf_config=configs/models/tiny-digits-hd32.json")
     try:
         wait_for_first_step(proc, run_dir)
@@ -306,6 +315,14 @@ def test_a_killed_vllm_engine_stops_the_run_named(tmp_path):
     err = stderr(proc)
     print(f"driver exited {took:.1f}s after the engine was killed")
     assert proc.returncode == 3, err[-3000:]
-    assert f"rollout rank 0: vllm engine died (pid {engines[0]})" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     wait_gone(tag, 5.0)
+    return engines[0], err
+
+
+def test_a_killed_vllm_engine_stops_the_run_named(waiting_runs):
+    """parallel.rollout.engine=vllm: the vLLM engine core process of rank 0 (a child of the rank)
+    killed mid-run: the run names the rollout rank and the engine's pid, exits 3, and nothing of
+    it is left (run in ``waiting_runs``, beside the stopped-rank runs' waits)."""
+    engine, err = waiting_runs["engine"].result()
+    assert f"rollout rank 0: vllm engine died (pid {engine})" in err, err[-3000:]
