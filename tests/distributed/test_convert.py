@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -125,17 +126,22 @@ def work(tmp_path_factory):
     work = tmp_path_factory.mktemp("convert")
     for name in DENSE + MOE + BIASED_MOE + list(DERIVED) + WRAPPED:
         make_hf_model(name, work / "hf" / name)
-    converted = []
-    for world, specs in SPECS.items():  # at 2, started by torchrun itself: its two ranks convert as one does
-        launch = torchrun_itself if world == 2 else torchrun
-        converted += parse(launch(world, WORKER, "convert", str(work), *specs))
+    # at 2, started by torchrun itself: its two ranks convert as one does. The one-rank session runs
+    # beside it (it keeps one core of two busy; its checkpoints are others')
+    with ThreadPoolExecutor(2) as pool:
+        one = pool.submit(torchrun, 1, WORKER, "convert", str(work), *SPECS[1])
+        converted = parse(torchrun_itself(2, WORKER, "convert", str(work), *SPECS[2])) + parse(one.result())
+    converted += parse(torchrun(4, WORKER, "convert", str(work), *SPECS[4]))
     assert len(converted) == sum(len(s) for s in SPECS.values())
     return work
 
 
 @pytest.fixture(scope="module")
 def records(work):
-    return {tp: parse(torchrun(tp, WORKER, "logits", str(work))) for tp in (1, 2)}
+    with ThreadPoolExecutor(2) as pool:  # the one-rank load beside the two-rank one
+        one = pool.submit(torchrun, 1, WORKER, "logits", str(work))
+        two = parse(torchrun(2, WORKER, "logits", str(work)))
+        return {1: parse(one.result()), 2: two}
 
 
 @pytest.fixture(scope="module")
