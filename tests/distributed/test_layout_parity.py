@@ -40,6 +40,7 @@ back as whole tensors whatever the layout.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -93,8 +94,11 @@ def tolerance(key: str, metric: str) -> float:
 def report(tmp_path_factory):
     work = tmp_path_factory.mktemp("parity")
     worker = "tests/distributed/parity_worker.py"
-    torchrun(1, worker, "run", "--workdir", str(work), "--reference", "--layouts", *LAYOUTS_1)
-    torchrun(2, worker, "run", "--workdir", str(work), "--layouts", *LAYOUTS_2)
+    torchrun(1, worker, "run", "--workdir", str(work), "--reference", "--layouts", *LAYOUTS_1[:1])  # the initial weights
+    with ThreadPoolExecutor(2) as pool:  # one process's recompute layouts beside the two-rank session
+        recompute = pool.submit(torchrun, 1, worker, "run", "--workdir", str(work), "--layouts", *LAYOUTS_1[1:])
+        torchrun(2, worker, "run", "--workdir", str(work), "--layouts", *LAYOUTS_2)
+        recompute.result()
     torchrun(4, worker, "run", "--workdir", str(work), "--layouts", *LAYOUTS_4)
     torchrun(1, worker, "compare", "--workdir", str(work), "--report", str(work / "report.json"))
     return json.loads((work / "report.json").read_text())
