@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -93,10 +94,30 @@ def kill_job(proc) -> None:
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
-    """The uninterrupted run the interrupted ones are compared with."""
+    """The uninterrupted run the interrupted ones are compared with, started in the background when
+    the module's first case asks for it (beside that case's own first run); ``whole()`` waits for it
+    and gives its run directory."""
     run_dir = tmp_path_factory.mktemp("whole") / "run"
-    subprocess.run(command(run_dir), cwd=ROOT, env=env(), check=True, capture_output=True, timeout=600)
-    return run_dir
+    with open(run_dir.parent / "whole.err", "w+") as err:
+        proc = subprocess.Popen(command(run_dir), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)
+
+        def finished() -> Path:
+            if proc.returncode is None:
+                try:
+                    code = proc.wait(timeout=600)
+                except subprocess.TimeoutExpired:
+                    raise AssertionError("the uninterrupted run did not end within 600 s") from None
+                err.seek(0)
+                assert code == 0, f"the uninterrupted run exited {code}:\n{err.read()[-3000:]}"
+            return run_dir
+
+        try:
+            yield finished
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def assert_same_run(whole, resumed) -> None:
@@ -111,6 +132,15 @@ def assert_same_run(whole, resumed) -> None:
 
 
 def test_sigterm_then_sigkill_and_resume_match_an_uninterrupted_run(whole, tmp_path):
+    """:func:`preempted_then_requeued`, the uninterrupted run beside it: the same steps and weights."""
+    try:
+        preempted_then_requeued(tmp_path)
+    finally:
+        uninterrupted = whole()  # started beside this case's runs
+    assert_same_run(uninterrupted, tmp_path / "run")
+
+
+def preempted_then_requeued(tmp_path):
     """Preempted, then crashed, then preempted on Slurm, then requeued: ends as the uninterrupted run.
 
     1. SIGTERM to the driver after step 3 (no checkpoint due: save_interval is 2): it finishes the
@@ -213,10 +243,10 @@ def test_sigterm_then_sigkill_and_resume_match_an_uninterrupted_run(whole, tmp_p
     assert "#SBATCH --requeue" in (ROOT / "launch" / "slurm" / "train.sbatch").read_text()
     assert "megarl: job 4242 requeued (restart 1): resuming from the run's newest checkpoint" in out
     assert "resuming after step 6" in out
-    assert_same_run(whole, run_dir)
 
 
 def test_export_hf_of_a_run(whole, tmp_path):
+    whole = whole()
     import torch
     import transformers
 
@@ -237,6 +267,7 @@ def test_a_failing_multi_rank_train_exits_2_every_time_under_load(whole, tmp_pat
     """A named error raised on the ranks of a running world (two Ray workers with their gloo
     groups, the driver's Ray alive): the uninterrupted run's ``dp_reshardable`` checkpoint resumed
     at tp=1, which that format cannot take. The error is the rank's, in one line."""
+    whole = whole()
     run_dir = tmp_path / "run"
     shutil.copytree(whole, run_dir)
     hogs = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 300\nwhile time.time() < end: pass"])
