@@ -656,7 +656,8 @@ class TrainerConfig:
     """RL steps to run (each draws data.prompts_per_step prompts); ignored when total_epochs is set."""
     total_epochs: Optional[int] = bounded(None, ge=1)
     """Passes over data.train_files: train_steps becomes ceil(total_epochs x prompts /
-    data.prompts_per_step), printed at the start (every prompt drawn total_epochs times, each epoch
+    data.prompts_per_step) (with algorithm.filter_accuracy, / the oversample_factor x as many a step
+    draws), printed at the start (every prompt drawn total_epochs times, each epoch
     in its own order; the last step of an epoch may take the next one's first prompts). null = train_steps."""
     critic_warmup_steps: int = bounded(0, ge=0)
     """Steps 1..critic_warmup_steps train the critic alone on the policy's samples; the actor moves

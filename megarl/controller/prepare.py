@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,9 +148,11 @@ def prepare(cfg: MegarlConfig) -> Prepared:
     stream = prompt_stream(records, tokenizer, cfg, room)
     check_prompt_tokens(stream, args.vocab_size, data.bad_rows if data.train_files else None)
     if cfg.trainer.total_epochs:  # after the rows skipped (bad or too long) are gone
-        cfg.trainer.train_steps = -(-cfg.trainer.total_epochs * len(stream.records) // data.prompts_per_step)
+        # a step draws prompts_per_step prompts, oversample_factor x as many under the accuracy filter
+        drawn = math.ceil(data.prompts_per_step * (algo.oversample_factor if algo.filter_accuracy else 1.0))
+        cfg.trainer.train_steps = -(-cfg.trainer.total_epochs * len(stream.records) // drawn)
         print(f"megarl: trainer.total_epochs={cfg.trainer.total_epochs} over {len(stream.records)} prompts, "
-              f"{data.prompts_per_step} a step: trainer.train_steps={cfg.trainer.train_steps}", flush=True)
+              f"{drawn} a step: trainer.train_steps={cfg.trainer.train_steps}", flush=True)
     val_stream = validation_stream(cfg, tokenizer, args, agent)
     return Prepared(cfg, layout, stream, Scorer(algo, tokenizer, cfg.reward_model), tokenizer, agent,
                     val_stream)

@@ -318,7 +318,7 @@ class Sampled:
     baseline: Optional[torch.Tensor] = None  # [rows], ReMax greedy reward
     rounds: int = 1
     dropped_groups: int = 0
-    kept_frac: Optional[float] = None  # filter_accuracy: the drawn groups within its bounds
+    kept_frac: Optional[float] = None  # filter_accuracy: the share of the drawn groups the filters keep
     reward_metrics: Dict[str, float] = field(default_factory=dict)  # failed/timed-out samples (Scorer)
     agent_metrics: Dict[str, float] = field(default_factory=dict)  # multi-turn episodes (megarl.agent.loop)
 

@@ -176,6 +176,14 @@ def test_globs_hf_datasets_directories_epochs_and_order(user, tmp_path):
                        f"trainer.run_dir={tmp_path / 'run'}", cwd=work)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trainer.total_epochs=3 over 9 prompts, 2 a step: trainer.train_steps=14" in proc.stdout  # ceil(27 / 2)
+    # PRIME's accuracy filter draws oversample_factor x the prompts a step: ceil(2 x 1.5) = 3
+    proc = megarl_here("train", "--dry-run", f"model.path={model}", f"data.tokenizer={tokenizer}",
+                       f"data.train_files=[{','.join(files)}]", "trainer.total_epochs=3", "data.prompts_per_step=2",
+                       "algorithm.samples_per_prompt=2", "algorithm.reward_fn=exact_match", "trainer.nproc_per_node=1",
+                       "algorithm.max_new_tokens=16", "algorithm.filter_accuracy=true", "algorithm.oversample_factor=1.5",
+                       f"trainer.run_dir={tmp_path / 'run'}", cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainer.total_epochs=3 over 9 prompts, 3 a step: trainer.train_steps=9" in proc.stdout  # ceil(27 / 3)
 
     tok = load_tokenizer(str(tokenizer))
     in_order = PromptStream(records, tok, seed=7, max_prompt_tokens=100, shuffle=False)
