@@ -188,10 +188,11 @@ def waiting_runs(tmp_path_factory):
     colocated_stopped, split_stopped = threading.Event(), threading.Event()
     with ThreadPoolExecutor(3) as pool:
         runs = {"colocated": pool.submit(stopped_rank_run, work / "colocated", "workers", stopped=colocated_stopped)}
-        colocated_stopped.wait()  # set as well if that run failed before its rank was stopped
+        # set as well if that run failed before its rank was stopped (its own deadlines bound it)
+        colocated_stopped.wait(STARTUP_S + HANG_S + 60)
         runs["split"] = pool.submit(stopped_rank_run, work / "split", "rollout workers", "trainer.placement=split",
                                     "parallel.rollout.nproc=2", "trainer.loop=one_step_off", stopped=split_stopped)
-        split_stopped.wait()
+        split_stopped.wait(STARTUP_S + HANG_S + 60)
         runs["engine"] = pool.submit(killed_engine_run, work / "engine")
     return runs
 
