@@ -4,6 +4,8 @@
 impossible layout is refused before any process group is created.
 ``archs``: every supported architecture builds from its HF config and trains at the given
 layouts (loss finite and falling over a few steps), virtual pipeline stages included.
+``groups`` also reports the collector after start-up (its import-time objects frozen) and at
+exit (everything frozen before Python's last collection).
 ``single``: a packed batch (thd, cu_seqlens) gives the same per-token loss as each sequence
 alone; the rotary frequencies (default and llama3-scaled) equal transformers'.
 """
@@ -11,6 +13,7 @@ alone; the rotary frequencies (default and llama3-scaled) equal transformers'.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -134,7 +137,23 @@ def check_rope(groups) -> None:
         emit({"check": "rope", "rope": name, "max_abs_diff": diff})
 
 
+def collector_at_exit() -> None:
+    """Registered before init_distributed, so it runs after the freeze that registers (LIFO)."""
+    import gc
+
+    if int(os.environ["RANK"]) == 0:
+        print("RESULT " + json.dumps({"check": "collector_at_exit", "tracked": len(gc.get_objects()),
+                                      "frozen": gc.get_freeze_count()}), flush=True)
+
+
 if __name__ == "__main__":
-    init_distributed()
+    import atexit
+    import gc
+
     mode, rest = sys.argv[1], sys.argv[2:]
+    if mode == "groups":
+        atexit.register(collector_at_exit)
+    init_distributed()
+    if mode == "groups":
+        emit({"check": "collector", "frozen": gc.get_freeze_count()})
     {"groups": lambda: check_groups(), "archs": lambda: check_archs(rest), "single": check_packed}[mode]()

@@ -36,6 +36,16 @@ def test_impossible_layout_refused_before_any_group(group_results):
     assert refused["no_groups"]
 
 
+def test_the_collector_leaves_start_up_and_exit_alone(group_results):
+    """megarl.runtime.settle_collector: a rank's import-time objects (torch, Megatron: some 300k)
+    are frozen at init_distributed, out of every later full collection; at exit all are, before
+    Python's last collection."""
+    (start,) = [r for r in group_results if r["check"] == "collector"]
+    (end,) = [r for r in group_results if r["check"] == "collector_at_exit"]
+    assert start["frozen"] > 100_000, start
+    assert end["frozen"] >= start["frozen"] and end["tracked"] < 1_000, end
+
+
 def test_every_architecture_trains():
     runs = results(torchrun(2, WORKER, "archs", *ARCH_SPECS))
     assert len(runs) == len(ARCH_SPECS)
