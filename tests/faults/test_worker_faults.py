@@ -177,6 +177,15 @@ def stopped_rank_run(run_dir, group: str, *extra, stopped: Optional[threading.Ev
     return ranks[1], err
 
 
+STOP_WAIT_S = STARTUP_S + HANG_S + 60  # a run's own deadlines end it before this
+
+
+def await_stop(stopped: threading.Event, run: str) -> None:
+    if not stopped.wait(STOP_WAIT_S):
+        pytest.fail(f"{run}: its rank 1 was not stopped, nor did the run fail, within {STOP_WAIT_S} s "
+                    f"(start-up {STARTUP_S} s + hang timeout {HANG_S} s + 60 s)")
+
+
 @pytest.fixture(scope="module")
 def waiting_runs(tmp_path_factory):
     """The module's cases that mostly wait, side by side (futures: each test reads its own):
@@ -188,11 +197,11 @@ def waiting_runs(tmp_path_factory):
     colocated_stopped, split_stopped = threading.Event(), threading.Event()
     with ThreadPoolExecutor(3) as pool:
         runs = {"colocated": pool.submit(stopped_rank_run, work / "colocated", "workers", stopped=colocated_stopped)}
-        # set as well if that run failed before its rank was stopped (its own deadlines bound it)
-        colocated_stopped.wait(STARTUP_S + HANG_S + 60)
+        # each event is set as well if its run failed before its rank was stopped
+        await_stop(colocated_stopped, "the colocated run")
         runs["split"] = pool.submit(stopped_rank_run, work / "split", "rollout workers", "trainer.placement=split",
                                     "parallel.rollout.nproc=2", "trainer.loop=one_step_off", stopped=split_stopped)
-        split_stopped.wait(STARTUP_S + HANG_S + 60)
+        await_stop(split_stopped, "the split run")
         runs["engine"] = pool.submit(killed_engine_run, work / "engine")
     return runs
 
