@@ -9,23 +9,129 @@ later, binds it (seen as "Address already in use" beside other jobs). torchrun's
 agent would cost each launch one more process that imports all of torch (3-4 s here, before any
 rank starts); torchrun itself is run by ``tests/e2e/test_launch.py`` through ``launch/torchrun.sh``.
 As torchrun does, the ranks still running when one fails are stopped (after ``FAIL_GRACE_S``).
+
+The ranks are forked from the suite's fork server (``tests/distributed/zygote.py``), which has
+imported torch, Megatron and megarl once: each rank is still a process of its own with its own
+environment, streams and exit code, without 4-6 CPU-s of imports. ``MEGARL_TEST_FORK=0`` starts
+each rank as a new interpreter instead, as does an environment that differs from the server's in
+a variable read at import time.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from megarl.runtime.distributed import STORE_FD_ENV
+from tests.distributed import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 FAIL_GRACE_S = 30.0  # the others' time to fail on their own (a collective's error) once one has
 POLL_S = 0.05
+
+
+ZYGOTE_START_S = 120.0  # the server's imports, on a loaded host
+
+
+class _Zygote:
+    """The fork server of this test process, started at its first use."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.dir = tempfile.mkdtemp(prefix="zygote")
+        self.path = os.path.join(self.dir, "socket")
+        self.log = open(os.path.join(self.dir, "server.err"), "w")
+        self.proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests/distributed/zygote.py"), self.path],
+                                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log)
+        ready = threading.Timer(ZYGOTE_START_S, self.proc.kill)
+        ready.start()
+        line = self.proc.stdout.readline()
+        ready.cancel()
+        if line != b"ready\n":
+            self.proc.kill()
+            raise RuntimeError(f"the rank fork server did not start within {ZYGOTE_START_S:.0f}s: "
+                               f"{open(self.log.name).read()[-3000:]}")
+        atexit.register(self.close)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()  # the server kills its ranks and exits
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class _Forked:
+    """A rank forked by the server, with the part of ``subprocess.Popen`` that :func:`torchrun`
+    uses (``poll``, ``kill``, ``wait``, ``returncode``)."""
+
+    def __init__(self, server: _Zygote, argv, env: dict, cwd: Path, stdout, stderr, fds=()):
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": stdout.name, "stderr": stderr.name,
+                   "fd_env": STORE_FD_ENV}
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conn.connect(server.path)
+        socket.send_fds(self.conn, [json.dumps(request).encode() + b"\n"], list(fds))
+        self.file = self.conn.makefile("rb")
+        self.pid = json.loads(self.file.readline())["pid"]
+        self.conn.setblocking(False)
+        self.returncode = None
+        self._buffer = b""
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                chunk = self.conn.recv(4096)
+            except BlockingIOError:
+                return None
+            self._buffer += chunk
+            if chunk and not self._buffer.endswith(b"\n"):
+                return None
+            if not chunk and not self._buffer:
+                raise RuntimeError(f"the rank fork server lost rank pid {self.pid} without its exit status")
+            self.returncode = json.loads(self._buffer)["exit"]
+            self.conn.close()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self):
+        while self.poll() is None:
+            time.sleep(POLL_S)
+        return self.returncode
+
+
+_ZYGOTE = None
+
+
+def _server(env: dict):
+    """The fork server for ranks with ``env``, or None where a new interpreter must start them."""
+    global _ZYGOTE
+    if os.environ.get("MEGARL_TEST_FORK", "1") == "0":
+        return None
+    if _ZYGOTE is None or not _ZYGOTE.alive():
+        server_env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                                   "MASTER_ADDR", "MASTER_PORT", STORE_FD_ENV)}
+        _ZYGOTE = _Zygote(server_env)
+    return _ZYGOTE if zygote.forkable(env, _ZYGOTE.env) else None
 
 
 def _stop(procs) -> None:
@@ -47,11 +153,14 @@ def torchrun(nproc: int, script: str, *args: str, timeout: int = 900) -> str:
     with tempfile.TemporaryDirectory(prefix="ranks") as tmp, server:
         outs = [open(Path(tmp) / f"{rank}.out", "w+") for rank in range(nproc)]
         errs = [open(Path(tmp) / f"{rank}.err", "w+") for rank in range(nproc)]
-        procs = []
+        procs, fork = [], _server(base)
         for rank in range(nproc):
             env, fds = dict(base, RANK=str(rank), LOCAL_RANK=str(rank)), ()
             if rank == 0:
                 env[STORE_FD_ENV], fds = str(server.fileno()), (server.fileno(),)
+            if fork is not None:
+                procs.append(_Forked(fork, cmd[2:], env, ROOT, outs[rank], errs[rank], fds))
+                continue
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, pass_fds=fds, stdout=outs[rank], stderr=errs[rank],
                                           stdin=subprocess.DEVNULL))
         server.close()  # rank 0 holds its own copy
