@@ -71,3 +71,45 @@ def test_rotary_frequencies_match_transformers(single_results):
     runs = {r["rope"]: r["max_abs_diff"] for r in single_results if r["check"] == "rope"}
     assert set(runs) == {"default", "llama3"}
     assert all(diff <= 1e-7 for diff in runs.values()), runs
+
+
+PROBE = "tests/distributed/launch_probe.py"
+
+
+def probes(output: str):
+    return sorted((json.loads(line[len("PROBE "):]) for line in output.splitlines() if line.startswith("PROBE ")),
+                  key=lambda p: p["rank"])
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_the_launchers_ranks_are_processes_as_a_new_interpreter_starts_them(monkeypatch, fork):
+    """tests/distributed/launch.py: forked from the suite's fork server (its imports done) or
+    started as new interpreters (MEGARL_TEST_FORK=0), a rank is its own process with the script as
+    ``__main__``, its argv and ``sys.path[0]``, the root as its directory, no stdin, rank 0 holding
+    the launcher's store socket; and a rank's exit code or signal comes back as Popen gives it."""
+    import os
+
+    from tests.distributed.launch import ROOT
+
+    monkeypatch.setenv("MEGARL_TEST_FORK", fork)
+    ranks = probes(torchrun(2, PROBE, "0"))
+    assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks} | {os.getpid()}) == 3
+    assert {r["torch_preloaded"] for r in ranks} == {fork == "1"}
+    assert {r["ppid"] == os.getpid() for r in ranks} == {fork == "0"}  # forked: the server's children
+    for r in ranks:
+        assert r["argv"] == [str(ROOT / PROBE), "0"] and r["path0"] == str(ROOT / "tests/distributed"), r
+        assert r["name"] == "__main__" and r["stdin"] == "" and r["cwd"] == str(ROOT) and r["omp"] == "1", r
+    assert ranks[0]["store_port"] == ranks[0]["master_port"] and ranks[1]["store_port"] is None
+    for code, shown in (("3", "{1: 3}"), ("kill", "{1: -9}")):
+        with pytest.raises(AssertionError, match=f"exit codes by rank {shown}"):
+            torchrun(2, PROBE, code)
+
+
+def test_an_import_time_variable_of_its_own_gets_a_rank_a_new_interpreter(monkeypatch):
+    """A variable read when torch is imported, set otherwise than the fork server's: the ranks are
+    new interpreters, which read it."""
+    import os
+
+    monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")
+    ranks = probes(torchrun(2, PROBE, "0"))
+    assert [r["ppid"] for r in ranks] == [os.getpid()] * 2 and not any(r["torch_preloaded"] for r in ranks)
