@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,6 +41,7 @@ POLL_S = 0.05
 
 
 ZYGOTE_START_S = 120.0  # the server's imports, on a loaded host
+ANSWER_S = 60.0  # the server's answer to a request (a pid), and a killed rank's exit status
 
 
 class _Zygote:
@@ -73,6 +75,7 @@ class _Zygote:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class _Forked:
@@ -83,27 +86,34 @@ class _Forked:
         request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": stdout.name, "stderr": stderr.name,
                    "fd_env": STORE_FD_ENV}
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conn.settimeout(ANSWER_S)
         self.conn.connect(server.path)
         socket.send_fds(self.conn, [json.dumps(request).encode() + b"\n"], list(fds))
-        self.file = self.conn.makefile("rb")
-        self.pid = json.loads(self.file.readline())["pid"]
+        self.returncode, self._buffer = None, b""
+        self.pid = self._message()["pid"]  # the exit status may have come with it: kept in the buffer
         self.conn.setblocking(False)
-        self.returncode = None
-        self._buffer = b""
+
+    def _message(self):
+        """The server's next line, or None if it has not come yet (non-blocking)."""
+        while b"\n" not in self._buffer:
+            try:
+                chunk = self.conn.recv(4096)
+            except (BlockingIOError, TimeoutError):
+                if self.conn.gettimeout() == 0:  # polled: nothing yet
+                    return None
+                raise RuntimeError(f"the rank fork server did not answer within {ANSWER_S:.0f}s") from None
+            if not chunk:
+                raise RuntimeError("the rank fork server closed the connection of a rank without its exit status")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
 
     def poll(self):
         if self.returncode is None:
-            try:
-                chunk = self.conn.recv(4096)
-            except BlockingIOError:
-                return None
-            self._buffer += chunk
-            if chunk and not self._buffer.endswith(b"\n"):
-                return None
-            if not chunk and not self._buffer:
-                raise RuntimeError(f"the rank fork server lost rank pid {self.pid} without its exit status")
-            self.returncode = json.loads(self._buffer)["exit"]
-            self.conn.close()
+            message = self._message()
+            if message is not None:
+                self.returncode = message["exit"]
+                self.conn.close()
         return self.returncode
 
     def kill(self) -> None:
@@ -113,8 +123,11 @@ class _Forked:
             except ProcessLookupError:
                 pass
 
-    def wait(self):
+    def wait(self, timeout: float = ANSWER_S):
+        deadline = time.monotonic() + timeout
         while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank pid {self.pid}: no exit status from the fork server within {timeout:.0f}s")
             time.sleep(POLL_S)
         return self.returncode
 

@@ -25,6 +25,7 @@ launcher starts a new interpreter instead where they do not (:func:`forkable`).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import selectors
@@ -88,7 +89,8 @@ def serve(path: str):
             if pid == 0:
                 sel.close()
                 listener.close()
-                conn.close()
+                for other in [conn, *ranks.values()]:  # its siblings' connections are not its own
+                    other.close()
                 return request, fds
             for fd in fds:
                 os.close(fd)
@@ -134,6 +136,8 @@ def main() -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # the imports' objects: out of every rank's collections, and its pages not written by them
     job = serve(sys.argv[1])
     if job is None:
         return
