@@ -50,6 +50,9 @@ class _Zygote:
     def __init__(self, env: dict):
         self.env = env
         self.dir = tempfile.mkdtemp(prefix="zygote")
+        if len(self.dir) > 90:  # a Unix socket's path has at most 107 bytes
+            os.rmdir(self.dir)
+            self.dir = tempfile.mkdtemp(prefix="zygote", dir="/tmp")
         self.path = os.path.join(self.dir, "socket")
         self.log = open(os.path.join(self.dir, "server.err"), "w")
         self.proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests/distributed/zygote.py"), self.path],
