@@ -13,8 +13,8 @@ As torchrun does, the ranks still running when one fails are stopped (after ``FA
 The ranks are forked from the suite's fork server (``tests/distributed/zygote.py``), which has
 imported torch, Megatron and megarl once: each rank is still a process of its own with its own
 environment, streams and exit code, without 4-6 CPU-s of imports. ``MEGARL_TEST_FORK=0`` starts
-each rank as a new interpreter instead, as does an environment that differs from the server's in
-a variable read at import time.
+each rank as a new interpreter instead; an environment that differs from the server's in a
+variable read at import time gets a new server, started with it.
 """
 
 from __future__ import annotations
@@ -138,16 +138,24 @@ class _Forked:
 _ZYGOTE = None
 
 
+_ZYGOTE_LOCK = threading.Lock()  # sessions launch ranks from two threads (test_layout_parity)
+RANK_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", STORE_FD_ENV)
+
+
 def _server(env: dict):
-    """The fork server for ranks with ``env``, or None where a new interpreter must start them."""
+    """The fork server for ranks with ``env``, or None where new interpreters must start them
+    (``MEGARL_TEST_FORK=0``). A server whose import-time environment is not ``env``'s, or that is
+    gone (a run's teardown kills the processes that carry its tag, the server included if it was
+    started while the tag was set), is replaced by one started with ``env``."""
     global _ZYGOTE
     if os.environ.get("MEGARL_TEST_FORK", "1") == "0":
         return None
-    if _ZYGOTE is None or not _ZYGOTE.alive():
-        server_env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                                   "MASTER_ADDR", "MASTER_PORT", STORE_FD_ENV)}
-        _ZYGOTE = _Zygote(server_env)
-    return _ZYGOTE if zygote.forkable(env, _ZYGOTE.env) else None
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is None or not _ZYGOTE.alive() or not zygote.forkable(env, _ZYGOTE.env):
+            if _ZYGOTE is not None:
+                _ZYGOTE.close()
+            _ZYGOTE = _Zygote({k: v for k, v in env.items() if k not in RANK_KEYS})
+        return _ZYGOTE
 
 
 def _stop(procs) -> None:

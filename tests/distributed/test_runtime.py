@@ -105,11 +105,20 @@ def test_the_launchers_ranks_are_processes_as_a_new_interpreter_starts_them(monk
             torchrun(2, PROBE, code)
 
 
-def test_an_import_time_variable_of_its_own_gets_a_rank_a_new_interpreter(monkeypatch):
+def test_an_import_time_variable_of_its_own_gets_the_ranks_a_server_started_with_it(monkeypatch):
     """A variable read when torch is imported, set otherwise than the fork server's: the ranks are
-    new interpreters, which read it."""
-    import os
+    forked from a new server that imported torch with it; back to the suite's environment, another."""
+    def servers():
+        ranks = probes(torchrun(2, PROBE, "0"))
+        assert all(r["torch_preloaded"] for r in ranks) and len({r["ppid"] for r in ranks}) == 1, ranks
+        environ = open(f"/proc/{ranks[0]['ppid']}/environ", "rb").read().split(b"\0")
+        return ranks[0]["ppid"], b"TORCH_SHOW_CPP_STACKTRACES=1" in environ
 
+    before = servers()
     monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")
-    ranks = probes(torchrun(2, PROBE, "0"))
-    assert [r["ppid"] for r in ranks] == [os.getpid()] * 2 and not any(r["torch_preloaded"] for r in ranks)
+    during = servers()
+    assert during[1] is True and during[0] != before[0]
+    monkeypatch.delenv("TORCH_SHOW_CPP_STACKTRACES")
+    after = servers()
+    assert after[1] is False and after[0] != before[0]
+

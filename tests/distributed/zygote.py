@@ -22,7 +22,7 @@ has, so that nothing outlives the suite.
 
 Environment variables read when a library is imported (``PYTHON*``, ``OMP_*``, ``MKL_*``,
 ``LD_*``, ``KMP_*``, ``GOMP_*`` and ``TORCH_*``) must equal the server's own: the
-launcher starts a new interpreter instead where they do not (:func:`forkable`).
+launcher starts a new server, with the rank's environment, where they do not (:func:`forkable`).
 """
 
 from __future__ import annotations
