@@ -20,6 +20,7 @@ variable read at import time gets a new server, started with it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -121,10 +122,8 @@ class _Forked:
 
     def kill(self) -> None:
         if self.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it has exited, its status not read yet
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def wait(self, timeout: float = ANSWER_S):
         deadline = time.monotonic() + timeout

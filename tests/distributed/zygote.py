@@ -27,6 +27,7 @@ launcher starts a new server, with the rank's environment, where they do not (:f
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -104,10 +105,8 @@ def serve(path: str):
                 break
             conn = ranks.pop(pid, None)
             if conn is not None:
-                try:
+                with contextlib.suppress(OSError):  # the launcher stopped waiting (its test ended)
                     conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                except OSError:
-                    pass
                 conn.close()
 
 
