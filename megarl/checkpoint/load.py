@@ -32,6 +32,7 @@ from megarl.models.hf_mapping import (
 from megarl.models.value_head import attach_value_head
 from megarl.parallel import Layout, build_groups
 from megarl.runtime import cpu_mode
+from megarl.runtime.distributed import share_gloo_device
 
 DEFAULT_HF_CONFIG = "configs/models/tiny-llama.json"  # model.hf_config when neither it nor model.path is set
 LOADABLE_HF_DTYPES = ("F32", "BF16", "F16")  # copied into model.params_dtype (e.g. bf16 -> fp32 exactly)
@@ -254,6 +255,7 @@ def _world_of_one():
     """A one-process gloo world with its Megatron groups, for building a model on the meta device
     in a process that is not part of any training world (the driver, before Ray starts)."""
     cpu_mode.enable()
+    share_gloo_device()
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     groups = build_groups(Layout())
     try:

@@ -69,6 +69,7 @@ def init_distributed(timeout_s: float = 600) -> int:
         backend = "nccl"
     else:
         cpu_mode.enable()
+        share_gloo_device()
         backend = "gloo"
     if torch.distributed.is_initialized():
         return torch.distributed.get_rank()
@@ -86,6 +87,47 @@ def init_distributed(timeout_s: float = 600) -> int:
 
 
 _settled = False
+
+
+def share_gloo_device() -> None:
+    """Give every gloo process group of this process one transport device, not one each.
+
+    torch builds a new gloo device for each group (``ProcessGroupGloo(store, rank, size,
+    timeout)``), and each device runs a thread that wakes every 10 ms (gloo's TCP loop polls its
+    ``epoll`` with that timeout). Megatron builds some 50 groups per rank: 8 ranks had 400 such
+    threads, 40,000 wake-ups a second, which took most of 2 cores in the kernel's context switches
+    (measured in ``tests/distributed/test_reshard.py``: more system than user time). gloo's
+    devices are made to be shared by many contexts; one per process (or one per interface of
+    ``GLOO_SOCKET_IFNAME``, as torch would make) carries every group's pairs. Groups that pass
+    their own options keep them. Idempotent; a forked child makes its own."""
+    c10d = torch.distributed.distributed_c10d
+    if not c10d.is_gloo_available() or getattr(c10d.ProcessGroupGloo, "_megarl_shared", False):
+        return
+    base = c10d.ProcessGroupGloo
+    devices: dict = {}
+
+    class ProcessGroupGloo(base):
+        _megarl_shared = True
+
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(seconds=1800)):
+            if isinstance(timeout, base._Options):  # a caller's own options
+                super().__init__(store, rank, size, timeout)
+                return
+            pid = os.getpid()
+            if pid not in devices:
+                devices.clear()
+                names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+                devices[pid] = ([base.create_device(interface=n) for n in names] if names
+                                else [base.create_default_device()])
+            options = base._Options()
+            options._devices = devices[pid]
+            options._timeout = timeout
+            options._threads = 2 * len(devices[pid])  # torch's own choice for these groups
+            super().__init__(store, rank, size, options)
+
+    ProcessGroupGloo.__module__ = base.__module__
+    ProcessGroupGloo.__qualname__ = base.__qualname__
+    c10d.ProcessGroupGloo = ProcessGroupGloo
 
 
 def settle_collector() -> None:

@@ -6,6 +6,8 @@ impossible layout is refused before any process group is created.
 layouts (loss finite and falling over a few steps), virtual pipeline stages included.
 ``groups`` also reports the collector after start-up (its import-time objects frozen) and at
 exit (everything frozen before Python's last collection).
+``groups`` and ``archs`` report how many gloo transport threads a rank runs beside its many groups
+(``groups`` runs with ``GLOO_SOCKET_IFNAME``, ``archs`` without).
 ``single``: a packed batch (thd, cu_seqlens) gives the same per-token loss as each sequence
 alone; the rotary frequencies (default and llama3-scaled) equal transformers'.
 """
@@ -54,6 +56,7 @@ def check_groups() -> None:
         ok = torch.tensor([float(seen == {k: coords[k] for k in seen} and all(members.values()))])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         emit({"check": "groups", "layout": str(layout), "ok": bool(ok.item())})
+        report_gloo_loops(f"groups {layout}")
         groups.destroy()
 
     before = distributed_c10d._world.group_count
@@ -65,6 +68,15 @@ def check_groups() -> None:
     emit({"check": "refuse", "message": refused,
           "no_groups": distributed_c10d._world.group_count == before
           and not parallel_state.model_parallel_is_initialized()})
+
+
+def report_gloo_loops(where: str) -> None:
+    """How many gloo TCP loop threads this rank runs, beside how many groups exist."""
+    from torch.distributed import distributed_c10d
+
+    names = [open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")]
+    emit({"check": "gloo_loops", "where": where, "loops": names.count("gloo_tcp_loop"),
+          "groups": len(distributed_c10d._world.pg_map), "ifname": os.environ.get("GLOO_SOCKET_IFNAME", "")})
 
 
 def _fixed(axis):
@@ -88,6 +100,7 @@ def check_archs(specs) -> None:
             batch = reverse_digits_batch(0, 8, 4, seed=3)  # the same batch: loss must fall
             losses.append(supervised.train_step(engine, supervised.dp_shard(batch, groups), MicroBatching(2))["loss"])
         emit({"check": "arch", "model": name, "layout": str(layout), "losses": losses})
+        report_gloo_loops(f"archs {name} {layout}")
         groups.destroy()
 
 

@@ -22,7 +22,14 @@ def results(output: str):
 
 @pytest.fixture(scope="module")
 def group_results():
-    return results(torchrun(4, WORKER, "groups"))
+    with pytest.MonkeyPatch.context() as env:  # torch's other way to pick gloo's devices
+        env.setenv("GLOO_SOCKET_IFNAME", "lo")
+        return results(torchrun(4, WORKER, "groups"))
+
+
+@pytest.fixture(scope="module")
+def arch_results():
+    return results(torchrun(2, WORKER, "archs", *ARCH_SPECS))
 
 
 def test_groups_match_layout_coordinates(group_results):
@@ -46,13 +53,22 @@ def test_the_collector_leaves_start_up_and_exit_alone(group_results):
     assert end["frozen"] >= start["frozen"] and end["tracked"] < 1_000, end
 
 
-def test_every_architecture_trains():
-    runs = results(torchrun(2, WORKER, "archs", *ARCH_SPECS))
+def test_every_architecture_trains(arch_results):
+    runs = [r for r in arch_results if r["check"] == "arch"]
     assert len(runs) == len(ARCH_SPECS)
     for run in runs:
         losses = run["losses"]
         assert all(0 < loss < 10 for loss in losses), run
         assert losses[-1] < losses[0] - 0.5, run  # same batch four times: the loss must fall
+
+
+def test_a_rank_runs_one_gloo_transport_thread_for_all_its_groups(group_results, arch_results):
+    """megarl.runtime.distributed.share_gloo_device: torch would give each of Megatron's groups a
+    gloo device of its own, each with a thread that wakes every 10 ms (400 threads for 8 ranks)."""
+    loops = [r for r in group_results + arch_results if r["check"] == "gloo_loops"]
+    assert len(loops) == 4 + len(ARCH_SPECS), loops
+    assert all(r["loops"] == 1 and r["groups"] >= 10 for r in loops), loops
+    assert {r["ifname"] for r in loops} == {"lo", ""}, loops
 
 
 @pytest.fixture(scope="module")
