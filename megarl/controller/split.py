@@ -109,7 +109,7 @@ def check_streaming(cfg) -> None:
                           "train: set trainer.placement=split and parallel.rollout.nproc")
     if not rollout_backend(r.engine).sample_streaming:
         raise ConfigError(f"trainer.loop=async: engine={r.engine.value} does not take requests into a rollout in "
-                          f"flight here yet; use parallel.rollout.engine=native")
+                          f"flight here yet; use parallel.rollout.engine=native or vllm")
     if cfg.rollout.env:
         raise ConfigError("trainer.loop=async streams single-turn samples; multi-turn episodes (rollout.env) run "
                           "with trainer.loop=sync or one_step_off")

@@ -403,9 +403,21 @@ class VLLMRollout(RolloutEngine):
         calls: the requests stay, with their KV cache), so that a sync can come in between."""
         if self.session:
             raise RuntimeError("a partial rollout is in flight; advance() it to the end first")
-        self._ready()
+        self.session = None
+        self.admit(prompts, sampling, 0)
+
+    def admit(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, first_index: int) -> None:
+        """Add ``prompts`` (``n`` samples each) to the rollout in flight, or start one (sample-level
+        streaming, ``trainer.loop=async``): this replica's rows go into the engine beside the
+        requests it holds, and decode from the next :meth:`advance` on; their responses'
+        ``prompt_index`` counts from ``first_index``. Each request's prefix-cache key is salted with
+        the policy version (vLLM's ``cache_salt``): a request admitted after a sync never reuses
+        blocks that requests still in flight computed under older weights."""
+        if self.session is None:
+            self._ready()
+            self.session, self.session_prompts, self.session_began = {}, 0, time.perf_counter()
+        self.session_prompts += len(prompts)
         mine, _ = dp_rows(len(prompts), sampling.n, self.groups.layout.dp, self.groups.pg.dp.rank())
-        self.session, self.session_prompts, self.session_began = {}, len(prompts), time.perf_counter()
         self.begun += 1
         if self.llm is not None and mine:
             from vllm import SamplingParams as VLLMSampling
@@ -413,12 +425,13 @@ class VLLMRollout(RolloutEngine):
             from vllm.sampling_params import RequestOutputKind
 
             engine = self.llm.llm_engine
+            salt = f"megarl-v{self.policy_version}"
             for (p, s), kw in zip(mine, request_params(mine, sampling)):
                 name = f"megarl-{os.getpid()}-{self.begun}-{p}-{s}"
                 params = VLLMSampling(**kw, output_kind=RequestOutputKind.DELTA)
-                rid = self._call(engine.add_request, name, TokensPrompt(prompt_token_ids=list(prompts[p])), params,
-                                 lora_request=self.lora_request)
-                self.session[name] = self.session[rid] = _Partial(p, s)
+                prompt = TokensPrompt(prompt_token_ids=list(prompts[p]), cache_salt=salt)
+                rid = self._call(engine.add_request, name, prompt, params, lora_request=self.lora_request)
+                self.session[name] = self.session[rid] = _Partial(first_index + p, s)
 
     def _pull(self) -> List[Response]:
         """One engine step's new tokens (it waits for them), stamped with the weights' version; the

@@ -51,6 +51,21 @@ def test_partial_rollout_interrupted_by_a_sync(results, backend):
 
 
 @pytest.mark.parametrize("backend", CASES)
+def test_requests_admitted_into_a_rollout_in_flight(results, backend):
+    """Sample-level streaming (trainer.loop=async): prompts admitted after a sync, beside requests
+    held since before it (KV cache kept), one of them a prompt in flight again (on the tied model
+    longer than vLLM's 128-token CPU block, so its first block is cached under the old weights):
+    numbered on from the first prompts, every token of the new version, each log-prob the
+    trainer's under the new weights (fp32). vLLM salts each request's prefix cache with the
+    version; without it, this check failed on the tied model (measured)."""
+    r = results[backend]
+    first = r["admitted_first"]
+    assert r["admitted_order"] == [[first + p, s] for p in range(2) for s in range(2)], r
+    assert r["admitted_total"] == 2 * (first + 2) and r["admitted_versions"] == [8], r
+    assert r["admitted_logp_diff"] <= TOL, r
+
+
+@pytest.mark.parametrize("backend", CASES)
 def test_contract(results, backend):
     r = results[backend]
     assert r["order"] == [[p, s] for p in range(3) for s in range(3)] and r["versions"] == [0]

@@ -93,6 +93,38 @@ def _restore(params, saved) -> None:
             p.copy_(s)
 
 
+def admitted(rollout, engine, params, tied: bool) -> dict:
+    """Sample-level streaming (``admit``, trainer.loop=async): a rollout begun under version 7 and
+    advanced SPLIT tokens, a sync of moved weights (8) with its requests held (KV cache kept),
+    then prompts admitted beside them, numbered on from the first; one of them is a prompt in
+    flight again. On the tied model that prompt is longer than vLLM's CPU block (128 tokens): its
+    first block is in the prefix cache, computed under version 7, and an admitted request must not
+    reuse it. Every admitted token carries version 8 and the trainer's log-prob under it."""
+    long = [1] + [5 + (7 * i) % 400 for i in range(140)]
+    first, second = ([long, PROMPTS[0]], [long, PROMPTS[1]]) if tied else (PROMPTS, [PROMPTS[0], PROMPTS[2]])
+    sampling = SamplingParams(temperature=1.0, n=2, max_new_tokens=PARTIAL_NEW, seed=19)
+    rollout.update_weights(7)
+    rollout.begin(first, sampling)
+    done = rollout.advance(SPLIT)
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(5)
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=gen) * (0.02 if tied else 0.05))
+    rollout.update_weights(8)
+    rollout.admit(second, SamplingParams(temperature=1.0, n=2, max_new_tokens=PARTIAL_NEW, seed=23), len(first))
+    done += rollout.advance()
+    late = sorted((x for x in done if x.prompt_index >= len(first)), key=lambda x: (x.prompt_index, x.sample_index))
+    new = trainer_log_probs(engine, late, 1.0, first + second, PARTIAL_NEW)
+    _restore(params, saved)
+    rollout.update_weights(9)  # the weights as they were: the rollout's too
+    return {"admitted_order": [[x.prompt_index, x.sample_index] for x in late],
+            "admitted_versions": sorted({v for x in late for v in x.token_versions}),
+            "admitted_logp_diff": max((new[i, : x.length] - torch.tensor(x.log_probs)).abs().max().item()
+                                      for i, x in enumerate(late)),
+            "admitted_total": len(done), "admitted_first": len(first)}
+
+
 def partial_rollout(rollout, engine, params, tied: bool) -> dict:
     """Partial rollouts (begin/advance; vLLM: its scheduler paused between calls, mode "keep"): a
     sync of moved weights after SPLIT tokens. Each token carries the version that sampled it, and
@@ -231,6 +263,7 @@ def contract(spec: str) -> dict:
     r["trainer_back"] = not offloaded()
     rollout.generate = original
     r |= partial_rollout(rollout, engine, params, bool(model_dir))
+    r |= admitted(rollout, engine, params, bool(model_dir))
     if hasattr(rollout, "shutdown"):
         rollout.shutdown()
     groups.destroy()

@@ -545,8 +545,10 @@ JUDGE_AT_CONFIGS = ("reward_model.path=configs", "reward_model.hf_config=configs
      "engine=vllm with partial_rollout=true and data.val_files"),
     # sample-level streaming
     (["trainer.loop=async"], ConfigError, "trainer.loop=async streams samples from the rollout's own ranks"),
-    ([*SPLIT, "trainer.loop=async", "parallel.rollout.engine=vllm"], ConfigError,
-     "engine=vllm does not take requests into a rollout in flight"),
+    ([*SPLIT, "trainer.loop=async", "parallel.rollout.engine=sglang", "parallel.rollout.dtype=float32"], ConfigError,
+     "engine=sglang does not take requests into a rollout in flight"),
+    ([*SPLIT, "trainer.loop=async", "parallel.rollout.engine=vllm", "data.val_files=[tests/e2e/data/prompts.jsonl]"],
+     ConfigError, "engine=vllm with trainer.loop=async and data.val_files"),
     ([*SPLIT, "trainer.loop=async", "algorithm.name=remax"], ConfigError, "its greedy baseline is drawn per batch"),
     ([*SPLIT, "trainer.loop=async", "parallel.rollout.max_inflight=4"], ConfigError,
      "parallel.rollout.max_inflight=4 cannot hold one group of algorithm.samples_per_prompt=8"),

@@ -10,7 +10,7 @@ import importlib.util
 import importlib
 from typing import Dict, List
 
-from megarl.config.schema import Engine, Placement
+from megarl.config.schema import Engine, Loop, Placement
 from megarl.rollout.backends import RolloutBackend, transfer_plan
 
 
@@ -36,6 +36,7 @@ class VLLMBackend(RolloutBackend):
     name = Engine.vllm
     serves_lora = True
     partial_rollout = True  # VLLMRollout.begin/advance; a sync pauses the scheduler (mode "keep")
+    sample_streaming = True  # VLLMRollout.admit: requests join the ones the engine holds
 
     def check(self, cfg) -> None:
         from megarl.config import ConfigError
@@ -45,10 +46,12 @@ class VLLMBackend(RolloutBackend):
             raise ConfigError(f"parallel.rollout.engine=vllm takes parallel.rollout.pp=1 and ep=1 (got pp={r.pp}, "
                               f"ep={r.ep}): each engine shards whole tensors over its own tensor parallelism "
                               f"(parallel.rollout.tp)")
-        if r.partial_rollout and cfg.data.val_files:
-            raise ConfigError("parallel.rollout.engine=vllm with partial_rollout=true and data.val_files: the engine "
-                              "holds the partial rollout's requests between chunks and cannot generate validation "
-                              "beside them; validate with the native engine or without partial rollouts")
+        streams = cfg.trainer.loop == Loop.async_
+        if (r.partial_rollout or streams) and cfg.data.val_files:
+            what = "trainer.loop=async" if streams else "partial_rollout=true"
+            raise ConfigError(f"parallel.rollout.engine=vllm with {what} and data.val_files: the engine holds the "
+                              f"rollout's requests between chunks and cannot generate validation beside them; "
+                              f"validate with the native engine, or with another loop and without partial rollouts")
         if a.top_p < 1 or a.top_k > 0:
             raise ConfigError(f"parallel.rollout.engine=vllm with algorithm.top_p={a.top_p}, top_k={a.top_k}: vLLM "
                               f"reports the log-probs of the truncated distribution, not the full vocabulary's "
