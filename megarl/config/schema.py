@@ -712,7 +712,7 @@ class TrainerConfig:
     loop: Loop = Loop.sync
     """``sync`` (on-policy), ``one_step_off`` (the rollout of step k+1 is drawn from the weights before
     update k; with split placement it is generated and scored while step k trains) or ``async`` (split
-    placement, native engine: sample-level streaming; the rollout keeps parallel.rollout.max_inflight requests
+    placement, native or vLLM engine: sample-level streaming; the rollout keeps parallel.rollout.max_inflight requests
     in flight, finished groups are scored into a queue and the trainer takes data.prompts_per_step of them as
     soon as they exist; see staleness_policy)."""
     staleness_policy: StalenessPolicy = StalenessPolicy.wait
