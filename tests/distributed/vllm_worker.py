@@ -76,15 +76,22 @@ def _interrupted(rollout, params, sampling, scale):
     rollout.update_weights(4)
     rollout.begin(PROMPTS, sampling)
     done = rollout.advance(SPLIT)
-    saved = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(3)
-        for p in params:
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    saved = _moved(params, 3, scale)
     rollout.update_weights(5)
     in_flight = rollout.in_flight()
     done += rollout.advance()
     return sorted(done, key=lambda x: (x.prompt_index, x.sample_index)), in_flight, saved
+
+
+def _moved(params, seed: int, scale: float) -> list:
+    """Move every parameter by seeded noise of ``scale`` (the same on every rank: replicated
+    tensors stay equal); returns the weights as they were."""
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return saved
 
 
 def _restore(params, saved) -> None:
@@ -106,11 +113,7 @@ def admitted(rollout, engine, params, tied: bool) -> dict:
     rollout.update_weights(7)
     rollout.begin(first, sampling)
     done = rollout.advance(SPLIT)
-    saved = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(5)
-        for p in params:
-            p.add_(torch.randn(p.shape, generator=gen) * (0.02 if tied else 0.05))
+    saved = _moved(params, 5, 0.02 if tied else 0.05)
     rollout.update_weights(8)
     rollout.admit(second, SamplingParams(temperature=1.0, n=2, max_new_tokens=PARTIAL_NEW, seed=23), len(first))
     done += rollout.advance()
