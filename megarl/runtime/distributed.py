@@ -89,6 +89,10 @@ def init_distributed(timeout_s: float = 600) -> int:
 _settled = False
 
 
+def _gloo_lazy_init() -> bool:
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
 def share_gloo_device() -> None:
     """Give every gloo process group of this process one transport device, not one each.
 
@@ -99,7 +103,9 @@ def share_gloo_device() -> None:
     (measured in ``tests/distributed/test_reshard.py``: more system than user time). gloo's
     devices are made to be shared by many contexts; one per process (or one per interface of
     ``GLOO_SOCKET_IFNAME``, as torch would make) carries every group's pairs. Groups that pass
-    their own options keep them. Idempotent; a forked child makes its own."""
+    their own options keep them, and so does every group under ``TORCH_GLOO_LAZY_INIT`` (lazily
+    connected pairs on a shared device hung past the collective timeout: measured, torch 2.13).
+    Idempotent; a forked child makes its own."""
     c10d = torch.distributed.distributed_c10d
     if not c10d.is_gloo_available() or getattr(c10d.ProcessGroupGloo, "_megarl_shared", False):
         return
@@ -110,7 +116,7 @@ def share_gloo_device() -> None:
         _megarl_shared = True
 
         def __init__(self, store, rank, size, timeout=datetime.timedelta(seconds=1800)):
-            if isinstance(timeout, base._Options):  # a caller's own options
+            if isinstance(timeout, base._Options) or _gloo_lazy_init():  # torch's own devices
                 super().__init__(store, rank, size, timeout)
                 return
             pid = os.getpid()

@@ -6,8 +6,8 @@ impossible layout is refused before any process group is created.
 layouts (loss finite and falling over a few steps), virtual pipeline stages included.
 ``groups`` also reports the collector after start-up (its import-time objects frozen) and at
 exit (everything frozen before Python's last collection).
-``groups`` and ``archs`` report how many gloo transport threads a rank runs beside its many groups
-(``groups`` runs with ``GLOO_SOCKET_IFNAME``, ``archs`` without).
+``groups``, ``archs`` and ``single`` report how many gloo transport threads a rank runs beside its
+groups (``groups`` runs with ``TORCH_GLOO_LAZY_INIT``, ``archs`` with ``GLOO_SOCKET_IFNAME``).
 ``single``: a packed batch (thd, cu_seqlens) gives the same per-token loss as each sequence
 alone; the rotary frequencies (default and llama3-scaled) equal transformers'.
 """
@@ -76,7 +76,8 @@ def report_gloo_loops(where: str) -> None:
 
     names = [open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")]
     emit({"check": "gloo_loops", "where": where, "loops": names.count("gloo_tcp_loop"),
-          "groups": len(distributed_c10d._world.pg_map), "ifname": os.environ.get("GLOO_SOCKET_IFNAME", "")})
+          "groups": len(distributed_c10d._world.pg_map), "ifname": os.environ.get("GLOO_SOCKET_IFNAME", ""),
+          "lazy": os.environ.get("TORCH_GLOO_LAZY_INIT", "")})
 
 
 def _fixed(axis):
@@ -110,6 +111,7 @@ def check_packed() -> None:
     from megarl.models import build_model
 
     groups = build_groups(Layout())
+    report_gloo_loops("single")
     for name in ("tiny-qwen3", "tiny-deepseek-v3"):
         set_seed(11, groups)
         model = build_model(ModelConfig(hf_config=f"configs/models/{name}.json"), groups)[0].eval()

@@ -40,11 +40,12 @@ PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "torch.optim", 
            "megarl.engines.megatron_engine", "megarl.engines.supervised", "megarl.models",
            "megarl.checkpoint.dist_ckpt", "megatron.core.dist_checkpointing", "megarl.controller.rl_worker")
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "LD_", "KMP_", "GOMP_", "TORCH_")
+READ_LATER = ("TORCH_GLOO_LAZY_INIT",)  # of those prefixes, read when a process group is built
 MAX_REQUEST = 1 << 20
 
 
 def import_time_env(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in READ_LATER}
 
 
 def forkable(env: dict, server_env: dict) -> bool:
