@@ -30,9 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def megarl(*args: str, cwd: Path, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
-    environ = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
-    return subprocess.run([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd, env=environ,
+    extra = joined(args)
+    return subprocess.run([sys.executable, "-m", "megarl.cli", *args, *extra], cwd=cwd, env=driver_env(extra, env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def driver_env(joined_args, env: dict) -> dict:
+    """A ``megarl`` command's environment (after :func:`joined`, which may start the shared cluster
+    and with it set the suite's ``RAY_RUNTIME_ENV_HOOK``: :mod:`megarl.testing.ray_fork`)."""
+    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
 
 
 class Started:
@@ -44,12 +50,13 @@ class Started:
     ``out`` (default ``cwd``)."""
 
     def __init__(self, *args: str, cwd: Path, out: Optional[Path] = None, **env: str):
-        environ = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
+        extra = joined(args)
+        environ = driver_env(extra, env)
         self.args, self.cwd = args, Path(cwd)
         Path(out or cwd).mkdir(parents=True, exist_ok=True)
         self.out, self.err = Path(out or cwd) / "megarl.stdout", Path(out or cwd) / "megarl.stderr"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", *args, *joined(args)], cwd=cwd,
+            self.proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", *args, *extra], cwd=cwd,
                                          env=environ, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
 

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from megarl.runtime.processes import descendants, identity, kill_tagged, tagged_pids
+from megarl.testing import ray_fork
+from tests.distributed.launch import ForkServer
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -57,8 +59,8 @@ class Cluster:
     its own when ``token`` (no dependence on ``~/.ray``), off otherwise."""
 
     def __init__(self, cwd, cpus: Sequence[int], token: bool = True, system_config: Optional[dict] = None,
-                 env: Optional[dict] = None):
-        self.tag, self.port = uuid.uuid4().hex, free_port()
+                 env: Optional[dict] = None, tag: Optional[str] = None):
+        self.tag, self.port = tag or uuid.uuid4().hex, free_port()
         self.address = f"127.0.0.1:{self.port}"
         auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)} if token else \
             {"RAY_AUTH_MODE": "disabled"}
@@ -104,17 +106,33 @@ class Cluster:
 
 
 _shared: Optional[Cluster] = None
+_fork_server = None
+# What megarl's worker groups set for every worker (megarl.controller.group): the fork server
+# starts with it, so that their import-time environment is its own
+WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def shared() -> Cluster:
     """The shared single-node cluster, started on first use. Its workers get the tests' import
     path and no token (loopback only); what a run's driver sets for its workers travels in the
     run's runtime_env, as on any cluster."""
-    global _shared
+    global _shared, _fork_server
     if _shared is None:
-        _shared = Cluster(ROOT, [SHARED_CPUS], token=False, system_config=NO_PRESTART,
-                          env={"PYTHONPATH": str(ROOT), "MLFLOW_DISABLE_TELEMETRY": "true"})
+        env, tag = {"PYTHONPATH": str(ROOT), "MLFLOW_DISABLE_TELEMETRY": "true"}, uuid.uuid4().hex
+        if os.environ.get("MEGARL_TEST_FORK", "1") != "0":
+            # tagged as the cluster's processes are: its stop kills the server and the workers forked
+            _fork_server = ForkServer({**os.environ, **env, CLUSTER_TAG: tag, "PYTHONWARNINGS": "ignore",
+                                       "RAY_AUTH_MODE": "disabled", **WORKER_ENV}, preload=ray_fork.PRELOAD)
+            env[ray_fork.SOCKET_ENV] = _fork_server.path
+        _shared = Cluster(ROOT, [SHARED_CPUS], token=False, system_config=NO_PRESTART, env=env, tag=tag)
+        if _fork_server is not None:  # the drivers of this process and of its children
+            os.environ.update({"RAY_RUNTIME_ENV_HOOK": ray_fork.HOOK, ray_fork.SHARED_ADDRESS_ENV: _shared.address})
     return _shared
+
+
+def fork_server_pid() -> Optional[int]:
+    """The PID of the server that forks the shared cluster's workers, None without one."""
+    return _fork_server.proc.pid if _fork_server is not None else None
 
 
 def overrides() -> List[str]:
@@ -123,10 +141,15 @@ def overrides() -> List[str]:
 
 
 def stop_shared() -> None:
-    global _shared
+    global _shared, _fork_server
     if _shared is not None:
         _shared.stop()
         _shared = None
+    if _fork_server is not None:
+        _fork_server.close()
+        _fork_server = None
+        for key in ("RAY_RUNTIME_ENV_HOOK", ray_fork.SHARED_ADDRESS_ENV):
+            os.environ.pop(key, None)
 
 
 def joined(cli_args: Sequence[str]) -> List[str]:

@@ -45,10 +45,11 @@ ZYGOTE_START_S = 120.0  # the server's imports, on a loaded host
 ANSWER_S = 60.0  # the server's answer to a request (a pid), and a killed rank's exit status
 
 
-class _Zygote:
-    """The fork server of this test process, started at its first use."""
+class ForkServer:
+    """A fork server (``tests/distributed/zygote.py``) started with ``env``, importing ``preload``
+    beside its own list; :attr:`path` is its socket."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, preload=()):
         self.env = env
         self.dir = tempfile.mkdtemp(prefix="zygote")
         if len(self.dir) > 90:  # a Unix socket's path has at most 107 bytes
@@ -56,7 +57,8 @@ class _Zygote:
             self.dir = tempfile.mkdtemp(prefix="zygote", dir="/tmp")
         self.path = os.path.join(self.dir, "socket")
         self.log = open(os.path.join(self.dir, "server.err"), "w")
-        self.proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests/distributed/zygote.py"), self.path],
+        self.proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests/distributed/zygote.py"), self.path,
+                                      *preload],
                                      cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log)
         ready = threading.Timer(ZYGOTE_START_S, self.proc.kill)
@@ -86,7 +88,7 @@ class _Forked:
     """A rank forked by the server, with the part of ``subprocess.Popen`` that :func:`torchrun`
     uses (``poll``, ``kill``, ``wait``, ``returncode``)."""
 
-    def __init__(self, server: _Zygote, argv, env: dict, cwd: Path, stdout, stderr, fds=()):
+    def __init__(self, server: ForkServer, argv, env: dict, cwd: Path, stdout, stderr, fds=()):
         request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": stdout.name, "stderr": stderr.name,
                    "fd_env": STORE_FD_ENV}
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -153,7 +155,7 @@ def _server(env: dict):
         if _ZYGOTE is None or not _ZYGOTE.alive() or not zygote.forkable(env, _ZYGOTE.env):
             if _ZYGOTE is not None:
                 _ZYGOTE.close()
-            _ZYGOTE = _Zygote({k: v for k, v in env.items() if k not in RANK_KEYS})
+            _ZYGOTE = ForkServer({k: v for k, v in env.items() if k not in RANK_KEYS})
         return _ZYGOTE
 
 

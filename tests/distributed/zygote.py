@@ -42,6 +42,7 @@ PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "torch.optim", 
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "LD_", "KMP_", "GOMP_", "TORCH_")
 READ_LATER = ("TORCH_GLOO_LAZY_INIT",)  # of those prefixes, read when a process group is built
 MAX_REQUEST = 1 << 20
+MAX_FDS = 3
 
 
 def import_time_env(env: dict) -> dict:
@@ -54,7 +55,7 @@ def forkable(env: dict, server_env: dict) -> bool:
 
 
 def _receive(conn: socket.socket):
-    data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 1)
+    data, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, MAX_FDS)
     while not data.endswith(b"\n"):
         more = conn.recv(MAX_REQUEST)
         if not more:
@@ -76,6 +77,11 @@ def serve(path: str):
     ranks = {}  # pid -> the connection to answer
     while True:
         for key, _ in sel.select(timeout=0.05):
+            if isinstance(key.data, int):  # a bound child's requester: any byte or its end ends the child
+                sel.unregister(key.fileobj)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(key.data, signal.SIGKILL)
+                continue
             if key.data == "parent":
                 if not os.read(sys.stdin.fileno(), 4096):
                     for pid in ranks:
@@ -89,6 +95,15 @@ def serve(path: str):
                 conn.close()
                 sys.stderr.write(f"zygote: a bad request: {error}\n")
                 continue
+            if request.get("check_env") and not forkable(request["env"], dict(os.environ)):
+                differ = sorted(set(import_time_env(request["env"]).items()) ^ set(import_time_env(os.environ).items()))
+                keys = sorted({k for k, _ in differ})
+                sys.stderr.write(f"zygote: not forked, another import-time environment: {keys}\n")
+                conn.sendall(json.dumps({"refused": keys}).encode() + b"\n")
+                for fd in fds:
+                    os.close(fd)
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 sel.close()
@@ -100,12 +115,16 @@ def serve(path: str):
                 os.close(fd)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             ranks[pid] = conn
+            if request.get("bound"):  # the child lives as long as the connection of its requester
+                sel.register(conn, selectors.EVENT_READ, pid)
         while ranks:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = ranks.pop(pid, None)
             if conn is not None:
+                with contextlib.suppress(KeyError):
+                    sel.unregister(conn)
                 with contextlib.suppress(OSError):  # the launcher stopped waiting (its test ended)
                     conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
                 conn.close()
@@ -115,18 +134,26 @@ def become(request: dict, fds) -> None:
     """In the forked child: take the request's environment, directory and streams, as a new
     interpreter started for it would have them."""
     env = dict(request["env"])
-    if fds:
-        env[request["fd_env"]] = str(fds[0])
+    os.chdir(request["cwd"])
+    if request.get("own_group"):  # as the raylet starts a worker: a process group of its own
+        os.setpgid(0, 0)
+    if request.get("stdio_fds"):  # the requester's own standard streams
+        for fd, received in enumerate(fds):
+            os.dup2(received, fd)
+            os.close(received)
+    else:
+        env_fd = request.get("fd_env")
+        if fds:
+            env[env_fd] = str(fds[0])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(request["cwd"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(out, fd)
-        os.close(out)
     sys.stdin = open(0, closefd=False)
     script = request["argv"][0]
     sys.argv = list(request["argv"])
@@ -136,7 +163,7 @@ def become(request: dict, fds) -> None:
 def main() -> None:
     import importlib
 
-    for name in PRELOAD:
+    for name in (*PRELOAD, *sys.argv[2:]):
         importlib.import_module(name)
     gc.collect()
     gc.freeze()  # the imports' objects: out of every rank's collections, and its pages not written by them
