@@ -37,6 +37,8 @@ def test_a_shared_cluster_worker_is_forked_and_still_its_own_process():
     server = ray_cluster.fork_server_pid()
     if server is None:
         pytest.skip("MEGARL_TEST_FORK=0: every worker starts anew")
+    # ray.init installs a SIGTERM handler in its driver, which ray.shutdown leaves: the test process's back after
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     ray.init(address=cluster.address, _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
     try:
         @ray.remote(num_cpus=1)
@@ -68,6 +70,8 @@ def test_a_shared_cluster_worker_is_forked_and_still_its_own_process():
         assert _gone(a["pid"])
     finally:
         ray.shutdown()
+        for s, handler in handlers.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def _fake_init(address):
