@@ -31,13 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def megarl(*args: str, cwd: Path, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
     extra = joined(args)
-    return subprocess.run([sys.executable, "-m", "megarl.cli", *args, *extra], cwd=cwd, env=driver_env(extra, env),
+    return subprocess.run([sys.executable, "-m", "megarl.cli", *args, *extra], cwd=cwd, env=_environ(env),
                           capture_output=True, text=True, timeout=timeout)
 
 
-def driver_env(joined_args, env: dict) -> dict:
-    """A ``megarl`` command's environment (after :func:`joined`, which may start the shared cluster
-    and with it set the suite's ``RAY_RUNTIME_ENV_HOOK``: :mod:`megarl.testing.ray_fork`)."""
+def _environ(env: dict) -> dict:
+    """A ``megarl`` command's environment. Taken after :func:`joined`, which may start the shared
+    cluster and with it set the suite's ``RAY_RUNTIME_ENV_HOOK`` (:mod:`megarl.testing.ray_fork`)."""
     return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **env)
 
 
@@ -51,7 +51,7 @@ class Started:
 
     def __init__(self, *args: str, cwd: Path, out: Optional[Path] = None, **env: str):
         extra = joined(args)
-        environ = driver_env(extra, env)
+        environ = _environ(env)
         self.args, self.cwd = args, Path(cwd)
         Path(out or cwd).mkdir(parents=True, exist_ok=True)
         self.out, self.err = Path(out or cwd) / "megarl.stdout", Path(out or cwd) / "megarl.stderr"

@@ -9,7 +9,9 @@ Ray on the machine).
 (``tests/conftest.py``), instead of each run starting and stopping a private Ray (GCS, raylet,
 five Python daemons: 6-8 s of a run here). It only serves runs whose subject is not Ray's own
 lifecycle: the demo test and the fault suite keep private sessions, so the path users run on one
-machine, and a run's cleanup of its own processes, stay tested there.
+machine, and a run's cleanup of its own processes, stay tested there. Its workers are forked from
+a server that has imported torch, Megatron and megarl (:mod:`megarl.testing.ray_fork`;
+``MEGARL_TEST_FORK=0`` starts each anew, as Ray does).
 """
 
 from __future__ import annotations
