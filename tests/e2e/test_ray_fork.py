@@ -11,8 +11,6 @@ import signal
 import sys
 import time
 
-import pytest
-
 from megarl.testing import ray_fork
 from tests import ray_cluster
 
@@ -34,9 +32,7 @@ def test_a_shared_cluster_worker_is_forked_and_still_its_own_process():
     import ray
 
     cluster = ray_cluster.shared()
-    server = ray_cluster.fork_server_pid()
-    if server is None:
-        pytest.skip("MEGARL_TEST_FORK=0: every worker starts anew")
+    server = ray_cluster.fork_server_pid()  # None under MEGARL_TEST_FORK=0: every worker starts anew
     # ray.init installs a SIGTERM handler in its driver, which ray.shutdown leaves: the test process's back after
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     ray.init(address=cluster.address, _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
@@ -54,17 +50,20 @@ def test_a_shared_cluster_worker_is_forked_and_still_its_own_process():
         anew = Probe.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "2", "X": "anew"}}).remote()
         f, a = ray.get([forked.facts.remote(), anew.facts.remote()], timeout=180)
         print(f"forked worker {f}\nworker started anew {a}")
-        # forked: the server's child, with the server's imports done, in a process group of its own
-        assert f["ppid"] == server and f["preloaded"] and f["pgid"] == f["pid"] and f["x"] == "forked"
-        assert f["client"] not in (0, f["pid"]) and f["main"] == "default_worker.py"
-        assert "/logs/worker-" in f["stdout"] and f["stdout"].endswith(".out") and f["stderr"].endswith(".err")
+        # both: Ray's entry point as __main__, Ray's log files as streams, in a process group of its own
+        for w, x in ((f, "forked"), (a, "anew")):
+            assert w["main"] == "default_worker.py" and w["x"] == x and w["pgid"] == w["pid"], w
+            assert "/logs/worker-" in w["stdout"] and w["stdout"].endswith(".out") and w["stderr"].endswith(".err")
         assert f["cwd"] == a["cwd"]
         # OMP_NUM_THREADS=2 is read when torch loads: not the server's, so Ray's own start
-        assert a["ppid"] != server and not a["preloaded"] and a["x"] == "anew" and a["client"] == 0
-        assert a["main"] == "default_worker.py" and "/logs/worker-" in a["stdout"]
-        # the process the raylet started dies (SIGKILL: nothing of it runs): the worker goes too
-        os.kill(f["client"], signal.SIGKILL)
-        assert _gone(f["pid"]), "the forked worker outlived the process the raylet started"
+        assert a["ppid"] != server and not a["preloaded"] and a["client"] == 0
+        if server is None:  # no server: the first is started anew as well
+            assert not f["preloaded"] and f["client"] == 0
+        else:  # forked: the server's child, with the server's imports done
+            assert f["ppid"] == server and f["preloaded"] and f["client"] not in (0, f["pid"])
+            # the process the raylet started dies (SIGKILL: nothing of it runs): the worker goes too
+            os.kill(f["client"], signal.SIGKILL)
+            assert _gone(f["pid"]), "the forked worker outlived the process the raylet started"
         # ray.kill ends the worker started anew, as always
         ray.kill(anew)
         assert _gone(a["pid"])
